@@ -1,0 +1,76 @@
+"""`rlloom train | sft`: the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlloom.config import ConfigError, RunConfig, dump_config, load_config
+from rlloom.data.prompts import DataError
+from rlloom.models.hf_io import CheckpointError
+from rlloom.models.config import UnsupportedArchitectureError
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML run configuration (default: built-in)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.kl_coef=0.01")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration and exit")
+
+
+def _split(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """A first positional containing '=' is an override, not a config file."""
+    if args.config and "=" in args.config:
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
+def _resolve(args: argparse.Namespace, resume: Path | None = None) -> RunConfig:
+    path, overrides = _split(args)
+    if resume is not None:
+        if path:
+            raise ConfigError("--resume reads the run's own config.yaml; pass only overrides")
+        path = str(resume / "config.yaml")
+    return load_config(path, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from rlloom.runtime.trainer import train
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None and not (resume / "config.yaml").is_file():
+        raise ConfigError(f"--resume {resume}: no config.yaml there; is it a run directory?")
+    cfg = _resolve(args, resume)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return
+    train(cfg, resume)
+
+
+def cmd_sft(args: argparse.Namespace) -> None:
+    from rlloom.runtime.default_model import warm_start
+    cfg = _resolve(args)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return
+    print(f"saved {warm_start(cfg, Path(args.out))}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlloom", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="RL-train a policy (default: GRPO on the arith task)")
+    _config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("sft", help="supervised warm start on worked solutions")
+    _config_args(p)
+    p.add_argument("--out", required=True, help="directory for the Hugging Face checkpoint")
+    p.set_defaults(fn=cmd_sft)
+    args = parser.parse_args(argv)
+    try:
+        args.fn(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

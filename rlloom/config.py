@@ -1,0 +1,214 @@
+"""The typed run configuration: YAML file + dotted command-line overrides, one source of defaults.
+
+Every field has a one-line description; unknown keys and wrong types are `ConfigError`s that
+name the key and suggest the closest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from rlloom.plan import Plan, Strict
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class ModelSection(Strict):
+    path: str | None = Field(None, description="Hugging Face checkpoint dir; null = built-in "
+                                               "tiny model, warm-started by SFT and cached")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
+    hidden_size: int = Field(128, description="built-in model: hidden size")
+    layers: int = Field(4, description="built-in model: decoder layers")
+    heads: int = Field(4, description="built-in model: attention heads")
+    kv_heads: int = Field(2, description="built-in model: key/value heads (GQA)")
+    family: Literal["llama", "qwen2", "qwen3"] = Field("qwen3", description="built-in model: "
+                                                       "architecture family")
+
+
+class DataSection(Strict):
+    task: Literal["arith", "countdown"] = Field("arith", description="built-in task; also "
+                                                "selects the reward for prompt files")
+    difficulty: int = Field(3, ge=1, description="task difficulty (arith: operations, "
+                                                 "countdown: numbers)")
+    prompt_file: str | None = Field(None, description="jsonl of prompts; null = generate the "
+                                                      "built-in task")
+    train_size: int = Field(20000, ge=1, description="generated training problems")
+    eval_size: int = Field(200, ge=1, description="held-out problems for greedy evaluation")
+    eval_fraction: float = Field(0.05, gt=0, lt=1, description="share of a prompt file held "
+                                                               "out for evaluation")
+    max_prompt_tokens: int = Field(64, ge=1, description="longest allowed prompt, in tokens")
+
+
+class RolloutSection(Strict):
+    n_samples: int = Field(8, ge=1, description="samples per prompt (K, the group size)")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    max_new_tokens: int = Field(48, ge=1, description="response length limit")
+
+
+class AlgoSection(Strict):
+    name: Literal["grpo"] = Field("grpo", description="algorithm preset")
+    advantage: str = Field("grpo", description="advantage estimator (registry name)")
+    policy_loss: str = Field("ppo", description="policy loss (registry name)")
+    loss_agg: str = Field("token-mean", description="how token losses become one number")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1")
+    kl_coef: float = Field(0.001, ge=0, description="weight of the KL penalty to the reference")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator in the loss")
+    epochs: int = Field(2, ge=1, description="optimisation passes over each step's rollouts")
+    minibatches: int = Field(2, ge=1, description="optimizer steps per epoch")
+    format_reward: float = Field(0.0, ge=0, description="extra reward for a well-formed answer")
+
+
+class TrainSection(Strict):
+    steps: int = Field(100, ge=1, description="RL steps (each: generate, assess, train)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per step (B)")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
+
+
+class EvalSection(Strict):
+    every: int = Field(25, ge=1, description="evaluate every N steps (and before step 1)")
+    max_new_tokens: int = Field(48, ge=1, description="greedy response length limit")
+
+
+class CheckpointSection(Strict):
+    every: int = Field(25, ge=1, description="save a resumable checkpoint every N steps")
+    keep: int = Field(1, ge=1, description="how many recent checkpoints to keep")
+
+
+class SFTSection(Strict):
+    steps: int = Field(300, ge=1, description="supervised warm-start steps")
+    batch_size: int = Field(64, ge=1, description="sequences per SFT step")
+    lr: float = Field(2e-3, gt=0, description="SFT AdamW learning rate")
+
+
+class RunConfig(Strict):
+    seed: int = Field(0, description="seed of data, initialisation and sampling")
+    run_dir: str | None = Field(None, description="output directory; null = runs/<time>")
+    model: ModelSection = Field(default_factory=ModelSection, description="policy model")
+    data: DataSection = Field(default_factory=DataSection, description="prompts and task")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="generation")
+    algo: AlgoSection = Field(default_factory=AlgoSection, description="RL algorithm")
+    train: TrainSection = Field(default_factory=TrainSection, description="optimisation")
+    eval: EvalSection = Field(default_factory=EvalSection, description="held-out evaluation")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection,
+                                          description="checkpointing")
+    sft: SFTSection = Field(default_factory=SFTSection, description="supervised warm start")
+    plan: Plan = Field(default_factory=Plan, description="placement, layouts and schedule")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if self.algo.advantage == "grpo" and self.rollout.n_samples < 2:
+            raise ValueError(f"rollout.n_samples={self.rollout.n_samples}: group-normalised "
+                             "advantages need at least 2 samples per prompt; set "
+                             "rollout.n_samples>=2")
+        if self.algo.advantage == "grpo" and self.rollout.temperature == 0:
+            raise ValueError("rollout.temperature=0 makes every sample of a group identical, so "
+                             "GRPO advantages are all zero; set rollout.temperature>0")
+        batch = self.train.prompts_per_step * self.rollout.n_samples
+        if batch % self.algo.minibatches:
+            raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the "
+                             f"{batch} rollouts per step (train.prompts_per_step x "
+                             "rollout.n_samples)")
+        return self
+
+
+def _closest(key: str, options: list[str]) -> str:
+    prefix, _, name = key.rpartition(".")
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if match:
+        return f"; did you mean {'.'.join(filter(None, [prefix, match[0]]))!r}?"
+    return f"; valid keys here: {', '.join(options)}"
+
+
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic class that holds the key at `loc` (None when it is inside a dict)."""
+    cls: type[BaseModel] = RunConfig
+    parts = list(loc[:-1])
+    while parts:
+        field = cls.model_fields.get(str(parts.pop(0)))
+        ann = field.annotation if field else None
+        if get_origin(ann) is dict:  # e.g. plan.layouts.<role>: skip the dict key
+            ann = get_args(ann)[1]
+            parts = parts[1:]
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            section = _section_at(e["loc"])
+            hint = _closest(key, list(section.model_fields)) if section else ""
+            lines.append(f"unknown key {key!r}{hint}")
+        elif key:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+        else:
+            lines.append(e["msg"].removeprefix("Value error, "))
+    return ConfigError(f"invalid configuration from {source}:\n  " + "\n  ".join(lines))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got "
+                          f"{type(data).__name__}")
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in nested dict `data`; the value is parsed as YAML (so 3, 0.1, true)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like key.sub=value")
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        node[parts[-1]] = raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Defaults, then the YAML file, then each `key=value` override."""
+    data = _read_yaml(Path(path)) if path else {}
+    for item in overrides:
+        apply_override(data, item)
+    source = " + ".join(([str(path)] if path else ["defaults"]) +
+                        ([f"overrides {list(overrides)}"] if overrides else []))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise _explain(e, source) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,116 @@
+"""Deterministic generators for built-in tasks whose answers can be checked exactly.
+
+Tasks:
+- ``arith``: a left-to-right chain of ``difficulty`` additions/subtractions of
+  integers in 0..99, e.g. prompt ``Q:17+25-8=``, solution
+  ``17+25=42,42-8=34.A:34``.
+- ``countdown``: reach a target in 1..200 using each of ``difficulty`` numbers
+  exactly once with + - * /, e.g. prompt ``C:3,7,25=28?``, solution ``A:25+3``.
+  Numbers are drawn from 1..20 for difficulty <= 3 and from 1..50 above, so
+  bigger pools also reach less trivial targets.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str  # the response starts right after it
+    answer: str  # canonical final answer string
+    solution: str  # one correct response, ending with the answer line, no EOS
+    meta: dict  # task-specific data used by the reward functions
+
+
+_DIFFICULTY = {"arith": (1, 6), "countdown": (2, 5)}
+_TARGET_RANGE = (1, 200)
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+# Floor division is exact here because "/" is only chosen when it divides evenly.
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
+_ATOM = 3
+
+
+def _check_difficulty(task: str, difficulty: int) -> None:
+    lo, hi = _DIFFICULTY[task]
+    if not lo <= difficulty <= hi:
+        raise ValueError(f"{task} difficulty must be in {lo}..{hi}, got {difficulty}")
+
+
+def _arith(rng: random.Random, difficulty: int) -> Problem:
+    _check_difficulty("arith", difficulty)
+    value = rng.randint(0, 99)
+    expression = str(value)
+    steps = []
+    for _ in range(difficulty):
+        op = rng.choice("+-")
+        operand = rng.randint(0, 99)
+        result = value + operand if op == "+" else value - operand
+        steps.append(f"{value}{op}{operand}={result}")
+        expression += f"{op}{operand}"
+        value = result
+    return Problem(
+        prompt=f"Q:{expression}=",
+        answer=str(value),
+        solution=",".join(steps) + f".A:{value}",
+        meta={"expression": expression},
+    )
+
+
+def _build(rng: random.Random, leaves: list[int]) -> tuple[int, str, int]:
+    """Random expression tree over ``leaves`` in order: (value, text, precedence)."""
+    if len(leaves) == 1:
+        return leaves[0], str(leaves[0]), _ATOM
+    split = rng.randint(1, len(leaves) - 1)
+    left, left_text, left_prec = _build(rng, leaves[:split])
+    right, right_text, right_prec = _build(rng, leaves[split:])
+    # Only exact division keeps every intermediate value an integer.
+    ops = "+-*/" if right != 0 and left % right == 0 else "+-*"
+    op = rng.choice(ops)
+    value = _APPLY[op](left, right)
+    prec = _PRECEDENCE[op]
+    if left_prec < prec:
+        left_text = f"({left_text})"
+    # a-(b+c) and a/(b*c) need parentheses; a+(b-c) and a*(b/c) do not.
+    if right_prec < prec or (right_prec == prec and op in "-/"):
+        right_text = f"({right_text})"
+    return value, f"{left_text}{op}{right_text}", prec
+
+
+def _countdown(rng: random.Random, difficulty: int) -> Problem:
+    _check_difficulty("countdown", difficulty)
+    top = 20 if difficulty <= 3 else 50
+    while True:  # most draws land in range, so this ends after a few tries
+        numbers = [rng.randint(1, top) for _ in range(difficulty)]
+        # Shuffled separately so the prompt order does not give away the solution.
+        leaves = list(numbers)
+        rng.shuffle(leaves)
+        target, text, _ = _build(rng, leaves)
+        if _TARGET_RANGE[0] <= target <= _TARGET_RANGE[1]:
+            return Problem(
+                prompt=f"C:{','.join(map(str, numbers))}={target}?",
+                answer=str(target),
+                solution=f"A:{text}",
+                meta={"numbers": numbers, "target": target},
+            )
+
+
+TASKS: dict[str, Callable[[random.Random, int], Problem]] = {
+    "arith": _arith,
+    "countdown": _countdown,
+}
+
+
+def generate(task: str, n: int, seed: int, difficulty: int) -> list[Problem]:
+    """``n`` problems, fully determined by (task, n, seed, difficulty)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {sorted(TASKS)}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    # Checked up front too, so that n == 0 still rejects a bad difficulty.
+    _check_difficulty(task, difficulty)
+    rng = random.Random(seed)
+    return [TASKS[task](rng, difficulty) for _ in range(n)]

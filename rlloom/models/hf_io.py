@@ -1,0 +1,102 @@
+"""Load and save Hugging Face checkpoint directories (config.json, safetensors, tokenizer)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from rlloom.models.config import ModelConfig
+from rlloom.models.transformer import CausalLM
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _read_config(path: Path) -> ModelConfig:
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist; set model.path to a "
+                              "Hugging Face checkpoint directory, or leave it null for the "
+                              "built-in tiny model")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is missing: {path} is not a Hugging Face checkpoint "
+                              "directory (expected config.json and *.safetensors)")
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {path}; rlloom reads safetensors "
+                              "only (convert .bin weights with transformers' save_pretrained)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build rlloom's model from a checkpoint directory and load its weights."""
+    path = Path(path)
+    cfg = _read_config(path)
+    model = CausalLM(cfg)
+    state = _read_state(path)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise CheckpointError(f"weights in {path} do not match the {cfg.family} architecture: "
+                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=False)
+    return model.to(dtype)
+
+
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
+                    path: str | os.PathLike) -> None:
+    """Write config.json, model.safetensors and tokenizer files atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished directory `src` to `dst` so readers never see a partial `dst`."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dst, old)
+        os.rename(src, dst)
+        shutil.rmtree(old)
+    else:
+        os.rename(src, dst)

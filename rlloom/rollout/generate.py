@@ -1,0 +1,72 @@
+"""Batched autoregressive generation with a KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlloom.models.cache import KVCache
+from rlloom.models.transformer import CausalLM
+from rlloom.rollout.sampling import SamplingParams, sample
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor    # [n, prompt_len], left-padded with pad_id
+    prompt_mask: torch.Tensor   # [n, prompt_len], 1 for real tokens
+    response_ids: torch.Tensor  # [n, resp_len], right-padded with pad_id; includes EOS if hit
+    response_mask: torch.Tensor # [n, resp_len]
+    logprobs: torch.Tensor      # [n, resp_len], policy log-prob of each response token
+    finished: torch.Tensor      # [n] bool, True where EOS was generated
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, eos_id: int,
+             pad_id: int, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> Rollout:
+    """Sample up to `max_new_tokens` for each prompt, stopping rows at EOS.
+
+    Without the cache every step re-runs the whole prefix; it exists to check the cache.
+    """
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    n, t_max = len(prompts), params.max_new_tokens
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.config, n, prompt_ids.shape[1] + t_max, dtype) if use_cache else None
+    out_ids = torch.full((n, t_max), pad_id, dtype=torch.long)
+    out_mask = torch.zeros(n, t_max, dtype=torch.long)
+    out_lp = torch.zeros(n, t_max)
+    live = torch.ones(n, dtype=torch.bool)
+    step_ids, step_mask = prompt_ids, prompt_mask
+    for t in range(t_max):
+        if use_cache:
+            logits = model(step_ids, step_mask, cache)[:, -1]
+        else:
+            full_ids = torch.cat([prompt_ids, out_ids[:, :t]], 1)
+            full_mask = torch.cat([prompt_mask, out_mask[:, :t]], 1)
+            logits = model(full_ids, full_mask)[:, -1]
+        tokens, lp = sample(logits, params, generator)
+        tokens = torch.where(live, tokens, pad_id)
+        out_ids[:, t] = tokens
+        out_mask[:, t] = live.long()
+        out_lp[:, t] = torch.where(live, lp, 0.0)
+        live = live & (tokens != eos_id)
+        if not live.any():
+            break
+        step_ids, step_mask = tokens[:, None], live.long()[:, None]
+    used = int(out_mask.sum(0).nonzero().max()) + 1
+    return Rollout(prompt_ids, prompt_mask, out_ids[:, :used], out_mask[:, :used],
+                   out_lp[:, :used], ~live)

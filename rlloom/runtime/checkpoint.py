@@ -1,0 +1,45 @@
+"""Atomic, resumable training checkpoints: written to a temporary directory, then renamed."""
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_NAME = re.compile(r"^step_(\d{6})$")
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _NAME.match(p.name))
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write `state` as checkpoints/step_NNNNNN; a crash mid-write leaves no such directory."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp_"))
+    try:
+        torch.save(state, tmp / "state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoint_dirs(run_dir)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_latest(run_dir: Path) -> dict[str, Any] | None:
+    dirs = checkpoint_dirs(run_dir)
+    if not dirs:
+        return None
+    return torch.load(dirs[-1] / "state.pt", weights_only=False)

@@ -1,0 +1,73 @@
+"""The built-in tiny model: a char-level tokenizer and a few-hundred-thousand-parameter decoder,
+warm-started by SFT on the task and cached on disk so later runs reuse it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from rlloom.config import RunConfig
+from rlloom.data.synthetic import generate
+from rlloom.models.config import ModelConfig
+from rlloom.data.prompts import read_prompt_file
+from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
+from rlloom.models.tokenizer import build_char_tokenizer
+from rlloom.models.transformer import CausalLM
+from rlloom.runtime.sft import supervised_finetune
+
+# SFT problems come from their own seed so they do not overlap the RL prompt stream by design.
+SFT_SEED_OFFSET = 7_777_777
+SFT_PROBLEMS = 50_000
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLLOOM_CACHE", Path.home() / ".cache" / "rlloom"))
+
+
+def tiny_model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
+    m = cfg.model
+    head_dim = m.hidden_size // m.heads
+    return ModelConfig(family=m.family, vocab_size=vocab_size, hidden_size=m.hidden_size,
+                       intermediate_size=3 * m.hidden_size, num_layers=m.layers,
+                       num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=head_dim,
+                       max_position_embeddings=512, qk_norm=m.family == "qwen3",
+                       qkv_bias=m.family == "qwen2", bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+
+
+def default_model_key(cfg: RunConfig) -> str:
+    """Everything the built-in checkpoint depends on, hashed."""
+    recipe = {"model": cfg.model.model_dump(exclude={"path", "dtype"}),
+              "task": cfg.data.task, "difficulty": cfg.data.difficulty,
+              "sft": cfg.sft.model_dump(), "seed": cfg.seed, "version": 1}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def warm_start(cfg: RunConfig, out: Path) -> Path:
+    """SFT `model.path` (or a freshly initialised tiny model when it is null) on worked
+    solutions (the prompt file's `solution` fields, else the built-in task), save to `out`."""
+    if cfg.model.path:
+        tokenizer, model = load_tokenizer(cfg.model.path), load_model(cfg.model.path)
+    else:
+        tokenizer = build_char_tokenizer()
+        model = CausalLM(tiny_model_config(cfg, len(tokenizer)))
+        model.init_weights(seed=cfg.seed)
+    if cfg.data.prompt_file:
+        problems = read_prompt_file(cfg.data.prompt_file, cfg.data.task)
+    else:
+        problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
+                            difficulty=cfg.data.difficulty)
+    supervised_finetune(model, tokenizer, problems, cfg.sft.steps, cfg.sft.batch_size,
+                        cfg.sft.lr, seed=cfg.seed)
+    save_checkpoint(model, tokenizer, out)
+    return out
+
+
+def ensure_default_model(cfg: RunConfig) -> Path:
+    path = cache_root() / "models" / f"tiny-{cfg.data.task}-{default_model_key(cfg)}"
+    if not (path / "config.json").is_file():
+        print(f"building the built-in model (cached at {path})")
+        warm_start(cfg.model_copy(update={"data": cfg.data.model_copy(
+            update={"prompt_file": None})}), path)
+    return path

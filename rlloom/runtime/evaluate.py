@@ -1,0 +1,27 @@
+"""Held-out greedy evaluation."""
+from __future__ import annotations
+
+import torch
+
+from rlloom.data.synthetic import Problem
+from rlloom.models.transformer import CausalLM
+from rlloom.rewards.synthetic import score
+from rlloom.rollout.generate import generate
+from rlloom.rollout.sampling import SamplingParams
+from rlloom.runtime.grpo import decode_responses, encode
+
+EVAL_BATCH = 256
+
+
+def greedy_accuracy(model: CausalLM, tokenizer, problems: list[Problem], task: str,
+                    max_new_tokens: int) -> float:
+    """Fraction of problems whose greedy response is correct."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    correct = 0
+    for start in range(0, len(problems), EVAL_BATCH):
+        chunk = problems[start:start + EVAL_BATCH]
+        rollout = generate(model, encode(tokenizer, [p.prompt for p in chunk]), params,
+                           tokenizer.eos_token_id, tokenizer.pad_token_id)
+        texts = decode_responses(tokenizer, rollout)
+        correct += sum(score(p, t, task).correct for p, t in zip(chunk, texts))
+    return correct / len(problems)

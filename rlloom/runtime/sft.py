@@ -1,0 +1,56 @@
+"""Supervised fine-tuning on worked solutions: the warm start before RL."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from rlloom.data.synthetic import Problem
+from rlloom.models.transformer import CausalLM
+from rlloom.rollout.generate import left_pad
+from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.progress import progress_bar
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def supervised_finetune(model: CausalLM, tokenizer, problems: list[Problem], steps: int,
+                        batch_size: int, lr: float, seed: int) -> list[float]:
+    """Minimise the NLL of `solution + EOS` given the prompt; returns the loss per step.
+
+    Warm-up then cosine decay: a short run must still end at a small learning rate.
+    """
+    if any(not p.solution for p in problems):
+        raise ValueError("supervised fine-tuning needs a 'solution' for every problem")
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    losses = []
+    with progress_bar("sft", steps) as bar:
+        for _ in range(steps):
+            batch = rng.sample(problems, batch_size)
+            p_ids, p_mask = left_pad([tokenizer(p.prompt)["input_ids"] for p in batch], pad)
+            r_ids, r_mask = right_pad([tokenizer(p.solution)["input_ids"] + [eos] for p in batch],
+                                      pad)
+            logp, _ = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, temperature=1.0)
+            loss = -(logp * r_mask).sum() / r_mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            bar.advance(loss=losses[-1])
+    return losses

@@ -1,0 +1,68 @@
+"""rlloom's model against the transformers implementation on tiny random checkpoints."""
+import pytest
+import torch
+import transformers
+
+from rlloom.models.hf_io import CheckpointError, load_model
+from rlloom.models.config import UnsupportedArchitectureError
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"attention_bias": True}),
+    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   {"tie_word_embeddings": True}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 12}),
+}
+
+
+def save_hf(tmp_path, family):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg = cfg_cls(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rope_theta=500.0, **extra)
+    torch.manual_seed(0)
+    hf = model_cls(cfg).float().eval()
+    with torch.no_grad():  # biases and norms are zeros/ones at init: randomise to test them
+        for name, p in hf.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+    hf = save_hf(tmp_path, family)
+    ours = load_model(tmp_path).eval()
+    ids = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        got = ours(ids)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_left_padded_batch_matches_unpadded_rows(tmp_path, family):
+    save_hf(tmp_path, family)
+    model = load_model(tmp_path).eval()
+    a = torch.tensor([[5, 6, 7, 8, 9]])
+    b = torch.tensor([[11, 12, 13]])
+    batch = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 11, 12, 13]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        both = model(batch, mask)
+        assert (both[0] - model(a)[0]).abs().max() < 1e-5
+        assert (both[1, 2:] - model(b)[0]).abs().max() < 1e-5
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM, Qwen2ForCausalLM, "
+                                                           "Qwen3ForCausalLM"):
+        load_model(tmp_path)
+
+
+def test_missing_model_directory_names_it(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere.*does not exist"):
+        load_model(tmp_path / "nowhere")
