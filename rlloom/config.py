@@ -34,7 +34,7 @@ class ModelSection(Strict):
 class DataSection(Strict):
     task: Literal["arith", "countdown"] = Field("arith", description="built-in task; also "
                                                 "selects the reward for prompt files")
-    difficulty: int = Field(3, ge=1, description="task difficulty (arith: operations, "
+    difficulty: int = Field(5, ge=1, description="task difficulty (arith: operations, "
                                                  "countdown: numbers)")
     prompt_file: str | None = Field(None, description="jsonl of prompts; null = generate the "
                                                       "built-in task")
@@ -50,7 +50,7 @@ class RolloutSection(Strict):
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
-    max_new_tokens: int = Field(48, ge=1, description="response length limit")
+    max_new_tokens: int = Field(64, ge=1, description="response length limit")
 
 
 class AlgoSection(Strict):
@@ -68,28 +68,30 @@ class AlgoSection(Strict):
 
 
 class TrainSection(Strict):
-    steps: int = Field(100, ge=1, description="RL steps (each: generate, assess, train)")
+    steps: int = Field(40, ge=1, description="RL steps (each: generate, assess, train)")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step (B)")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    lr: float = Field(5e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
 
 class EvalSection(Strict):
-    every: int = Field(25, ge=1, description="evaluate every N steps (and before step 1)")
-    max_new_tokens: int = Field(48, ge=1, description="greedy response length limit")
+    every: int = Field(10, ge=1, description="evaluate every N steps (and before step 1)")
+    max_new_tokens: int = Field(64, ge=1, description="greedy response length limit")
 
 
 class CheckpointSection(Strict):
-    every: int = Field(25, ge=1, description="save a resumable checkpoint every N steps")
+    every: int = Field(10, ge=1, description="save a resumable checkpoint every N steps")
     keep: int = Field(1, ge=1, description="how many recent checkpoints to keep")
 
 
 class SFTSection(Strict):
-    steps: int = Field(300, ge=1, description="supervised warm-start steps")
+    steps: int = Field(900, ge=1, description="supervised warm-start steps")
     batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     lr: float = Field(2e-3, gt=0, description="SFT AdamW learning rate")
+    direct_fraction: float = Field(0.55, ge=0, le=1, description="share of SFT targets cut "
+                                   "to the bare answer line (no worked steps)")
 
 
 class RunConfig(Strict):

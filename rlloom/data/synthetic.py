@@ -2,8 +2,9 @@
 
 Tasks:
 - ``arith``: a left-to-right chain of ``difficulty`` additions/subtractions of
-  integers in 0..99, e.g. prompt ``Q:17+25-8=``, solution
-  ``17+25=42,42-8=34.A:34``.
+  single-digit integers, e.g. prompt ``Q:7+5-8=``, solution ``7+5=12,12-8=4.A:4``.
+  Single digits keep the per-step arithmetic learnable by a tiny model in a minute of
+  SFT; the number of steps is what makes it hard.
 - ``countdown``: reach a target in 1..200 using each of ``difficulty`` numbers
   exactly once with + - * /, e.g. prompt ``C:3,7,25=28?``, solution ``A:25+3``.
   Numbers are drawn from 1..20 for difficulty <= 3 and from 1..50 above, so
@@ -32,6 +33,7 @@ _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 # Floor division is exact here because "/" is only chosen when it divides evenly.
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 _ATOM = 3
+_ARITH_MAX_OPERAND = 9
 
 
 def _check_difficulty(task: str, difficulty: int) -> None:
@@ -42,12 +44,12 @@ def _check_difficulty(task: str, difficulty: int) -> None:
 
 def _arith(rng: random.Random, difficulty: int) -> Problem:
     _check_difficulty("arith", difficulty)
-    value = rng.randint(0, 99)
+    value = rng.randint(0, _ARITH_MAX_OPERAND)
     expression = str(value)
     steps = []
     for _ in range(difficulty):
         op = rng.choice("+-")
-        operand = rng.randint(0, 99)
+        operand = rng.randint(0, _ARITH_MAX_OPERAND)
         result = value + operand if op == "+" else value - operand
         steps.append(f"{value}{op}{operand}={result}")
         expression += f"{op}{operand}"

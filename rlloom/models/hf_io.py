@@ -19,11 +19,15 @@ class CheckpointError(ValueError):
     pass
 
 
-def _read_config(path: Path) -> ModelConfig:
+def _require_dir(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist; set model.path to a "
                               "Hugging Face checkpoint directory, or leave it null for the "
                               "built-in tiny model")
+
+
+def _read_config(path: Path) -> ModelConfig:
+    _require_dir(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing: {path} is not a Hugging Face checkpoint "
@@ -64,8 +68,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> C
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    _require_dir(Path(path))
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load a tokenizer from {path}: {e}") from e
 

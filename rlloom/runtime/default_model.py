@@ -14,7 +14,7 @@ from rlloom.data.prompts import read_prompt_file
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
-from rlloom.runtime.sft import supervised_finetune
+from rlloom.runtime.sft import mix_direct_answers, supervised_finetune
 
 # SFT problems come from their own seed so they do not overlap the RL prompt stream by design.
 SFT_SEED_OFFSET = 7_777_777
@@ -58,6 +58,7 @@ def warm_start(cfg: RunConfig, out: Path) -> Path:
     else:
         problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
                             difficulty=cfg.data.difficulty)
+    problems = mix_direct_answers(problems, cfg.sft.direct_fraction, seed=cfg.seed)
     supervised_finetune(model, tokenizer, problems, cfg.sft.steps, cfg.sft.batch_size,
                         cfg.sft.lr, seed=cfg.seed)
     save_checkpoint(model, tokenizer, out)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import torch
 
@@ -21,6 +22,14 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
         ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
         mask[i, :len(s)] = 1
     return ids, mask
+
+
+def mix_direct_answers(problems: list[Problem], fraction: float, seed: int) -> list[Problem]:
+    """Replace the worked solution by its bare final-answer line ("A:...") in `fraction` of
+    the problems, as in distilled data that mixes reasoning traces with short answers."""
+    rng = random.Random(seed)
+    return [replace(p, solution=p.solution[p.solution.rfind("A:"):])
+            if rng.random() < fraction and "A:" in p.solution else p for p in problems]
 
 
 def supervised_finetune(model: CausalLM, tokenizer, problems: list[Problem], steps: int,

@@ -66,3 +66,21 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 def test_missing_model_directory_names_it(tmp_path):
     with pytest.raises(CheckpointError, match="nowhere.*does not exist"):
         load_model(tmp_path / "nowhere")
+
+
+def test_saved_checkpoint_round_trips_and_loads_in_transformers(tmp_path):
+    from rlloom.models.hf_io import load_tokenizer, save_checkpoint
+    from rlloom.models.tokenizer import build_char_tokenizer
+
+    save_hf(tmp_path / "src", "qwen3")
+    ours = load_model(tmp_path / "src").eval()
+    save_checkpoint(ours, build_char_tokenizer(), tmp_path / "out")
+    again = load_model(tmp_path / "out").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(ours(ids), again(ids))
+        assert (hf(input_ids=ids).logits - ours(ids)).abs().max() < 1e-4
+    tok = load_tokenizer(tmp_path / "out")
+    assert tok.decode(tok("Q:7+5=")["input_ids"]) == "Q:7+5="
+    assert not list(tmp_path.glob(".out.*"))   # no temporary directory left behind
