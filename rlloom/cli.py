@@ -7,8 +7,8 @@ from pathlib import Path
 
 from rlloom.config import ConfigError, RunConfig, dump_config, load_config
 from rlloom.data.prompts import DataError
-from rlloom.models.hf_io import CheckpointError
 from rlloom.models.config import UnsupportedArchitectureError
+from rlloom.models.hf_io import CheckpointError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
 

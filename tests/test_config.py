@@ -14,11 +14,13 @@ def test_defaults_then_file_then_overrides(tmp_path):
 
 
 def test_unknown_key_suggests_closest(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown key 'algo.kl_cof'; did you mean 'algo.kl_coef'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown key 'algo.kl_cof'; did you mean 'algo.kl_coef'"):
         load_config(None, ["algo.kl_cof=0.1"])
     f = tmp_path / "run.yaml"
     f.write_text("rollot:\n  n_samples: 4\n")
-    with pytest.raises(ConfigError, match=r"(?s)run.yaml.*unknown key 'rollot'; did you mean 'rollout'"):
+    with pytest.raises(ConfigError,
+                       match=r"(?s)run.yaml.*unknown key 'rollot'; did you mean 'rollout'"):
         load_config(f)
 
 

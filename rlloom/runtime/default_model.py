@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 from rlloom.config import RunConfig
+from rlloom.data.prompts import read_prompt_file
 from rlloom.data.synthetic import generate
 from rlloom.models.config import ModelConfig
-from rlloom.data.prompts import read_prompt_file
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM

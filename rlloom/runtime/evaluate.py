@@ -1,7 +1,7 @@
 """Held-out greedy evaluation."""
 from __future__ import annotations
 
-import torch
+from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
@@ -13,14 +13,15 @@ from rlloom.runtime.grpo import decode_responses, encode
 EVAL_BATCH = 256
 
 
-def greedy_accuracy(model: CausalLM, tokenizer, problems: list[Problem], task: str,
-                    max_new_tokens: int) -> float:
+def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+                    task: str, max_new_tokens: int) -> float:
     """Fraction of problems whose greedy response is correct."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     correct = 0
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
-        rollout = generate(model, encode(tokenizer, [p.prompt for p in chunk]), params,
+        prompts = encode(tokenizer, [p.prompt for p in chunk])
+        rollout = generate(model, prompts, params,
                            tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts = decode_responses(tokenizer, rollout)
         correct += sum(score(p, t, task).correct for p, t in zip(chunk, texts))

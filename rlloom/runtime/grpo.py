@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.advantages import ADVANTAGES
 from rlloom.algos.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -26,26 +27,28 @@ class Experience:
     advantages: torch.Tensor    # [n, T]
 
 
-def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
-def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
     return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
             for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
 
 
-def sample_group(policy: CausalLM, tokenizer, problems: list[Problem], k: int,
-                 params: SamplingParams, generator: torch.Generator) -> tuple[Rollout, torch.Tensor]:
-    prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
+def sample_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+                 k: int, params: SamplingParams, generator: torch.Generator
+                 ) -> tuple[Rollout, torch.Tensor]:
+    encoded = encode(tokenizer, [p.prompt for p in problems])
+    prompts = [ids for ids in encoded for _ in range(k)]
     rollout = generate(policy, prompts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
                        generator)
     return rollout, torch.arange(len(problems)).repeat_interleave(k)
 
 
-def assess(reference: CausalLM, tokenizer, problems: list[Problem], rollout: Rollout,
-           group_ids: torch.Tensor, task: str, algo: AlgoSection, temperature: float
-           ) -> Experience:
+def assess(reference: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+           rollout: Rollout, group_ids: torch.Tensor, task: str, algo: AlgoSection,
+           temperature: float) -> Experience:
     """Rewards from the verifier, reference log-probs and group-normalised advantages."""
     texts = decode_responses(tokenizer, rollout)
     scores = [score(problems[g], text, task, algo.format_reward)

@@ -6,6 +6,7 @@ import random
 from dataclasses import replace
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
@@ -32,8 +33,9 @@ def mix_direct_answers(problems: list[Problem], fraction: float, seed: int) -> l
             if rng.random() < fraction and "A:" in p.solution else p for p in problems]
 
 
-def supervised_finetune(model: CausalLM, tokenizer, problems: list[Problem], steps: int,
-                        batch_size: int, lr: float, seed: int) -> list[float]:
+def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
+                        problems: list[Problem], steps: int, batch_size: int, lr: float,
+                        seed: int) -> list[float]:
     """Minimise the NLL of `solution + EOS` given the prompt; returns the loss per step.
 
     Warm-up then cosine decay: a short run must still end at a small learning rate.

@@ -7,14 +7,17 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.advantages import ADVANTAGES
 from rlloom.algos.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.prompts import DataError, PromptStream, load_prompt_sets
+from rlloom.data.synthetic import Problem
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.checkpoint import load_latest, save_checkpoint as save_state
+from rlloom.runtime.checkpoint import load_latest
+from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.evaluate import greedy_accuracy
 from rlloom.runtime.grpo import assess, encode, optimise, sample_group
@@ -41,7 +44,8 @@ def check_runnable(cfg: RunConfig) -> None:
                               f"{', '.join(registry.names())}")
 
 
-def check_prompt_lengths(tokenizer, problems, limit: int, source: str) -> None:
+def check_prompt_lengths(tokenizer: PreTrainedTokenizerBase, problems: list[Problem], limit: int,
+                         source: str) -> None:
     lengths = [len(ids) for ids in encode(tokenizer, [p.prompt for p in problems])]
     too_long = [(i, n) for i, n in enumerate(lengths) if n > limit]
     if too_long:

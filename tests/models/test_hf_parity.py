@@ -3,8 +3,8 @@ import pytest
 import torch
 import transformers
 
-from rlloom.models.hf_io import CheckpointError, load_model
 from rlloom.models.config import UnsupportedArchitectureError
+from rlloom.models.hf_io import CheckpointError, load_model
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"attention_bias": True}),
