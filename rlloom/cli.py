@@ -1,4 +1,4 @@
-"""`rlloom train | sft`: the command line."""
+"""`rlloom train | sft | algos`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,13 @@ def cmd_sft(args: argparse.Namespace) -> None:
     print(f"saved {warm_start(cfg, Path(args.out))}")
 
 
+def cmd_algos(args: argparse.Namespace) -> None:
+    from rlloom.algos.presets import PRESETS
+    width = max(map(len, PRESETS))
+    for name, preset in PRESETS.items():
+        print(f"{name:<{width}}  roles: {', '.join(preset.roles):<36} {preset.summary}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlloom", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     _config_args(p)
     p.add_argument("--out", required=True, help="directory for the Hugging Face checkpoint")
     p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
+    p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

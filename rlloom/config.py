@@ -12,11 +12,16 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from rlloom.algos.presets import PRESETS
 from rlloom.plan import Plan, Strict
 
 
 class ConfigError(ValueError):
     pass
+
+
+# Advantage estimators that compare the K samples of one prompt.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 class ModelSection(Strict):
@@ -40,6 +45,8 @@ class DataSection(Strict):
                                                       "built-in task")
     train_size: int = Field(20000, ge=1, description="generated training problems")
     eval_size: int = Field(200, ge=1, description="held-out problems for greedy evaluation")
+    preference_file: str | None = Field(None, description="jsonl of prompt/chosen/rejected "
+                                        "pairs for offline algorithms (dpo)")
     eval_fraction: float = Field(0.05, gt=0, lt=1, description="share of a prompt file held "
                                                                "out for evaluation")
     max_prompt_tokens: int = Field(64, ge=1, description="longest allowed prompt, in tokens")
@@ -54,17 +61,53 @@ class RolloutSection(Strict):
 
 
 class AlgoSection(Strict):
-    name: Literal["grpo"] = Field("grpo", description="algorithm preset")
+    """The algorithm: a preset name plus any field to change. Fields not given take the
+    preset's value (rlloom.algos.presets), else the base default below."""
+    name: Literal[tuple(PRESETS)] = Field("grpo", description="algorithm preset "
+                                          "(`rlloom algos` lists them)")
     advantage: str = Field("grpo", description="advantage estimator (registry name)")
     policy_loss: str = Field("ppo", description="policy loss (registry name)")
-    loss_agg: str = Field("token-mean", description="how token losses become one number")
-    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1")
-    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1")
-    kl_coef: float = Field(0.001, ge=0, description="weight of the KL penalty to the reference")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator in the loss")
+    loss_agg: str = Field("seq-mean-token-mean", description="how token losses become one "
+                          "number (registry name)")
+    clip_low: float = Field(0.2, ge=0, description="ratio clip below 1")
+    clip_high: float = Field(0.2, ge=0, description="ratio clip above 1 (DAPO clip-higher)")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative "
+                                    "advantages; null = off")
+    kl_coef: float = Field(0.001, ge=0, description="weight of the KL to the reference")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    kl_in_reward: bool = Field(False, description="KL as a per-token reward penalty (classic "
+                               "PPO) instead of a loss term")
+    kl_target: float | None = Field(None, gt=0, description="adaptive KL: target per-token KL; "
+                                    "null = fixed kl_coef")
+    kl_horizon: int = Field(10000, ge=1, description="adaptive KL: horizon in samples")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
     epochs: int = Field(2, ge=1, description="optimisation passes over each step's rollouts")
     minibatches: int = Field(2, ge=1, description="optimizer steps per epoch")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_pp)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    vf_coef: float = Field(0.5, ge=0, description="value-loss weight (ppo)")
+    value_clip: float | None = Field(0.2, gt=0, description="value clip around old values; "
+                                     "null = off")
+    critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (separate critic)")
     format_reward: float = Field(0.0, ge=0, description="extra reward for a well-formed answer")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal "
+                                   "and generate more (DAPO)")
+    max_sample_rounds: int = Field(3, ge=1, description="dynamic sampling: generation rounds "
+                                   "per step at most")
+    overlong: Literal["none", "filter", "penalty"] = Field(
+        "none", description="truncated responses: keep, drop from the loss, or soft penalty")
+    overlong_cache: int = Field(16, ge=1, description="soft overlong penalty ramp, in tokens")
+    beta: float = Field(0.1, gt=0, description="DPO inverse temperature")
+    preference_loss: Literal["dpo", "ipo"] = Field("dpo", description="offline preference loss")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_defaults(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"name": data}
+        if isinstance(data, dict) and data.get("name", "grpo") in PRESETS:
+            return {**PRESETS[data.get("name", "grpo")].overrides, **data}
+        return data
 
 
 class TrainSection(Strict):
@@ -110,13 +153,17 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
-        if self.algo.advantage == "grpo" and self.rollout.n_samples < 2:
-            raise ValueError(f"rollout.n_samples={self.rollout.n_samples}: group-normalised "
-                             "advantages need at least 2 samples per prompt; set "
+        grouped = self.algo.advantage in GROUP_ESTIMATORS
+        if grouped and self.rollout.n_samples < 2:
+            raise ValueError(f"rollout.n_samples={self.rollout.n_samples}: algo.advantage="
+                             f"{self.algo.advantage} compares samples of the same prompt; set "
                              "rollout.n_samples>=2")
-        if self.algo.advantage == "grpo" and self.rollout.temperature == 0:
+        if grouped and self.rollout.temperature == 0:
             raise ValueError("rollout.temperature=0 makes every sample of a group identical, so "
-                             "GRPO advantages are all zero; set rollout.temperature>0")
+                             "group advantages are all zero; set rollout.temperature>0")
+        if not PRESETS[self.algo.name].online and not self.data.preference_file:
+            raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
+                             "data.preference_file to a jsonl of prompt/chosen/rejected rows")
         batch = self.train.prompts_per_step * self.rollout.n_samples
         if batch % self.algo.minibatches:
             raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the "
@@ -190,6 +237,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
+        if isinstance(child, str):  # `algo=ppo algo.kl_coef=0.1`: a bare string is the name
+            child = node[part] = {"name": child}
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
         node = child

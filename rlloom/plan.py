@@ -37,6 +37,8 @@ class Plan(Strict):
     schedule: Literal["sync", "fused", "async"] = Field(
         "sync", description="barriers between stages, streamed stages, or bounded staleness")
     staleness: int = Field(0, ge=0, description="max weight versions generation may lag (async)")
+    actor_critic: Literal["separate", "shared"] = Field(
+        "separate", description="critic as its own model, or a value head on the actor's backbone")
     layouts: dict[Role, Layout] = Field(default_factory=dict,
                                         description="per-role layout; missing roles use 1 device")
 

@@ -1,30 +1,193 @@
-"""Advantage estimators: per-sequence rewards -> per-token advantages."""
+"""Advantage estimators: per-token rewards (+ critic values) -> per-token advantages and returns.
+
+Every estimator takes one `AdvantageInputs` and returns (advantages [n, T], returns [n, T]),
+both zero at masked positions. They run without autograd: advantages and returns are
+constants for the losses that consume them.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from rlloom.algos.masks import last_token, masked_whiten, valid
 from rlloom.algos.registry import Registry
 
-# fn(rewards [n], group_ids [n], response_mask [n, T]) -> advantages [n, T]
-AdvantageFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# added to the group std so a group with identical scores gets advantage 0, not 0/0.
+GRPO_EPS = 1e-6
+# added to the batch std when whitening token-level advantages.
+WHITEN_EPS = 1e-8
+
+
+@dataclass
+class AdvantageInputs:
+    token_rewards: torch.Tensor  # [n, T] verifier score on the last real token, KL shaping on all
+    mask: torch.Tensor  # [n, T] float, 1 on response tokens
+    group_ids: torch.Tensor  # [n] long: samples of the same prompt share an id
+    values: torch.Tensor | None = None  # [n, T] critic V(s_t) of the state before token t (gae)
+    baseline_rewards: torch.Tensor | None = None  # [n] greedy-rollout score of the prompt (remax)
+    gamma: float = 1.0  # discount per token
+    lam: float = 1.0  # GAE lambda
+
+    def __post_init__(self) -> None:
+        if self.token_rewards.dim() != 2 or self.token_rewards.shape != self.mask.shape:
+            raise ValueError(f"token_rewards {tuple(self.token_rewards.shape)} and mask "
+                             f"{tuple(self.mask.shape)} must both be [n, T]")
+        n = self.mask.shape[0]
+        if self.group_ids.shape != (n,):
+            raise ValueError(f"group_ids must be [n]={n}, got {tuple(self.group_ids.shape)}")
+        if self.values is not None and self.values.shape != self.mask.shape:
+            raise ValueError(f"values must be [n, T] like mask, got {tuple(self.values.shape)}")
+        if self.baseline_rewards is not None and self.baseline_rewards.shape != (n,):
+            raise ValueError(f"baseline_rewards must be [n]={n}, "
+                             f"got {tuple(self.baseline_rewards.shape)}")
+
+    def scores(self) -> torch.Tensor:
+        """Sequence score s_i = sum_t token_rewards * mask  # [n]."""
+        return torch.where(valid(self.mask), self.token_rewards, 0).sum(dim=1)
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
-GRPO_EPS = 1e-6
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[n] -> [n, T], zero on padding."""
+    return torch.where(valid(mask), per_seq[:, None], 0)
+
+
+def _groups(group_ids: torch.Tensor, scores: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group sum, group size, group mean) of the scores, each [n]."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device)
+    sums.index_add_(0, inverse, scores)
+    size = counts[inverse].to(scores.dtype)
+    return sums[inverse], size, sums[inverse] / size
+
+
+def _require_pairs(size: torch.Tensor, estimator: str) -> None:
+    if (size < 2).any():
+        raise ValueError(f"{estimator} needs at least 2 samples per prompt (group_ids has a "
+                         "group of size 1); sample n >= 2 responses per prompt")
 
 
 @ADVANTAGES.register("grpo")
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
-         ) -> torch.Tensor:
-    """(r - group mean) / (group std + 1e-6), broadcast to every response token.
+@torch.no_grad()
+def grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = (s_i - mean_g s) / (std_g s + GRPO_EPS), broadcast over the response tokens.
 
-    The std is the unbiased sample std (divides by K-1), as in the DeepSeekMath paper's
-    reference code; a group with identical rewards gets zero advantage.
+    std_g is the unbiased sample std of the group (divides by K-1), so K >= 2 is required.
+    Returns equal the advantages (there is no critic).
     """
-    adv = torch.zeros_like(rewards, dtype=torch.float32)
-    for g in group_ids.unique():
-        idx = group_ids == g
-        r = rewards[idx].float()
-        adv[idx] = (r - r.mean()) / (r.std(unbiased=True) + GRPO_EPS)
-    return adv[:, None] * response_mask
+    s = x.scores()
+    _, size, mean = _groups(x.group_ids, s)
+    _require_pairs(size, "grpo")
+    sq_sums, _, _ = _groups(x.group_ids, (s - mean) ** 2)
+    std = (sq_sums / (size - 1)).sqrt()
+    adv = _broadcast((s - mean) / (std + GRPO_EPS), x.mask)
+    return adv, adv.clone()
+
+
+@ADVANTAGES.register("dr_grpo")
+@torch.no_grad()
+def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = s_i - mean_g s (Dr. GRPO: no std division), broadcast; returns = advantages."""
+    s = x.scores()
+    _, _, mean = _groups(x.group_ids, s)
+    adv = _broadcast(s - mean, x.mask)
+    return adv, adv.clone()
+
+
+@ADVANTAGES.register("rloo")
+@torch.no_grad()
+def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = s_i - (sum_g s - s_i) / (K - 1): leave-one-out baseline, broadcast.
+
+    Equivalently K/(K-1) (s_i - mean_g s). Returns = advantages.
+    """
+    s = x.scores()
+    sums, size, _ = _groups(x.group_ids, s)
+    _require_pairs(size, "rloo")
+    adv = _broadcast(s - (sums - s) / (size - 1), x.mask)
+    return adv, adv.clone()
+
+
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+                        ) -> torch.Tensor:
+    """G_t = sum_{t' >= t, valid} gamma^(t'-t) r_t', scanning valid tokens only."""
+    keep = valid(mask)
+    carry = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    out = []
+    for t in reversed(range(rewards.shape[1])):
+        # padding passes the carry through, so holes in the mask neither add nor discount.
+        carry = torch.where(keep[:, t], rewards[:, t] + gamma * carry, carry)
+        out.append(carry)
+    return torch.where(keep, torch.stack(out[::-1], dim=1), 0)
+
+
+@ADVANTAGES.register("reinforce_pp")
+@torch.no_grad()
+def reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: G_t = sum_{t'>=t} gamma^(t'-t) r_t', A = (G - mean) / (std + 1e-8).
+
+    Mean and std run over all valid tokens of the batch; the std is the population std
+    (divides by the token count). Returns are the raw G.
+    """
+    returns = _discounted_returns(x.token_rewards, x.mask, x.gamma)
+    return masked_whiten(returns, x.mask, WHITEN_EPS), returns
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+@torch.no_grad()
+def reinforce_pp_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline: r_last,i -= mean_g s, then as reinforce_pp.
+
+    Only the last valid token's reward moves, so the sequence score becomes s_i - mean_g s
+    while per-token shaping (e.g. KL) is kept.
+    """
+    _, _, mean = _groups(x.group_ids, x.scores())
+    rewards = x.token_rewards - torch.where(last_token(x.mask), mean[:, None], 0)
+    returns = _discounted_returns(rewards, x.mask, x.gamma)
+    return masked_whiten(returns, x.mask, WHITEN_EPS), returns
+
+
+@ADVANTAGES.register("remax")
+@torch.no_grad()
+def remax(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: A_i = s_i - b_i with b_i the greedy rollout's score, broadcast; returns = A."""
+    if x.baseline_rewards is None:
+        raise ValueError("remax needs baseline_rewards: the score of a greedy rollout of each "
+                         "sample's prompt")
+    adv = _broadcast(x.scores() - x.baseline_rewards, x.mask)
+    return adv, adv.clone()
+
+
+@ADVANTAGES.register("gae")
+@torch.no_grad()
+def gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over valid tokens.
+
+    delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1}, where "t+1" is
+    the next valid token and V, A after the last valid token are 0. Returns = A + V (the
+    critic's target, before whitening); the advantages are then whitened over the batch's
+    valid tokens, population std, eps 1e-8.
+    """
+    if x.values is None:
+        raise ValueError("gae needs critic values [n, T]; use a critic-free estimator "
+                         "(grpo, rloo, reinforce_pp, ...) when there is no critic")
+    keep = valid(x.mask)
+    n, length = x.mask.shape
+    next_value = torch.zeros(n, dtype=x.values.dtype, device=x.values.device)
+    next_adv = torch.zeros_like(next_value)
+    out = []
+    for t in reversed(range(length)):
+        delta = x.token_rewards[:, t] + x.gamma * next_value - x.values[:, t]
+        # padding passes both carries through: the next state is the next valid token.
+        next_adv = torch.where(keep[:, t], delta + x.gamma * x.lam * next_adv, next_adv)
+        next_value = torch.where(keep[:, t], x.values[:, t], next_value)
+        out.append(next_adv)
+    raw = torch.where(keep, torch.stack(out[::-1], dim=1), 0)
+    returns = torch.where(keep, raw + x.values, 0)
+    return masked_whiten(raw, x.mask, WHITEN_EPS), returns

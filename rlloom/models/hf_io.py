@@ -83,7 +83,9 @@ def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        # Only the language model: a shared actor-critic's value head is training state.
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+                 if k.startswith(("model.", "lm_head."))}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

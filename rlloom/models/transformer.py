@@ -101,11 +101,32 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
+    """Embeddings, decoder layers and the final norm: everything but the output head."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states [batch, seq, hidden]; extends `cache` when given."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        past = cache.key_mask[:, :cache.length] if cache is not None else None
+        positions, mask = positions_and_mask(attention_mask, past)
+        if cache is not None:
+            cache.append_mask(attention_mask)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
+                                  x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return self.norm(x)
 
 
 def positions_and_mask(new_mask: torch.Tensor, past_mask: torch.Tensor | None
@@ -139,27 +160,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache: KVCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states [batch, seq, hidden]; extends `cache` when given."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        past = cache.key_mask[:, :cache.length] if cache is not None else None
-        positions, mask = positions_and_mask(attention_mask, past)
-        if cache is not None:
-            cache.append_mask(attention_mask)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
-                                  x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
-        return self.model.norm(x)
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, cache))
+        return self.lm_head(self.model(input_ids, attention_mask, cache))
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -1,7 +1,7 @@
 """Batched autoregressive generation with a KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -22,6 +22,27 @@ class Rollout:
     @property
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(1)
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+
+def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Rows of several rollouts in one, re-padded to the widest prompt and response."""
+    p = max(r.prompt_ids.shape[1] for r in parts)
+    t = max(r.response_ids.shape[1] for r in parts)
+
+    def pad(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+        extra = width - x.shape[1]
+        return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value)
+
+    return Rollout(
+        torch.cat([pad(r.prompt_ids, p, pad_id, True) for r in parts]),
+        torch.cat([pad(r.prompt_mask, p, 0, True) for r in parts]),
+        torch.cat([pad(r.response_ids, t, pad_id, False) for r in parts]),
+        torch.cat([pad(r.response_mask, t, 0, False) for r in parts]),
+        torch.cat([pad(r.logprobs, t, 0.0, False) for r in parts]),
+        torch.cat([r.finished for r in parts]))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

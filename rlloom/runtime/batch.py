@@ -1,29 +1,55 @@
-"""Tokenising prompts and scoring token sequences with a model."""
+"""Tokenising prompts, decoding responses, and scoring token sequences with a model."""
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from rlloom.algos.policy_losses import entropy_from_logits
+from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
+from rlloom.rollout.generate import Rollout
 from rlloom.rollout.sampling import policy_logprobs
 
 
-def response_logprobs(model: CausalLM, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      response_ids: torch.Tensor, response_mask: torch.Tensor,
-                      temperature: float, with_entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [n, T] of the response tokens (and entropies [n, T]) under `model`.
+def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
+    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
+
+
+def _joined(r: Rollout) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """Prompt+response ids and mask, and the slice of positions that predict the response.
 
     The layout (left-padded prompt, right-padded response) is the one generation used, so
     positions and numerics match the log-probs recorded while sampling.
     """
-    ids = torch.cat([prompt_ids, response_ids], 1)
-    mask = torch.cat([prompt_mask, response_mask], 1)
-    p, t = prompt_ids.shape[1], response_ids.shape[1]
-    logits = model(ids, mask)[:, p - 1:p + t - 1]
-    logp_all = policy_logprobs(logits, temperature)                 # [n, T, V]
-    logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    p, t = r.prompt_ids.shape[1], r.response_ids.shape[1]
+    return (torch.cat([r.prompt_ids, r.response_ids], 1),
+            torch.cat([r.prompt_mask, r.response_mask], 1), slice(p - 1, p + t - 1))
+
+
+def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
+                      with_entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs [n, T] of the response tokens, entropies [n, T] (when asked; with gradient)
+    and, for a shared actor-critic, values [n, T] of the state before each token."""
+    ids, mask, span = _joined(r)
+    values = None
+    if isinstance(model, ActorCritic):
+        logits, values = model.logits_and_values(ids, mask)
+        values = values[:, span]
+    else:
+        logits = model(ids, mask)
+    logits = logits[:, span].float() / (temperature or 1.0)
+    logp = policy_logprobs(logits, 1.0).gather(-1, r.response_ids[..., None]).squeeze(-1)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy, values
+
+
+def response_values(critic: ValueModel, r: Rollout) -> torch.Tensor:
+    """Critic values [n, T] of the state before each response token."""
+    ids, mask, span = _joined(r)
+    return critic(ids, mask)[:, span]

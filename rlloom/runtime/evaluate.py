@@ -8,7 +8,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.rewards.synthetic import score
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.grpo import decode_responses, encode
+from rlloom.runtime.batch import decode_responses, encode
 
 EVAL_BATCH = 256
 

@@ -9,23 +9,34 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+CURVES = [("reward", "reward (sampled)"), ("accuracy", "accuracy (sampled)"),
+          ("pref_accuracy", "preference accuracy")]
 STAGES = [("gen_s", "generation"), ("assess_s", "assessment"), ("train_s", "training")]
 
 
-def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
+def plot_run(rows: list[dict[str, Any]], evals: list[tuple[int, float]], path: Path) -> None:
+    """`rows` are metrics.jsonl rows; `evals` are (step, held-out accuracy), step 0 included."""
     if not rows:
         return
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(steps, [r["reward"] for r in rows], label="reward (sampled)")
-    ax1.plot(steps, [r["accuracy"] for r in rows], label="accuracy (sampled)")
-    evals = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4))
+    for key, label in CURVES:
+        if key in rows[0]:
+            ax1.plot(steps, [r[key] for r in rows], label=label)
     if evals:
         ax1.plot(*zip(*evals), "o-", label="held-out greedy accuracy")
     ax1.set_xlabel("step")
     ax1.set_ylim(-0.02, 1.02)
     ax1.legend()
     ax1.set_title("learning")
+    if "response_len" in rows[0]:
+        ax3.plot(steps, [r["response_len"] for r in rows])
+        ax3.set_ylabel("tokens")
+        ax3.set_title("mean response length")
+    else:
+        ax3.plot(steps, [r["loss"] for r in rows])
+        ax3.set_title("loss")
+    ax3.set_xlabel("step")
     bottom = [0.0] * len(rows)
     for key, label in STAGES:
         vals = [r[key] for r in rows]

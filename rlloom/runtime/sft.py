@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
-from rlloom.rollout.generate import left_pad
+from rlloom.rollout.generate import Rollout, left_pad
 from rlloom.runtime.batch import response_logprobs
 from rlloom.runtime.progress import progress_bar
 
@@ -55,7 +55,9 @@ def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
             p_ids, p_mask = left_pad([tokenizer(p.prompt)["input_ids"] for p in batch], pad)
             r_ids, r_mask = right_pad([tokenizer(p.solution)["input_ids"] + [eos] for p in batch],
                                       pad)
-            logp, _ = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, temperature=1.0)
+            seqs = Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
+                           torch.ones(len(batch), dtype=torch.bool))
+            logp, _, _ = response_logprobs(model, seqs, temperature=1.0)
             loss = -(logp * r_mask).sum() / r_mask.sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

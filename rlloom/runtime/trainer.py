@@ -10,23 +10,30 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.advantages import ADVANTAGES
-from rlloom.algos.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from rlloom.algos.aggregation import AGGREGATIONS
+from rlloom.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
+from rlloom.algos.policy_losses import POLICY_LOSSES
+from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
+from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, PromptStream, load_prompt_sets
 from rlloom.data.synthetic import Problem
+from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
-from rlloom.rollout.sampling import SamplingParams
+from rlloom.runtime.batch import encode
 from rlloom.runtime.checkpoint import load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.evaluate import greedy_accuracy
-from rlloom.runtime.grpo import assess, encode, optimise, sample_group
 from rlloom.runtime.metrics import MetricsLog
+from rlloom.runtime.offline import preference_step
+from rlloom.runtime.online import assess, behaviour_kl, collect, greedy_baseline, optimise
 from rlloom.runtime.plots import plot_run
 from rlloom.runtime.progress import progress_bar
 from rlloom.runtime.tracing import Tracer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")
 
 
 def check_runnable(cfg: RunConfig) -> None:
@@ -65,21 +72,38 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         check_runnable(cfg)
         self.cfg, self.run_dir = cfg, run_dir
+        self.preset = PRESETS[cfg.algo.name]
         torch.set_num_threads(cfg.train.threads or os.cpu_count() or 1)
         model_path = Path(cfg.model.path) if cfg.model.path else ensure_default_model(cfg)
         dtype = DTYPES[cfg.model.dtype]
+        self.policy = load_model(model_path, dtype)
         self.tokenizer = load_tokenizer(model_path)
         if self.tokenizer.eos_token_id is None or self.tokenizer.pad_token_id is None:
             raise DataError(f"the tokenizer in {model_path} needs an EOS and a pad token")
-        self.policy = load_model(model_path, dtype)
-        self.reference = load_model(model_path, dtype).eval().requires_grad_(False)
+        a = cfg.algo
+        self.critic: ValueModel | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if "critic" in self.preset.roles:
+            if cfg.plan.actor_critic == "shared":
+                self.policy = ActorCritic.from_policy(self.policy)
+            else:
+                self.critic = ValueModel.from_policy(self.policy)
+                self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(),
+                                                          lr=a.critic_lr)
+        needs_reference = a.kl_coef > 0 or a.kl_target is not None or not self.preset.online
+        self.reference = (load_model(model_path, dtype).eval().requires_grad_(False)
+                          if needs_reference else None)
+        self.kl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+                   if a.kl_target is not None else FixedKLController(a.kl_coef))
         d = cfg.data
         sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                                 d.prompt_file, d.eval_fraction)
         source = d.prompt_file or f"built-in task {d.task}"
         check_prompt_lengths(self.tokenizer, sets.train + sets.eval, d.max_prompt_tokens, source)
         self.eval_set = sets.eval
-        self.stream = PromptStream(sets.train, cfg.seed)
+        train_items = sets.train if self.preset.online else read_preference_file(
+            d.preference_file)
+        self.stream = PromptStream(train_items, cfg.seed)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed)
@@ -91,20 +115,28 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "policy": self.policy.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "sample_gen": self.sample_gen.get_state(),
-                "shuffle_gen": self.shuffle_gen.get_state(),
-                "data_position": self.stream.position, "eval_history": self.eval_history}
+        state = {"step": self.step, "policy": self.policy.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "kl_coef": self.kl.value,
+                 "sample_gen": self.sample_gen.get_state(),
+                 "shuffle_gen": self.shuffle_gen.get_state(),
+                 "data_position": self.stream.position, "eval_history": self.eval_history}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.kl.value = state["kl_coef"]
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.stream.position = state["data_position"]
         self.eval_history = state["eval_history"]
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint; forget metrics and spans logged after it."""
@@ -124,28 +156,43 @@ class Trainer:
         self.eval_history.append((self.step, acc))
         return acc
 
-    def train_step(self) -> dict[str, float]:
-        cfg, step = self.cfg, self.step + 1
-        r = cfg.rollout
-        params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-        t0 = time.perf_counter()
-        problems = self.stream.next(cfg.train.prompts_per_step)
+    def online_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
         with self.tracer.span("generation", step, "actor") as gen:
-            rollout, groups = sample_group(self.policy, self.tokenizer, problems, r.n_samples,
-                                           params, self.sample_gen)
-        with self.tracer.span("assessment", step, "reference+reward") as ass:
-            exp = assess(self.reference, self.tokenizer, problems, rollout, groups,
-                         cfg.data.task, cfg.algo, r.temperature)
-        with self.tracer.span("training", step, "actor") as tr:
-            stats = optimise(self.policy, self.optimizer, exp, cfg.algo, r.temperature,
-                             cfg.train.grad_clip, self.shuffle_gen)
+            samples = collect(self.policy, self.tokenizer, self.stream, cfg, self.sample_gen)
+            baseline = (greedy_baseline(self.policy, self.tokenizer, samples, cfg)
+                        if cfg.algo.advantage == "remax" else None)
+        with self.tracer.span("assessment", step, "reference+reward+critic") as ass:
+            exp = assess(samples, self.reference, self.critic or
+                         (self.policy if isinstance(self.policy, ActorCritic) else None),
+                         self.kl.value, baseline, cfg)
+        with self.tracer.span("training", step, "actor+critic") as tr:
+            stats = optimise(self.policy, self.optimizer, exp, self.critic,
+                             self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen)
+        kl_now = behaviour_kl(exp)
+        row = {"reward": samples.scores.mean().item(),
+               "accuracy": samples.correct.float().mean().item(),
+               "response_len": samples.rollout.response_lengths.float().mean().item(),
+               "truncated": (~samples.rollout.finished).float().mean().item(),
+               "kl": stats.pop("kl", kl_now), "kl_coef": self.kl.value,
+               "sample_rounds": samples.rounds, **stats,
+               "gen_s": gen.seconds, "assess_s": ass.seconds, "train_s": tr.seconds}
+        self.kl.update(kl_now, len(samples.scores))
+        return row
+
+    def offline_step(self, step: int) -> dict[str, float]:
+        pairs = self.stream.next(self.cfg.train.prompts_per_step)
+        with self.tracer.span("training", step, "actor+reference") as tr:
+            stats = preference_step(self.policy, self.reference, self.optimizer, self.tokenizer,
+                                    pairs, self.cfg.algo, self.cfg.train.grad_clip)
+        return {**stats, "gen_s": 0.0, "assess_s": 0.0, "train_s": tr.seconds}
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        step = self.step + 1
+        row = self.online_step(step) if self.preset.online else self.offline_step(step)
         self.step = step
-        return {"step": step, "reward": exp.rewards.mean().item(),
-                "accuracy": exp.correct.float().mean().item(),
-                "response_len": rollout.response_lengths.float().mean().item(),
-                "truncated": (~rollout.finished).float().mean().item(), **stats,
-                "gen_s": gen.seconds, "assess_s": ass.seconds, "train_s": tr.seconds,
-                "step_s": time.perf_counter() - t0}
+        return {"step": step, **row, "step_s": time.perf_counter() - t0}
 
     def checkpoint(self) -> None:
         save_state(self.run_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep)
@@ -164,11 +211,10 @@ class Trainer:
                 self.metrics.append(row)
                 if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
                     self.checkpoint()
-                bar.advance(reward=row["reward"], acc=row["accuracy"], kl=row["kl"],
-                            eval=row.get("eval_accuracy"), step_s=row["step_s"])
+                bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS})
         save_checkpoint(self.policy, self.tokenizer, self.run_dir / "final")
         self.tracer.save()
-        plot_run(self.metrics.rows(), self.run_dir / "summary.png")
+        plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
         before, after = self.eval_history[0][1], self.eval_history[-1][1]
         print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
               f"({100 * (after - before):+.1f} points) over {len(self.eval_set)} problems")

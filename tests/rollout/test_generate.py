@@ -44,8 +44,7 @@ def test_sampling_is_reproducible_and_logprobs_match_trainer(model):
     b = generate(model, PROMPTS, params, 2, 0, torch.Generator().manual_seed(7))
     assert torch.equal(a.response_ids, b.response_ids)
     with torch.no_grad():
-        lp, _ = response_logprobs(model, a.prompt_ids, a.prompt_mask, a.response_ids,
-                                  a.response_mask, 0.8)
+        lp, _, _ = response_logprobs(model, a, 0.8)
     assert ((lp - a.logprobs) * a.response_mask).abs().max() < 1e-5
 
 

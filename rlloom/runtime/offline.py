@@ -1,0 +1,50 @@
+"""Offline preference optimisation (DPO / IPO): no generation, no reward model."""
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlloom.algos.preference import PREFERENCE_LOSSES, preference_accuracy
+from rlloom.config import AlgoSection
+from rlloom.data.preferences import PreferencePair
+from rlloom.models.transformer import CausalLM
+from rlloom.rollout.generate import Rollout, left_pad
+from rlloom.runtime.batch import encode, response_logprobs
+from rlloom.runtime.sft import right_pad
+
+
+def pair_batch(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair]) -> Rollout:
+    """Chosen responses in rows [0, n), rejected in [n, 2n), each ending with EOS."""
+    prompts = encode(tokenizer, [p.prompt for p in pairs]) * 2
+    eos = tokenizer.eos_token_id
+    responses = [ids + [eos] for ids in encode(tokenizer, [p.chosen for p in pairs] +
+                                               [p.rejected for p in pairs])]
+    p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
+    r_ids, r_mask = right_pad(responses, tokenizer.pad_token_id)
+    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
+                   torch.ones(len(prompts), dtype=torch.bool))
+
+
+def sequence_logprobs(model: CausalLM, batch: Rollout) -> torch.Tensor:
+    logp, _, _ = response_logprobs(model, batch, temperature=1.0)
+    return (logp * batch.response_mask).sum(1)
+
+
+def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.optim.Optimizer,
+                    tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair],
+                    algo: AlgoSection, grad_clip: float) -> dict[str, float]:
+    batch = pair_batch(tokenizer, pairs)
+    n = len(pairs)
+    with torch.no_grad():
+        ref = sequence_logprobs(reference, batch)
+    pol = sequence_logprobs(policy, batch)
+    loss = PREFERENCE_LOSSES.get(algo.preference_loss)(pol[:n], pol[n:], ref[:n], ref[n:],
+                                                       algo.beta).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+    optimizer.step()
+    margin = ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:])).detach()
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(),
+            "pref_accuracy": preference_accuracy(pol[:n], pol[n:], ref[:n], ref[n:]).item(),
+            "margin": algo.beta * margin.mean().item()}

@@ -1,0 +1,205 @@
+"""One online RL iteration in one process: Generation -> Assessment -> Training, for every
+online preset (the estimator, loss and KL placement come from the registries by name)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlloom.algos.advantages import ADVANTAGES, AdvantageInputs
+from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
+from rlloom.algos.dapo import groups_with_signal, overlong_penalty
+from rlloom.algos.kl import KL_ESTIMATORS, kl_shaped_rewards
+from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig
+from rlloom.algos.value import value_loss
+from rlloom.config import RunConfig
+from rlloom.data.prompts import PromptStream
+from rlloom.data.synthetic import Problem
+from rlloom.models.heads import ActorCritic, ValueModel
+from rlloom.models.transformer import CausalLM
+from rlloom.rewards.synthetic import score
+from rlloom.rollout.generate import Rollout, cat_rollouts, generate
+from rlloom.rollout.sampling import SamplingParams
+from rlloom.runtime.batch import decode_responses, encode, response_logprobs, response_values
+
+
+@dataclass
+class Samples:
+    """Scored rollouts of whole groups (the K samples of each prompt are adjacent)."""
+    problems: list[Problem]
+    rollout: Rollout
+    group_ids: torch.Tensor     # [n] index into `problems`
+    scores: torch.Tensor        # [n] verifier reward
+    correct: torch.Tensor       # [n] bool
+    rounds: int = 1             # generation rounds it took (dynamic sampling)
+
+
+@dataclass
+class Experience:
+    samples: Samples
+    loss_mask: torch.Tensor         # [n, T] response tokens that train (overlong filter applied)
+    ref_logp: torch.Tensor | None   # [n, T]
+    old_values: torch.Tensor | None  # [n, T]
+    advantages: torch.Tensor        # [n, T]
+    returns: torch.Tensor           # [n, T]
+
+
+def score_texts(problems: list[Problem], group_ids: torch.Tensor, texts: list[str], task: str,
+                format_reward: float) -> tuple[torch.Tensor, torch.Tensor]:
+    results = [score(problems[g], text, task, format_reward)
+               for g, text in zip(group_ids.tolist(), texts)]
+    return (torch.tensor([s.reward for s in results]),
+            torch.tensor([s.correct for s in results]))
+
+
+def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+                  cfg: RunConfig, generator: torch.Generator) -> Samples:
+    r, k = cfg.rollout, cfg.rollout.n_samples
+    prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
+    rollout = generate(policy, prompts, SamplingParams(r.max_new_tokens, r.temperature, r.top_p,
+                                                       r.top_k),
+                       tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+    group_ids = torch.arange(len(problems)).repeat_interleave(k)
+    scores, correct = score_texts(problems, group_ids, decode_responses(tokenizer, rollout),
+                                  cfg.data.task, cfg.algo.format_reward)
+    return Samples(problems, rollout, group_ids, scores, correct)
+
+
+def collect(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
+            cfg: RunConfig, generator: torch.Generator) -> Samples:
+    """B prompts x K samples; with dynamic sampling, groups whose rewards are all equal are
+    dropped and fresh prompts generated, for at most `algo.max_sample_rounds` rounds."""
+    b = cfg.train.prompts_per_step
+    first = sample_groups(policy, tokenizer, stream.next(b), cfg, generator)
+    if not cfg.algo.dynamic_sampling:
+        return first
+    kept: list[Samples] = []
+    batch, rounds = first, 1
+    while True:
+        keep = groups_with_signal(batch.scores, batch.group_ids)
+        groups = batch.group_ids[keep].unique().tolist()
+        kept += [_group(batch, g) for g in groups]
+        if len(kept) >= b or rounds == cfg.algo.max_sample_rounds:
+            break
+        batch = sample_groups(policy, tokenizer, stream.next(b), cfg, generator)
+        rounds += 1
+    kept = kept[:b] or [_group(first, g) for g in range(b)]  # nothing learnable: keep round 1
+    return Samples([s.problems[0] for s in kept],
+                   cat_rollouts([s.rollout for s in kept], tokenizer.pad_token_id),
+                   torch.arange(len(kept)).repeat_interleave(cfg.rollout.n_samples),
+                   torch.cat([s.scores for s in kept]), torch.cat([s.correct for s in kept]),
+                   rounds)
+
+
+def _group(s: Samples, g: int) -> Samples:
+    idx = (s.group_ids == g).nonzero().squeeze(1)
+    return Samples([s.problems[g]], s.rollout.select(idx), torch.zeros(len(idx), dtype=torch.long),
+                   s.scores[idx], s.correct[idx])
+
+
+def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,
+                    cfg: RunConfig) -> torch.Tensor:
+    """ReMax: the reward of each prompt's greedy response, per sample [n]."""
+    rollout = generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
+                       SamplingParams(cfg.rollout.max_new_tokens, 0.0),
+                       tokenizer.eos_token_id, tokenizer.pad_token_id)
+    groups = torch.arange(len(s.problems))
+    scores, _ = score_texts(s.problems, groups, decode_responses(tokenizer, rollout),
+                            cfg.data.task, cfg.algo.format_reward)
+    return scores[s.group_ids]
+
+
+@torch.no_grad()
+def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
+           kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig) -> Experience:
+    """Reference log-probs, critic values, shaped rewards and advantages."""
+    a, r = cfg.algo, s.rollout
+    mask = r.response_mask.float()
+    scores = s.scores
+    if a.overlong == "penalty":
+        scores = scores + overlong_penalty(r.response_lengths, cfg.rollout.max_new_tokens,
+                                           min(a.overlong_cache, cfg.rollout.max_new_tokens))
+    loss_mask = mask * r.finished[:, None] if a.overlong == "filter" else mask
+    ref_logp = (response_logprobs(reference, r, cfg.rollout.temperature)[0]
+                if reference is not None else None)
+    old_values = None
+    if isinstance(critic, ActorCritic):
+        old_values = response_logprobs(critic, r, cfg.rollout.temperature)[2]
+    elif critic is not None:
+        old_values = response_values(critic, r)
+    shaping = kl_coef if a.kl_in_reward and ref_logp is not None else 0.0
+    token_rewards = kl_shaped_rewards(scores, mask, r.logprobs,
+                                      ref_logp if ref_logp is not None else r.logprobs,
+                                      shaping, a.kl_estimator)
+    advantages, returns = ADVANTAGES.get(a.advantage)(AdvantageInputs(
+        token_rewards, loss_mask, s.group_ids, old_values, baseline, a.gamma, a.lam))
+    return Experience(s, loss_mask, ref_logp, old_values, advantages, returns)
+
+
+def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
+             critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
+             kl_coef: float, cfg: RunConfig, generator: torch.Generator) -> dict[str, float]:
+    """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
+    bonus, + value loss for a shared actor-critic); a separate critic steps alongside."""
+    a, r = cfg.algo, exp.samples.rollout
+    loss_fn, aggregate = POLICY_LOSSES.get(a.policy_loss), AGGREGATIONS.get(a.loss_agg)
+    kl_fn = KL_ESTIMATORS.get(a.kl_estimator)
+    pl_cfg = PolicyLossConfig(a.clip_low, a.clip_high, a.dual_clip)
+    kl_in_loss = not a.kl_in_reward and exp.ref_logp is not None and kl_coef > 0
+    shared = isinstance(policy, ActorCritic)
+    totals: dict[str, float] = {}
+    updates = 0
+    for _ in range(a.epochs):
+        for idx in torch.randperm(len(r.finished), generator=generator).chunk(a.minibatches):
+            mask = exp.loss_mask[idx]
+            if mask.sum() == 0:
+                continue  # every sample here was filtered out (overlong)
+            norm = LossNorm.of(mask, const=cfg.rollout.max_new_tokens)
+            mb = r.select(idx)
+            logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
+                                                      with_entropy=True)
+            per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[idx], mask, pl_cfg)
+            stats = {"clip_frac": _mean(clipped.float(), mask), "entropy": _mean(entropy, mask)}
+            if kl_in_loss:
+                kl = kl_fn(logp, exp.ref_logp[idx])
+                per_token = per_token + kl_coef * kl
+                stats["kl"] = _mean(kl, mask)
+            if a.entropy_coef:
+                per_token = per_token - a.entropy_coef * entropy
+            loss = aggregate(per_token, mask, norm)
+            if shared:
+                vloss = aggregate(value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
+                                             a.value_clip), mask, norm)
+                loss = loss + a.vf_coef * vloss
+                stats["value_loss"] = vloss.item()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                policy.parameters(), cfg.train.grad_clip).item()
+            optimizer.step()
+            if critic is not None:
+                values = response_values(critic, mb)
+                vloss = aggregate(value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
+                                             a.value_clip), mask, norm)
+                critic_optimizer.zero_grad(set_to_none=True)
+                vloss.backward()
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.grad_clip)
+                critic_optimizer.step()
+                stats["value_loss"] = vloss.item()
+            stats["loss"] = loss.item()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+            updates += 1
+    return {k: v / max(updates, 1) for k, v in totals.items()}
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def behaviour_kl(exp: Experience) -> float:
+    """Mean per-token k1 KL of the sampling policy to the reference (what adaptive KL tracks)."""
+    if exp.ref_logp is None:
+        return 0.0
+    return _mean(exp.samples.rollout.logprobs - exp.ref_logp, exp.samples.rollout.response_mask)
