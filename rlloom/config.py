@@ -29,7 +29,7 @@ class ModelSection(Strict):
                                                "tiny model, warm-started by SFT and cached")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     hidden_size: int = Field(128, description="built-in model: hidden size")
-    layers: int = Field(4, description="built-in model: decoder layers")
+    layers: int = Field(2, ge=1, description="built-in model: decoder layers")
     heads: int = Field(4, description="built-in model: attention heads")
     kv_heads: int = Field(2, description="built-in model: key/value heads (GQA)")
     family: Literal["llama", "qwen2", "qwen3"] = Field("qwen3", description="built-in model: "

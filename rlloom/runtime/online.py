@@ -132,9 +132,10 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
     token_rewards = kl_shaped_rewards(scores, mask, r.logprobs,
                                       ref_logp if ref_logp is not None else r.logprobs,
                                       shaping, a.kl_estimator)
+    # Filtered (overlong) samples still count in group statistics; they only stop training.
     advantages, returns = ADVANTAGES.get(a.advantage)(AdvantageInputs(
-        token_rewards, loss_mask, s.group_ids, old_values, baseline, a.gamma, a.lam))
-    return Experience(s, loss_mask, ref_logp, old_values, advantages, returns)
+        token_rewards, mask, s.group_ids, old_values, baseline, a.gamma, a.lam))
+    return Experience(s, loss_mask, ref_logp, old_values, advantages * loss_mask, returns)
 
 
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
