@@ -84,7 +84,9 @@ class AlgoSection(Strict):
     epochs: int = Field(2, ge=1, description="optimisation passes over each step's rollouts")
     minibatches: int = Field(2, ge=1, description="optimizer steps per epoch")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_pp)")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (1: every token gets the "
+                       "full return minus its value; below 1 starves early tokens of long "
+                       "responses until the critic is good)")
     vf_coef: float = Field(0.5, ge=0, description="value-loss weight (ppo)")
     value_clip: float | None = Field(0.2, gt=0, description="value clip around old values; "
                                      "null = off")
