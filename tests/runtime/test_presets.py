@@ -63,12 +63,13 @@ def test_dpo_without_preference_file_is_refused(tiny, capsys):
 
 def test_overlong_filter_and_adaptive_kl(tmp_path, tiny):
     run = tmp_path / "mix"
-    # 4 new tokens truncate every arith solution: all samples are filtered from the loss
-    main(["train", *tiny, "algo=dapo", "algo.overlong=filter", "rollout.max_new_tokens=4",
+    # 2 new tokens truncate nearly every response; truncated samples are dropped from the loss
+    main(["train", *tiny, "algo=dapo", "algo.overlong=filter", "rollout.max_new_tokens=2",
           "algo.kl_coef=0.05", "algo.kl_target=0.001", f"run_dir={run}"])
     rows = _rows(run)
-    assert all(r["truncated"] == 1.0 for r in rows)
-    assert all("loss" not in r for r in rows)   # nothing trained
+    assert all(r["truncated"] > 0.5 for r in rows)
+    # a step trains exactly when some sample finished inside the budget
+    assert all(("loss" in r) == (r["truncated"] < 1.0) for r in rows)
     # the controller moves the coefficient every step (down: the policy has not moved)
     coefs = [r["kl_coef"] for r in rows]
     assert coefs[0] == 0.05 and coefs[1] < coefs[0] and coefs[2] < coefs[1]
