@@ -49,25 +49,29 @@ def _row_to_problem(row: Any, task: str, where: str) -> Problem:
                    meta=meta)
 
 
-def read_prompt_file(path: str | Path, task: str) -> list[Problem]:
-    """Every row of a jsonl prompt file, validated; errors name the file and line."""
+def read_jsonl(path: str | Path, what: str) -> list[tuple[str, Any]]:
+    """(where, row) for every non-blank line of a jsonl file; `where` is "file:line"."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"prompt file {str(path)!r} does not exist")
-    problems = []
+        raise DataError(f"{what} {str(path)!r} does not exist")
+    rows = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                rows.append((where, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            problems.append(_row_to_problem(row, task, where))
-    if not problems:
-        raise DataError(f"prompt file {path} has no rows")
-    return problems
+    if not rows:
+        raise DataError(f"{what} {path} has no rows")
+    return rows
+
+
+def read_prompt_file(path: str | Path, task: str) -> list[Problem]:
+    """Every row of a jsonl prompt file, validated; errors name the file and line."""
+    return [_row_to_problem(row, task, where) for where, row in read_jsonl(path, "prompt file")]
 
 
 def load_prompt_sets(task: str, difficulty: int, seed: int, train_size: int, eval_size: int,
