@@ -37,8 +37,9 @@ class ModelSection(Strict):
 
 
 class DataSection(Strict):
-    task: Literal["arith", "countdown"] = Field("arith", description="built-in task; also "
-                                                "selects the reward for prompt files")
+    task: Literal["arith", "countdown", "math"] = Field(
+        "arith", description="task, which selects the verifier: arith and countdown are "
+        "built in; math needs data.prompt_file (prompt, answer rows)")
     difficulty: int = Field(5, ge=1, description="task difficulty (arith: operations, "
                                                  "countdown: numbers)")
     prompt_file: str | None = Field(None, description="jsonl of prompts; null = generate the "
@@ -163,6 +164,9 @@ class RunConfig(Strict):
         if grouped and self.rollout.temperature == 0:
             raise ValueError("rollout.temperature=0 makes every sample of a group identical, so "
                              "group advantages are all zero; set rollout.temperature>0")
+        if self.data.task == "math" and not (self.data.prompt_file and self.model.path):
+            raise ValueError("data.task=math has no built-in problems or model; set "
+                             "data.prompt_file (a jsonl of prompt/answer rows) and model.path")
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")

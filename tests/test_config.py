@@ -49,6 +49,8 @@ def test_impossible_combinations_explain_the_fix():
         load_config(None, ["rollout.temperature=0"])
     with pytest.raises(ConfigError, match=r"algo.minibatches=5 must divide the 24 rollouts"):
         load_config(None, ["train.prompts_per_step=3", "algo.minibatches=5"])
+    with pytest.raises(ConfigError, match=r"data.task=math has no built-in problems"):
+        load_config(None, ["data.task=math"])
     with pytest.raises(ConfigError, match=r"staleness=2 needs plan.schedule=async"):
         load_config(None, ["plan.staleness=2"])
 

@@ -14,6 +14,7 @@ from rlloom.data.synthetic import Problem, generate
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "arith": {"answer": (str, int)},
     "countdown": {"numbers": list, "target": int},
+    "math": {"answer": (str, int, float)},
 }
 
 
@@ -43,7 +44,7 @@ def _row_to_problem(row: Any, task: str, where: str) -> Problem:
                             f"task {task!r} needs {getattr(kind, '__name__', kind)}")
     if task == "countdown" and not all(isinstance(n, int) for n in row["numbers"]):
         raise DataError(f"{where}: field 'numbers' must be a list of integers")
-    answer = str(row["answer"] if task == "arith" else row["target"])
+    answer = str(row["target"] if task == "countdown" else row["answer"])
     meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
     return Problem(prompt=prompt, answer=answer, solution=str(row.get("solution", "")),
                    meta=meta)

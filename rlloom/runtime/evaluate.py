@@ -5,7 +5,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
-from rlloom.rewards.synthetic import score
+from rlloom.rewards.tasks import verify
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import decode_responses, encode
@@ -24,5 +24,5 @@ def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problem
         rollout = generate(model, prompts, params,
                            tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts = decode_responses(tokenizer, rollout)
-        correct += sum(score(p, t, task).correct for p, t in zip(chunk, texts))
+        correct += sum(verify(p, t, task)[1] for p, t in zip(chunk, texts))
     return correct / len(problems)

@@ -18,7 +18,7 @@ from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
-from rlloom.rewards.synthetic import score
+from rlloom.rewards.tasks import verify
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import decode_responses, encode, response_logprobs, response_values
@@ -47,10 +47,10 @@ class Experience:
 
 def score_texts(problems: list[Problem], group_ids: torch.Tensor, texts: list[str], task: str,
                 format_reward: float) -> tuple[torch.Tensor, torch.Tensor]:
-    results = [score(problems[g], text, task, format_reward)
+    results = [verify(problems[g], text, task, format_reward)
                for g, text in zip(group_ids.tolist(), texts)]
-    return (torch.tensor([s.reward for s in results]),
-            torch.tensor([s.correct for s in results]))
+    return (torch.tensor([reward for reward, _ in results]),
+            torch.tensor([correct for _, correct in results]))
 
 
 def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
