@@ -37,13 +37,15 @@ class ModelSection(Strict):
 
 
 class DataSection(Strict):
-    task: Literal["arith", "countdown", "math"] = Field(
-        "arith", description="task, which selects the verifier: arith and countdown are "
+    task: Literal["arith", "countdown", "code", "math"] = Field(
+        "arith", description="task, which selects the verifier: arith, countdown and code are "
         "built in; math needs data.prompt_file (prompt, answer rows)")
     difficulty: int = Field(5, ge=1, description="task difficulty (arith: operations, "
                                                  "countdown: numbers)")
-    prompt_file: str | None = Field(None, description="jsonl of prompts; null = generate the "
-                                                      "built-in task")
+    prompt_file: str | None = Field(None, description="prompts: a .jsonl or .parquet file or a "
+                                    "datasets save_to_disk directory; null = the built-in task")
+    columns: dict[str, str] = Field(default_factory=dict, description="field -> column name in "
+                                    "the prompt file, e.g. {prompt: question, answer: gt}")
     train_size: int = Field(20000, ge=1, description="generated training problems")
     eval_size: int = Field(200, ge=1, description="held-out problems for greedy evaluation")
     preference_file: str | None = Field(None, description="jsonl of prompt/chosen/rejected "
@@ -92,7 +94,6 @@ class AlgoSection(Strict):
     value_clip: float | None = Field(0.2, gt=0, description="value clip around old values; "
                                      "null = off")
     critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (separate critic)")
-    format_reward: float = Field(0.0, ge=0, description="extra reward for a well-formed answer")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal "
                                    "and generate more (DAPO)")
     max_sample_rounds: int = Field(3, ge=1, description="dynamic sampling: generation rounds "
@@ -111,6 +112,30 @@ class AlgoSection(Strict):
         if isinstance(data, dict) and data.get("name", "grpo") in PRESETS:
             return {**PRESETS[data.get("name", "grpo")].overrides, **data}
         return data
+
+
+REWARD_TERMS = ("correct", "format", "model")
+
+
+class RewardSection(Strict):
+    """The reward is a weighted sum of terms, each logged as reward/<term>."""
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {"correct": 1.0},
+        description="term -> weight; terms: correct (verifier: 1/0, or the fraction of unit "
+                    "tests passed), format (well-formed final answer), model (reward model)")
+    model_path: str | None = Field(None, description="reward model checkpoint (a *ForSequence"
+                                   "Classification with one label, same tokenizer as the policy)")
+    sandbox_workers: int = Field(2, ge=1, description="parallel programs for the code task")
+
+    @model_validator(mode="after")
+    def _known_terms(self) -> "RewardSection":
+        unknown = set(self.weights) - set(REWARD_TERMS)
+        if unknown:
+            raise ValueError(f"reward.weights has unknown terms {sorted(unknown)}; terms are "
+                             f"{', '.join(REWARD_TERMS)}")
+        if "model" in self.weights and not self.model_path:
+            raise ValueError("reward.weights.model needs reward.model_path (a reward model)")
+        return self
 
 
 class TrainSection(Strict):
@@ -147,6 +172,7 @@ class RunConfig(Strict):
     data: DataSection = Field(default_factory=DataSection, description="prompts and task")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="generation")
     algo: AlgoSection = Field(default_factory=AlgoSection, description="RL algorithm")
+    reward: RewardSection = Field(default_factory=RewardSection, description="reward terms")
     train: TrainSection = Field(default_factory=TrainSection, description="optimisation")
     eval: EvalSection = Field(default_factory=EvalSection, description="held-out evaluation")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection,

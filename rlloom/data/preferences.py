@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlloom.data.prompts import DataError, read_jsonl
+from rlloom.data.row_files import DataError, read_jsonl
 
 
 @dataclass(frozen=True)

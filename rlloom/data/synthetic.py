@@ -5,6 +5,8 @@ Tasks:
   single-digit integers, e.g. prompt ``Q:7+5-8=``, solution ``7+5=12,12-8=4.A:4``.
   Single digits keep the per-step arithmetic learnable by a tiny model in a minute of
   SFT; the number of steps is what makes it hard.
+- ``code``: write ``f`` from three input/output examples, checked by unit tests in the
+  sandbox, e.g. prompt ``F:f(1)=5,f(2)=7,f(3)=9?``, solution ``def f(x): return 2*x+3``.
 - ``countdown``: reach a target in 1..200 using each of ``difficulty`` numbers
   exactly once with + - * /, e.g. prompt ``C:3,7,25=28?``, solution ``A:25+3``.
   Numbers are drawn from 1..20 for difficulty <= 3 and from 1..50 above, so
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import operator
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -25,9 +27,10 @@ class Problem:
     answer: str  # canonical final answer string
     solution: str  # one correct response, ending with the answer line, no EOS
     meta: dict  # task-specific data used by the reward functions
+    source: str = field(default="", compare=False)  # "file:line" of a prompt-file row
 
 
-_DIFFICULTY = {"arith": (1, 6), "countdown": (2, 5)}
+_DIFFICULTY = {"arith": (1, 6), "countdown": (2, 5), "code": (1, 3)}
 _TARGET_RANGE = (1, 200)
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 # Floor division is exact here because "/" is only chosen when it divides evenly.
@@ -100,7 +103,29 @@ def _countdown(rng: random.Random, difficulty: int) -> Problem:
             )
 
 
+def _code(rng: random.Random, difficulty: int) -> Problem:
+    """Write `f` from examples: f(x) = x+b with b in 0..99 (1), a*x+b (2) or x*x+b*x+c (3)
+    with a in 1..20 and b, c in 0..50: 100, 1020 and 2601 distinct functions.
+
+    Three examples are shown; the tests also check two unseen inputs, so copying the examples
+    into a lookup table does not pass.
+    """
+    _check_difficulty("code", difficulty)
+    a, b, c = rng.randint(1, 20), rng.randint(0, 99 if difficulty == 1 else 50), rng.randint(0, 50)
+    body = {1: f"x+{b}", 2: f"{a}*x+{b}", 3: f"x*x+{b}*x+{c}"}[difficulty]
+    shown, hidden = [1, 2, 3], [rng.randint(5, 9), rng.randint(10, 20)]
+
+    def f(x: int) -> int:
+        return {1: x + b, 2: a * x + b, 3: x * x + b * x + c}[difficulty]
+
+    tests = [f"assert f({x}) == {f(x)}" for x in shown + hidden]
+    return Problem(prompt="F:" + ",".join(f"f({x})={f(x)}" for x in shown) + "?",
+                   answer="", solution=f"def f(x): return {body}",
+                   meta={"tests": tests})
+
+
 TASKS: dict[str, Callable[[random.Random, int], Problem]] = {
+    "code": _code,
     "arith": _arith,
     "countdown": _countdown,
 }

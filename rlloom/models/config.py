@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 FAMILY_TO_ARCH = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+# The same families with one scalar output: reward models and critics.
+SCORING_ARCHITECTURES = {arch.replace("ForCausalLM", "ForSequenceClassification"): family
+                         for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -60,12 +63,13 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         archs = hf.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
-                      None)
+        known = {**SUPPORTED_ARCHITECTURES, **SCORING_ARCHITECTURES}
+        family = next((known[a] for a in archs if a in known), None)
         if family is None:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; rlloom supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (and their *ForSequenceClassification "
+                "forms with one label as reward models)")
         heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":

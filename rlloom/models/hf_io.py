@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlloom.models.config import ModelConfig
+from rlloom.models.heads import ValueModel
 from rlloom.models.transformer import CausalLM
 
 
@@ -50,21 +52,39 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Build rlloom's model from a checkpoint directory and load its weights."""
-    path = Path(path)
-    cfg = _read_config(path)
-    model = CausalLM(cfg)
+def _load_into(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
     state = _read_state(path)
+    cfg = model.config
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
-        raise CheckpointError(f"weights in {path} do not match the {cfg.family} architecture: "
-                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise CheckpointError(f"weights in {path} do not match a {cfg.family} "
+                              f"{type(model).__name__}: missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict(state, strict=False)
-    return model.to(dtype)
+    model.to(dtype)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build rlloom's language model from a checkpoint directory and load its weights."""
+    model = CausalLM(_read_config(Path(path)))
+    _load_into(model, Path(path), dtype)
+    return model
+
+
+def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> ValueModel:
+    """A reward model / critic: a `*ForSequenceClassification` checkpoint with one label."""
+    path = Path(path)
+    cfg = _read_config(path)
+    labels = json.loads((path / "config.json").read_text()).get("id2label", {"0": ""})
+    if len(labels) != 1:
+        raise CheckpointError(f"{path} has {len(labels)} labels; a reward model has one scalar "
+                              "output (num_labels=1)")
+    model = ValueModel(cfg)
+    _load_into(model, path, dtype)
+    return model
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:

@@ -1,32 +1,57 @@
-"""The verifier of each task name: the one place the runtime turns a response into a reward."""
+"""Reward terms of each task, computed for a whole batch of responses.
+
+Every task yields the terms "correct" (1/0, or the fraction of unit tests passed for code) and
+"format" (1 when the final answer is well-formed); the run's `reward.weights` combine terms
+into the reward, and each term is logged on its own.
+"""
 from __future__ import annotations
 
+import ast
 from typing import Callable
 
 from rlloom.data.synthetic import Problem
 from rlloom.rewards import math, synthetic
+from rlloom.rewards.sandbox import SandboxPool
 
-# fn(problem, response, format_weight) -> (reward, correct)
-Verifier = Callable[[Problem, str, float], tuple[float, bool]]
-
-
-def _synthetic(task: str) -> Verifier:
-    def verify(problem: Problem, response: str, format_weight: float) -> tuple[float, bool]:
-        s = synthetic.score(problem, response, task, format_weight)
-        return s.reward, s.correct
-    return verify
+Terms = dict[str, list[float]]
 
 
-def _math(problem: Problem, response: str, format_weight: float) -> tuple[float, bool]:
-    s = math.score_math(response, problem.answer, format_weight)
-    return s.reward, s.correct
+def _synthetic(task: str) -> Callable[[list[Problem], list[str], SandboxPool | None], Terms]:
+    def terms(problems: list[Problem], responses: list[str], _: SandboxPool | None) -> Terms:
+        scores = [synthetic.score(p, r, task) for p, r in zip(problems, responses)]
+        return {"correct": [float(s.correct) for s in scores],
+                "format": [float(s.formatted) for s in scores]}
+    return terms
 
 
-VERIFIERS: dict[str, Verifier] = {"arith": _synthetic("arith"),
-                                  "countdown": _synthetic("countdown"), "math": _math}
+def _math(problems: list[Problem], responses: list[str], _: SandboxPool | None) -> Terms:
+    scores = [math.score_math(r, p.answer) for p, r in zip(problems, responses)]
+    return {"correct": [float(s.correct) for s in scores],
+            "format": [float(s.formatted) for s in scores]}
 
 
-def verify(problem: Problem, response: str, task: str, format_weight: float = 0.0
-           ) -> tuple[float, bool]:
-    """(reward, correct) of `response` to `problem` under the task's verifier."""
-    return VERIFIERS[task](problem, response, format_weight)
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+def _code(problems: list[Problem], responses: list[str], pool: SandboxPool | None) -> Terms:
+    if pool is None:
+        raise ValueError("the code task needs a SandboxPool to run the programs")
+    results = pool.map([(r, p.meta["tests"]) for p, r in zip(problems, responses)])
+    return {"correct": [res.fraction for res in results],
+            "format": [float(_parses(r)) for r in responses]}
+
+
+TASK_TERMS: dict[str, Callable[[list[Problem], list[str], SandboxPool | None], Terms]] = {
+    "arith": _synthetic("arith"), "countdown": _synthetic("countdown"), "math": _math,
+    "code": _code}
+
+
+def task_terms(problems: list[Problem], responses: list[str], task: str,
+               pool: SandboxPool | None = None) -> Terms:
+    """Reward terms of `responses[i]` to `problems[i]` under the task's verifier."""
+    return TASK_TERMS[task](problems, responses, pool)

@@ -11,8 +11,15 @@ from rlloom.rollout.generate import Rollout
 from rlloom.rollout.sampling import policy_logprobs
 
 
-def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
-    return [tokenizer(t)["input_ids"] for t in texts]
+def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt, as a user turn of the tokenizer's chat template when it has
+    one (instruction-tuned checkpoints expect it), else as plain text."""
+    if tokenizer.chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                              add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"]
+                for p in prompts]
+    return [tokenizer(p)["input_ids"] for p in prompts]
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
@@ -53,3 +60,10 @@ def response_values(critic: ValueModel, r: Rollout) -> torch.Tensor:
     """Critic values [n, T] of the state before each response token."""
     ids, mask, span = _joined(r)
     return critic(ids, mask)[:, span]
+
+
+def sequence_scores(model: ValueModel, r: Rollout) -> torch.Tensor:
+    """A reward model's score [n] of each prompt + response, read at the last response token."""
+    ids, mask, _ = _joined(r)
+    last = r.prompt_ids.shape[1] + r.response_lengths - 1
+    return model(ids, mask).gather(1, last[:, None]).squeeze(1)

@@ -54,7 +54,7 @@ def warm_start(cfg: RunConfig, out: Path) -> Path:
         model = CausalLM(tiny_model_config(cfg, len(tokenizer)))
         model.init_weights(seed=cfg.seed)
     if cfg.data.prompt_file:
-        problems = read_prompt_file(cfg.data.prompt_file, cfg.data.task)
+        problems = read_prompt_file(cfg.data.prompt_file, cfg.data.task, cfg.data.columns)
     else:
         problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
                             difficulty=cfg.data.difficulty)

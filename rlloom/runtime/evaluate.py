@@ -5,7 +5,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
-from rlloom.rewards.tasks import verify
+from rlloom.rewards.sandbox import SandboxPool
+from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import decode_responses, encode
@@ -14,8 +15,8 @@ EVAL_BATCH = 256
 
 
 def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                    task: str, max_new_tokens: int) -> float:
-    """Fraction of problems whose greedy response is correct."""
+                    task: str, max_new_tokens: int, pool: SandboxPool | None = None) -> float:
+    """Fraction of problems whose greedy response gets the verifier's full marks."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     correct = 0
     for start in range(0, len(problems), EVAL_BATCH):
@@ -23,6 +24,6 @@ def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problem
         prompts = encode(tokenizer, [p.prompt for p in chunk])
         rollout = generate(model, prompts, params,
                            tokenizer.eos_token_id, tokenizer.pad_token_id)
-        texts = decode_responses(tokenizer, rollout)
-        correct += sum(verify(p, t, task)[1] for p, t in zip(chunk, texts))
+        terms = task_terms(chunk, decode_responses(tokenizer, rollout), task, pool)
+        correct += sum(c >= 1.0 for c in terms["correct"])
     return correct / len(problems)

@@ -17,8 +17,8 @@ def pair_batch(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair]) 
     """Chosen responses in rows [0, n), rejected in [n, 2n), each ending with EOS."""
     prompts = encode(tokenizer, [p.prompt for p in pairs]) * 2
     eos = tokenizer.eos_token_id
-    responses = [ids + [eos] for ids in encode(tokenizer, [p.chosen for p in pairs] +
-                                               [p.rejected for p in pairs])]
+    texts = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
     p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
     r_ids, r_mask = right_pad(responses, tokenizer.pad_token_id)
     return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),

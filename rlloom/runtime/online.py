@@ -2,6 +2,7 @@
 online preset (the estimator, loss and KL placement come from the registries by name)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,17 @@ from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
-from rlloom.rewards.tasks import verify
+from rlloom.rewards.sandbox import SandboxPool
+from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.batch import decode_responses, encode, response_logprobs, response_values
+from rlloom.runtime.batch import (
+    decode_responses,
+    encode,
+    response_logprobs,
+    response_values,
+    sequence_scores,
+)
 
 
 @dataclass
@@ -30,9 +38,42 @@ class Samples:
     problems: list[Problem]
     rollout: Rollout
     group_ids: torch.Tensor     # [n] index into `problems`
-    scores: torch.Tensor        # [n] verifier reward
-    correct: torch.Tensor       # [n] bool
+    terms: dict[str, torch.Tensor]  # reward term -> [n]
+    scores: torch.Tensor        # [n] weighted sum of the terms
     rounds: int = 1             # generation rounds it took (dynamic sampling)
+    score_s: float = 0.0        # seconds spent computing rewards (part of Assessment)
+
+    @property
+    def correct(self) -> torch.Tensor:
+        """[n] bool: the verifier's full marks."""
+        return self.terms["correct"] >= 1.0
+
+
+class Rewarder:
+    """Reward terms of responses: the task's verifier (with a sandbox pool for code) and an
+    optional reward model, combined by `reward.weights`."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                 reward_model: ValueModel | None, pool: SandboxPool | None) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.reward_model, self.pool = reward_model, pool
+
+    def terms(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
+              ) -> dict[str, torch.Tensor]:
+        texts = decode_responses(self.tokenizer, rollout)
+        per_sample = [problems[g] for g in group_ids.tolist()]
+        terms = {k: torch.tensor(v) for k, v in
+                 task_terms(per_sample, texts, self.cfg.data.task, self.pool).items()}
+        if self.reward_model is not None:
+            with torch.no_grad():
+                terms["model"] = sequence_scores(self.reward_model, rollout).float()
+        return terms
+
+    def score(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
+              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        terms = self.terms(problems, group_ids, rollout)
+        total = sum(w * terms[k] for k, w in self.cfg.reward.weights.items())
+        return terms, total
 
 
 @dataclass
@@ -45,68 +86,60 @@ class Experience:
     returns: torch.Tensor           # [n, T]
 
 
-def score_texts(problems: list[Problem], group_ids: torch.Tensor, texts: list[str], task: str,
-                format_reward: float) -> tuple[torch.Tensor, torch.Tensor]:
-    results = [verify(problems[g], text, task, format_reward)
-               for g, text in zip(group_ids.tolist(), texts)]
-    return (torch.tensor([reward for reward, _ in results]),
-            torch.tensor([correct for _, correct in results]))
-
-
 def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                  cfg: RunConfig, generator: torch.Generator) -> Samples:
+                  cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
     r, k = cfg.rollout, cfg.rollout.n_samples
     prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
     rollout = generate(policy, prompts, SamplingParams(r.max_new_tokens, r.temperature, r.top_p,
                                                        r.top_k),
                        tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
     group_ids = torch.arange(len(problems)).repeat_interleave(k)
-    scores, correct = score_texts(problems, group_ids, decode_responses(tokenizer, rollout),
-                                  cfg.data.task, cfg.algo.format_reward)
-    return Samples(problems, rollout, group_ids, scores, correct)
+    t0 = time.perf_counter()
+    terms, scores = rewarder.score(problems, group_ids, rollout)
+    return Samples(problems, rollout, group_ids, terms, scores,
+                   score_s=time.perf_counter() - t0)
 
 
 def collect(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
-            cfg: RunConfig, generator: torch.Generator) -> Samples:
+            cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
     """B prompts x K samples; with dynamic sampling, groups whose rewards are all equal are
     dropped and fresh prompts generated, for at most `algo.max_sample_rounds` rounds."""
     b = cfg.train.prompts_per_step
-    first = sample_groups(policy, tokenizer, stream.next(b), cfg, generator)
+    first = sample_groups(policy, tokenizer, stream.next(b), cfg, rewarder, generator)
     if not cfg.algo.dynamic_sampling:
         return first
     kept: list[Samples] = []
-    batch, rounds = first, 1
+    batch, rounds, score_s = first, 1, first.score_s
     while True:
         keep = groups_with_signal(batch.scores, batch.group_ids)
         groups = batch.group_ids[keep].unique().tolist()
         kept += [_group(batch, g) for g in groups]
         if len(kept) >= b or rounds == cfg.algo.max_sample_rounds:
             break
-        batch = sample_groups(policy, tokenizer, stream.next(b), cfg, generator)
+        batch = sample_groups(policy, tokenizer, stream.next(b), cfg, rewarder, generator)
+        score_s += batch.score_s
         rounds += 1
     kept = kept[:b] or [_group(first, g) for g in range(b)]  # nothing learnable: keep round 1
     return Samples([s.problems[0] for s in kept],
                    cat_rollouts([s.rollout for s in kept], tokenizer.pad_token_id),
                    torch.arange(len(kept)).repeat_interleave(cfg.rollout.n_samples),
-                   torch.cat([s.scores for s in kept]), torch.cat([s.correct for s in kept]),
-                   rounds)
+                   {k: torch.cat([s.terms[k] for s in kept]) for k in first.terms},
+                   torch.cat([s.scores for s in kept]), rounds, score_s)
 
 
 def _group(s: Samples, g: int) -> Samples:
     idx = (s.group_ids == g).nonzero().squeeze(1)
     return Samples([s.problems[g]], s.rollout.select(idx), torch.zeros(len(idx), dtype=torch.long),
-                   s.scores[idx], s.correct[idx])
+                   {k: v[idx] for k, v in s.terms.items()}, s.scores[idx])
 
 
 def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,
-                    cfg: RunConfig) -> torch.Tensor:
+                    cfg: RunConfig, rewarder: Rewarder) -> torch.Tensor:
     """ReMax: the reward of each prompt's greedy response, per sample [n]."""
     rollout = generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
                        SamplingParams(cfg.rollout.max_new_tokens, 0.0),
                        tokenizer.eos_token_id, tokenizer.pad_token_id)
-    groups = torch.arange(len(s.problems))
-    scores, _ = score_texts(s.problems, groups, decode_responses(tokenizer, rollout),
-                            cfg.data.task, cfg.algo.format_reward)
+    _, scores = rewarder.score(s.problems, torch.arange(len(s.problems)), rollout)
     return scores[s.group_ids]
 
 

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad
-from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.batch import encode, response_logprobs
 from rlloom.runtime.progress import progress_bar
 
 
@@ -52,9 +52,9 @@ def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     with progress_bar("sft", steps) as bar:
         for _ in range(steps):
             batch = rng.sample(problems, batch_size)
-            p_ids, p_mask = left_pad([tokenizer(p.prompt)["input_ids"] for p in batch], pad)
-            r_ids, r_mask = right_pad([tokenizer(p.solution)["input_ids"] + [eos] for p in batch],
-                                      pad)
+            p_ids, p_mask = left_pad(encode(tokenizer, [p.prompt for p in batch]), pad)
+            r_ids, r_mask = right_pad([tokenizer(p.solution, add_special_tokens=False)["input_ids"]
+                                       + [eos] for p in batch], pad)
             seqs = Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
                            torch.ones(len(batch), dtype=torch.bool))
             logp, _, _ = response_logprobs(model, seqs, temperature=1.0)

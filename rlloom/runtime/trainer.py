@@ -19,7 +19,14 @@ from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, PromptStream, load_prompt_sets
 from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
+from rlloom.models.hf_io import (
+    CheckpointError,
+    load_model,
+    load_tokenizer,
+    load_value_model,
+    save_checkpoint,
+)
+from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.batch import encode
 from rlloom.runtime.checkpoint import load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
@@ -27,7 +34,7 @@ from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.evaluate import greedy_accuracy
 from rlloom.runtime.metrics import MetricsLog
 from rlloom.runtime.offline import preference_step
-from rlloom.runtime.online import assess, behaviour_kl, collect, greedy_baseline, optimise
+from rlloom.runtime.online import Rewarder, assess, behaviour_kl, collect, greedy_baseline, optimise
 from rlloom.runtime.plots import plot_run
 from rlloom.runtime.progress import progress_bar
 from rlloom.runtime.tracing import Tracer
@@ -57,9 +64,10 @@ def check_prompt_lengths(tokenizer: PreTrainedTokenizerBase, problems: list[Prob
     too_long = [(i, n) for i, n in enumerate(lengths) if n > limit]
     if too_long:
         i, n = too_long[0]
-        raise DataError(f"{source}: {len(too_long)} prompts exceed data.max_prompt_tokens="
-                        f"{limit} (prompt #{i} has {n} tokens: {problems[i].prompt[:40]!r}...); "
-                        "raise data.max_prompt_tokens or shorten the prompts")
+        where = problems[i].source or f"{source} prompt #{i}"
+        raise DataError(f"{where}: prompt has {n} tokens, more than data.max_prompt_tokens="
+                        f"{limit} ({len(too_long)} prompts of {source} do); raise "
+                        "data.max_prompt_tokens or shorten the prompts")
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -93,11 +101,20 @@ class Trainer:
         needs_reference = a.kl_coef > 0 or a.kl_target is not None or not self.preset.online
         self.reference = (load_model(model_path, dtype).eval().requires_grad_(False)
                           if needs_reference else None)
+        reward_model = (load_value_model(cfg.reward.model_path, dtype).eval()
+                        .requires_grad_(False) if cfg.reward.model_path else None)
+        if reward_model is not None and reward_model.config.vocab_size != len(self.tokenizer):
+            raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary of "
+                                  f"{reward_model.config.vocab_size}, the policy's tokenizer "
+                                  f"{len(self.tokenizer)}; they must share the tokenizer")
+        self.pool = (SandboxPool(cfg.reward.sandbox_workers) if cfg.data.task == "code"
+                     else None)
+        self.rewarder = Rewarder(cfg, self.tokenizer, reward_model, self.pool)
         self.kl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
                    if a.kl_target is not None else FixedKLController(a.kl_coef))
         d = cfg.data
         sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
-                                d.prompt_file, d.eval_fraction)
+                                d.prompt_file, d.eval_fraction, d.columns)
         source = d.prompt_file or f"built-in task {d.task}"
         check_prompt_lengths(self.tokenizer, sets.train + sets.eval, d.max_prompt_tokens, source)
         self.eval_set = sets.eval
@@ -152,15 +169,16 @@ class Trainer:
     def evaluate(self) -> float:
         with self.tracer.span("eval", self.step, "eval"):
             acc = greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg.data.task,
-                                  self.cfg.eval.max_new_tokens)
+                                  self.cfg.eval.max_new_tokens, self.pool)
         self.eval_history.append((self.step, acc))
         return acc
 
     def online_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         with self.tracer.span("generation", step, "actor") as gen:
-            samples = collect(self.policy, self.tokenizer, self.stream, cfg, self.sample_gen)
-            baseline = (greedy_baseline(self.policy, self.tokenizer, samples, cfg)
+            samples = collect(self.policy, self.tokenizer, self.stream, cfg, self.rewarder,
+                              self.sample_gen)
+            baseline = (greedy_baseline(self.policy, self.tokenizer, samples, cfg, self.rewarder)
                         if cfg.algo.advantage == "remax" else None)
         with self.tracer.span("assessment", step, "reference+reward+critic") as ass:
             exp = assess(samples, self.reference, self.critic or
@@ -171,12 +189,16 @@ class Trainer:
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen)
         kl_now = behaviour_kl(exp)
         row = {"reward": samples.scores.mean().item(),
+               **{f"reward/{k}": v.float().mean().item() for k, v in samples.terms.items()},
                "accuracy": samples.correct.float().mean().item(),
                "response_len": samples.rollout.response_lengths.float().mean().item(),
                "truncated": (~samples.rollout.finished).float().mean().item(),
                "kl": stats.pop("kl", kl_now), "kl_coef": self.kl.value,
                "sample_rounds": samples.rounds, **stats,
-               "gen_s": gen.seconds, "assess_s": ass.seconds, "train_s": tr.seconds}
+               # rewards are computed as samples finish (dynamic sampling needs them): they are
+               # Assessment work even though they run inside the generation span
+               "gen_s": gen.seconds - samples.score_s,
+               "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds}
         self.kl.update(kl_now, len(samples.scores))
         return row
 
@@ -228,4 +250,8 @@ def train(cfg: RunConfig, resume_dir: Path | None = None) -> dict[str, float]:
     if resume_dir is not None and trainer.resume():
         print(f"resuming {run_dir} at step {trainer.step}")
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        if trainer.pool is not None:
+            trainer.pool.close()

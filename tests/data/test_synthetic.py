@@ -6,7 +6,7 @@ import pytest
 from rlloom.data.synthetic import TASKS, Problem, generate
 from rlloom.rewards.expr import evaluate, numbers_used
 
-RANGES = {"arith": range(1, 7), "countdown": range(2, 6)}
+RANGES = {"arith": range(1, 7), "countdown": range(2, 6), "code": range(1, 4)}
 
 
 class ScriptedRandom(random.Random):
@@ -24,7 +24,26 @@ class ScriptedRandom(random.Random):
 
 
 def test_registry_names() -> None:
-    assert sorted(TASKS) == ["arith", "countdown"]
+    assert sorted(TASKS) == ["arith", "code", "countdown"]
+
+
+def test_code_hand_built() -> None:
+    # draws: a=3, b=7, c=1, then the unseen inputs 6 and 12; f(x) = 3x + 7
+    p = TASKS["code"](ScriptedRandom([3, 7, 1, 6, 12], []), 2)
+    assert p.prompt == "F:f(1)=10,f(2)=13,f(3)=16?"
+    assert p.solution == "def f(x): return 3*x+7"
+    assert p.meta["tests"] == ["assert f(1) == 10", "assert f(2) == 13", "assert f(3) == 16",
+                               "assert f(6) == 25", "assert f(12) == 43"]
+
+
+def test_code_solutions_pass_their_tests_in_the_sandbox() -> None:
+    from rlloom.rewards.sandbox import SandboxPool
+    from rlloom.rewards.tasks import task_terms
+
+    problems = [p for d in RANGES["code"] for p in generate("code", 10, seed=d, difficulty=d)]
+    with SandboxPool(workers=2) as pool:
+        terms = task_terms(problems, [p.solution for p in problems], "code", pool)
+    assert terms == {"correct": [1.0] * 30, "format": [1.0] * 30}
 
 
 def test_arith_hand_built() -> None:

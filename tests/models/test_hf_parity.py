@@ -84,3 +84,36 @@ def test_saved_checkpoint_round_trips_and_loads_in_transformers(tmp_path):
     tok = load_tokenizer(tmp_path / "out")
     assert tok.decode(tok("Q:7+5=")["input_ids"]) == "Q:7+5="
     assert not list(tmp_path.glob(".out.*"))   # no temporary directory left behind
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_reward_model_matches_sequence_classification(tmp_path, family):
+    from rlloom.models.hf_io import load_value_model
+
+    cfg_cls, _, extra = FAMILIES[family]
+    cls = {"llama": transformers.LlamaForSequenceClassification,
+           "qwen2": transformers.Qwen2ForSequenceClassification,
+           "qwen3": transformers.Qwen3ForSequenceClassification}[family]
+    cfg = cfg_cls(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0,
+                  **extra)
+    torch.manual_seed(0)
+    hf = cls(cfg).float().eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_value_model(tmp_path).eval()
+    ids = torch.randint(1, 97, (3, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[:, 0]      # score at the last (non-pad) token
+        got = ours(ids)[:, -1]
+    assert (got - ref).abs().max() < 1e-4
+
+
+def test_reward_model_with_several_labels_is_refused(tmp_path):
+    from rlloom.models.hf_io import load_value_model
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2, num_labels=3,
+                                   pad_token_id=0)
+    transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="3 labels; a reward model has one"):
+        load_value_model(tmp_path)

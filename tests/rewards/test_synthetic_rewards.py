@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from rlloom.data.synthetic import TASKS, Problem, generate
+from rlloom.data.synthetic import Problem, generate
 from rlloom.rewards.synthetic import Score, score
 
 ARITH = Problem("Q:17+25-8=", "34", "17+25=42,42-8=34.A:34", {"expression": "17+25-8"})
@@ -11,7 +11,7 @@ CD46 = Problem("C:3,7,25=46?", "46", "A:25+3*7", {"numbers": [3, 7, 25], "target
 CD_DUP = Problem("C:4,4,2=4?", "4", "A:4*2-4", {"numbers": [4, 4, 2], "target": 4})
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("task", ["arith", "countdown"])  # code is scored by the sandbox
 def test_every_generated_solution_scores_full(task: str) -> None:
     lo, hi = {"arith": (1, 6), "countdown": (2, 5)}[task]
     for difficulty in range(lo, hi + 1):

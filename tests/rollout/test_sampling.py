@@ -34,3 +34,14 @@ def test_logprob_is_of_the_tempered_untruncated_policy():
     _, lp = sample(LOGITS, SamplingParams(temperature=2.0, top_k=1), None)
     tempered = torch.log_softmax(LOGITS / 2.0, -1)
     assert math.isclose(lp.item(), tempered[0, 0].item(), rel_tol=1e-6)
+
+
+def test_prompts_use_the_chat_template_when_the_tokenizer_has_one():
+    from rlloom.models.tokenizer import build_char_tokenizer
+    from rlloom.runtime.batch import encode
+
+    tok = build_char_tokenizer()
+    assert tok.decode(encode(tok, ["Q:1+1="])[0]) == "Q:1+1="
+    tok.chat_template = ("{% for m in messages %}U:{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}|R:{% endif %}")
+    assert tok.decode(encode(tok, ["Q:1+1="])[0]) == "U:Q:1+1=|R:"

@@ -57,7 +57,8 @@ def test_prompt_longer_than_limit(tmp_path, tiny, capsys):
     f = _prompt_file(tmp_path, rows)
     run = tmp_path / "run"
     _fails(["train", *tiny, f"data.prompt_file={f}", "data.max_prompt_tokens=32",
-            f"run_dir={run}"], capsys, "1 prompts exceed data.max_prompt_tokens=32")
+            f"run_dir={run}"], capsys, "prompts.jsonl:6: prompt has 84 tokens, more than "
+            "data.max_prompt_tokens=32")
     assert not run.exists()
 
 

@@ -3,13 +3,14 @@ import json
 
 from rlloom.cli import main
 from rlloom.data.synthetic import Problem
-from rlloom.rewards.tasks import verify
+from rlloom.rewards.tasks import task_terms
 
 
-def test_math_verifier_by_task_name():
+def test_math_terms_by_task_name():
     p = Problem(prompt="What is 1/2 + 1/4?", answer="\\frac{3}{4}", solution="", meta={})
-    assert verify(p, "We add: the answer is $\\boxed{0.75}$", "math") == (1.0, True)
-    assert verify(p, "\\boxed{0.7}", "math", format_weight=0.1) == (0.1, False)
+    terms = task_terms([p, p, p], ["We add: the answer is $\\boxed{0.75}$", "\\boxed{0.7}",
+                                   "no idea"], "math")
+    assert terms == {"correct": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]}
 
 
 def test_train_on_a_math_prompt_file(tmp_path, tiny, capsys):
