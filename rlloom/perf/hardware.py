@@ -1,0 +1,85 @@
+"""Device descriptions: peak rates, memory, links, price. A catalogue plus JSON load/save for a
+measured machine (written by `rlloom bench hw`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+GB = 1e9
+TB = 1e12
+GIB = 2**30
+IB_400G = 50 * GB  # one 400 Gb/s NIC per GPU, per direction
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator type and the links around it. Bandwidths are per direction, per device."""
+    name: str
+    peak_flops: dict[str, float]  # dense (no sparsity) FLOP/s per dtype: "bf16", "fp32"
+    mem_gib: float
+    mem_bw: float  # HBM bytes/s
+    intra_node_bw: float  # bytes/s one device can push to its peers (NVLink / Infinity Fabric)
+    inter_node_bw: float  # bytes/s one device can push across nodes (its NIC)
+    devices_per_node: int = 8
+    intra_node_latency: float = 5e-6  # s per collective step; NVLink hops are a few µs
+    inter_node_latency: float = 1e-5  # s per collective step over InfiniBand / RoCE
+    price_per_hour: float = 0.0  # USD per device-hour, indicative on-demand cloud price
+    # Fractions of peak that real kernels reach; defaults are typical large-GEMM MFU and
+    # streaming-read bandwidth, to be replaced by calibrated values from measured runs.
+    compute_eff: float = 0.5
+    mem_eff: float = 0.8
+    comm_eff: float = 0.8
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mem_bytes(self) -> float:
+        return self.mem_gib * GIB
+
+    def flops(self, dtype: str = "bf16") -> float:
+        """Achievable FLOP/s (peak times compute_eff)."""
+        return self.peak_flops[dtype] * self.compute_eff
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """Read a Hardware written by `Hardware.save` (unknown keys are an error)."""
+    return Hardware(**json.loads(Path(path).read_text()))
+
+
+def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, hbm_tbs: float,
+         link_gbs: float, price: float) -> Hardware:
+    return Hardware(name, {"bf16": bf16_tflops * TB, "fp32": fp32_tflops * TB},
+                    mem_gib=mem_gb, mem_bw=hbm_tbs * TB, intra_node_bw=link_gbs * GB,
+                    inter_node_bw=IB_400G, price_per_hour=price)
+
+
+# Vendor datasheets (dense, not the "with sparsity" numbers); NVLink / IF per direction is half
+# the bidirectional figure the datasheets print. mem_gib takes the marketed GB figure: the usable
+# capacity after driver reservations is close to it. Prices: indicative on-demand cloud rates.
+HARDWARE: dict[str, Hardware] = {h.name: h for h in [
+    # A100 SXM datasheet: 312 TF bf16, 19.5 TF fp32, 1.555 / 2.039 TB/s, NVLink3 600 GB/s bidir.
+    _gpu("a100-40gb", 312, 19.5, 40, 1.555, 300, 1.3),
+    _gpu("a100-80gb", 312, 19.5, 80, 2.039, 300, 1.8),
+    # H100 SXM5: 989 TF bf16 dense, 67 TF fp32, 80 GB at 3.35 TB/s, NVLink4 900 GB/s bidir.
+    _gpu("h100", 989, 67, 80, 3.35, 450, 2.5),
+    # H200 SXM: H100 compute, 141 GB at 4.8 TB/s.
+    _gpu("h200", 989, 67, 141, 4.8, 450, 3.5),
+    # H20 (China-export Hopper): 148 TF bf16, 44 TF fp32, 96 GB at 4.0 TB/s, NVLink 900 bidir.
+    _gpu("h20", 148, 44, 96, 4.0, 450, 1.2),
+    # B200 (HGX): 2.25 PF bf16 dense, 80 TF fp32, 180 GB at 8 TB/s, NVLink5 1.8 TB/s bidir.
+    _gpu("b200", 2250, 80, 180, 8.0, 900, 5.5),
+    # MI300X: 1307 TF bf16 dense, 163 TF fp32, 192 GB at 5.3 TB/s; 7 IF links x 64 GB/s each way.
+    _gpu("mi300x", 1307, 163.4, 192, 5.3, 448, 2.5),
+]}
+
+
+def hardware(name: str, **changes: float) -> Hardware:
+    """A catalogue entry, optionally with fields replaced (e.g. calibrated efficiencies)."""
+    try:
+        base = HARDWARE[name]
+    except KeyError:
+        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}") from None
+    return replace(base, **changes)

@@ -1,0 +1,145 @@
+"""Transformer shapes the cost model prices: parameter counts and per-token sizes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a decoder-only transformer (dense, or MoE when n_experts > 0)."""
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True  # SwiGLU: three d x d_ff matrices instead of PERF_MODEL.md's two
+    qkv_bias: bool = False
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of K (or V) per token per layer; smaller than hidden under GQA."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def attn_params(self) -> int:
+        """Per layer: Q, K, V, O projections (PERF_MODEL.md's 4 d^2 when there is no GQA)."""
+        d = self.hidden
+        bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
+        return 2 * d * self.q_width + 2 * d * self.kv_width + bias
+
+    def _mlp(self, width: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * width
+
+    @property
+    def mlp_params(self) -> int:
+        """Per layer, all experts counted (what has to be stored)."""
+        if self.moe:
+            return self.n_experts * self._mlp(self.moe_ffn) + self.hidden * self.n_experts
+        return self._mlp(self.ffn)
+
+    @property
+    def active_mlp_params(self) -> int:
+        """Per layer and token: only the routed experts do work."""
+        if self.moe:
+            return self.experts_per_token * self._mlp(self.moe_ffn) + self.hidden * self.n_experts
+        return self._mlp(self.ffn)
+
+    @property
+    def params(self) -> int:
+        """|M|. Adds to PERF_MODEL.md's L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
+        QKV biases, MoE experts and router, two RMSNorm vectors per layer plus a final one,
+        and a separate output embedding when it is not tied."""
+        d = self.hidden
+        per_layer = self.attn_params + self.mlp_params + 2 * d
+        embeddings = self.vocab * d * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + embeddings + d
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies through in the layers (excludes embeddings and logits)."""
+        return self.layers * (self.attn_params + self.active_mlp_params)
+
+    def forward_flops(self, context: float, logits: bool = True) -> float:
+        """C_f: forward FLOPs per token when teacher-forcing a sequence of length `context`.
+
+        Causal attention sees context/2 keys on average: QK^T and AV give 2 L context q_width.
+        """
+        attn = 2 * self.layers * context * self.q_width
+        head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
+        return 2 * self.active_matmul_params + attn + head
+
+    def decode_flops(self, position: float, logits: bool = True) -> float:
+        """FLOPs of one decode step for a token at `position` (attends to all earlier keys)."""
+        attn = 4 * self.layers * position * self.q_width
+        head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
+        return 2 * self.active_matmul_params + attn + head
+
+    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+        """K and V of every layer for one token: 2 L kv_width elements (bf16 by default)."""
+        return 2 * self.layers * self.kv_width * bytes_per_elem
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelShape":
+        """Read a Hugging Face `config.json` (Llama / Qwen2 / Qwen3 / Qwen3-MoE style keys)."""
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        n_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
+        model_type = cfg.get("model_type", "")
+        return cls(
+            name=name or cfg.get("_name_or_path", model_type),
+            layers=cfg["num_hidden_layers"], hidden=hidden, ffn=cfg["intermediate_size"],
+            heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            n_experts=n_experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if n_experts else 0,
+            moe_ffn=cfg.get("moe_intermediate_size", cfg["intermediate_size"]) if n_experts else 0)
+
+
+def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int,
+           tied: bool) -> ModelShape:
+    vocab = 151936 if tied else 152064
+    return ModelShape(name, layers, hidden, ffn, heads, kv, hidden // heads, vocab,
+                      tied_embeddings=tied, qkv_bias=True)
+
+
+# Numbers from each model's config.json on the Hugging Face Hub (Qwen/Qwen2.5-*,
+# meta-llama/Meta-Llama-3-*, Qwen/Qwen3-30B-A3B).
+MODELS: dict[str, ModelShape] = {m.name: m for m in [
+    _qwen2("qwen2.5-0.5b", 24, 896, 4864, 14, 2, tied=True),
+    _qwen2("qwen2.5-1.5b", 28, 1536, 8960, 12, 2, tied=True),
+    _qwen2("qwen2.5-7b", 28, 3584, 18944, 28, 4, tied=False),
+    _qwen2("qwen2.5-14b", 48, 5120, 13824, 40, 8, tied=False),
+    _qwen2("qwen2.5-32b", 64, 5120, 27648, 40, 8, tied=False),
+    _qwen2("qwen2.5-72b", 80, 8192, 29568, 64, 8, tied=False),
+    ModelShape("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256),
+    ModelShape("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256),
+    # Every Qwen3-MoE layer is sparse (decoder_sparse_step=1), so the dense ffn is unused.
+    ModelShape("qwen3-30b-a3b", 48, 2048, 6144, 32, 4, 128, 151936, n_experts=128,
+               experts_per_token=8, moe_ffn=768),
+]}
+
+
+def model_shape(name: str) -> ModelShape:
+    """Look up a named preset; the error lists the known names."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
