@@ -1,4 +1,4 @@
-"""`rlloom train | sft | algos`: the command line."""
+"""`rlloom train | sft | plan | algos`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 from rlloom.config import ConfigError, RunConfig, dump_config, load_config
-from rlloom.data.prompts import DataError
-from rlloom.models.config import UnsupportedArchitectureError
-from rlloom.models.hf_io import CheckpointError
+from rlloom.data.row_files import DataError
+from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
 
@@ -64,6 +63,12 @@ def cmd_algos(args: argparse.Namespace) -> None:
         print(f"{name:<{width}}  roles: {', '.join(preset.roles):<36} {preset.summary}")
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from rlloom.perf.report import plan_report
+    print(plan_report(args.model, args.algo, args.gpus, args.prompts, args.samples,
+                      args.prompt_len, args.p50, args.p99, args.top, args.json))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlloom", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +80,18 @@ def main(argv: list[str] | None = None) -> None:
     _config_args(p)
     p.add_argument("--out", required=True, help="directory for the Hugging Face checkpoint")
     p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("plan", help="rank parallel plans by predicted step time (no torch)")
+    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b")
+    p.add_argument("--algo", default="grpo", help="algorithm preset")
+    p.add_argument("--gpus", default="64xH100", help="cluster, e.g. 64xH100")
+    p.add_argument("--prompts", type=int, default=512, help="prompts per step (B)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (K)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (S)")
+    p.add_argument("--p50", type=int, default=2048, help="median response tokens")
+    p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
+    p.add_argument("--top", type=int, default=5, help="plans to show")
+    p.add_argument("--json", action="store_true", help="emit JSON")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)

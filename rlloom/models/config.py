@@ -22,6 +22,10 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
+class CheckpointError(ValueError):
+    """A model directory that cannot be read (defined here, without torch, for the CLI)."""
+
+
 @dataclass
 class ModelConfig:
     family: str                    # "llama" | "qwen2" | "qwen3"

@@ -12,13 +12,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlloom.models.config import ModelConfig
+from rlloom.models.config import CheckpointError, ModelConfig
 from rlloom.models.heads import ValueModel
 from rlloom.models.transformer import CausalLM
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def _require_dir(path: Path) -> None:

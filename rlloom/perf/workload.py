@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from functools import cached_property
 from statistics import NormalDist
 from typing import Literal
 
@@ -45,7 +46,7 @@ class Lengths:
     def max(self) -> float:
         return {"fixed": self.p50, "uniform": self.high, "lognormal": self.p99}[self.kind]
 
-    @property
+    @cached_property
     def mean(self) -> float:
         """Mean of the distribution as generated (the lognormal truncated at p99), by quadrature."""
         if self.kind != "lognormal":

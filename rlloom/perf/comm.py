@@ -1,0 +1,39 @@
+"""Alpha-beta cost of the collectives a layout implies, on the link its group spans."""
+from __future__ import annotations
+
+from rlloom.perf.hardware import Hardware
+
+
+def link(hw: Hardware, span: int) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) for a group whose members lie within `span` consecutive
+    devices: NVLink when that fits in a node, else the NIC (the slowest hop of a ring)."""
+    if span <= hw.devices_per_node:
+        return hw.intra_node_latency, hw.intra_node_bw * hw.comm_eff
+    return hw.inter_node_latency, hw.inter_node_bw * hw.comm_eff
+
+
+def all_reduce(hw: Hardware, size: int, span: int, nbytes: float) -> float:
+    """Ring all-reduce of `nbytes` per member over `size` members: 2 (p-1) steps."""
+    if size <= 1:
+        return 0.0
+    alpha, bw = link(hw, span)
+    return 2 * (size - 1) * (alpha + nbytes / size / bw)
+
+
+def gather_or_scatter(hw: Hardware, size: int, span: int, nbytes: float) -> float:
+    """Ring all-gather or reduce-scatter; `nbytes` is the full (unsharded) buffer."""
+    if size <= 1:
+        return 0.0
+    alpha, bw = link(hw, span)
+    return (size - 1) * (alpha + nbytes / size / bw)
+
+
+def p2p(hw: Hardware, span: int, nbytes: float) -> float:
+    alpha, bw = link(hw, span)
+    return alpha + nbytes / bw
+
+
+def broadcast_between_groups(hw: Hardware, nbytes: float) -> float:
+    """Weight sync from a training group to a separate generation group: pipelined over the
+    NICs of the sender group, so roughly one NIC's worth of time per device's shard."""
+    return hw.inter_node_latency + nbytes / (hw.inter_node_bw * hw.comm_eff)

@@ -1,0 +1,236 @@
+"""Per-stage, per-role cost: FLOPs, HBM bytes, depth, seconds and transient memory per device.
+
+time = max(FLOPs / (peak * eff), bytes / (bw * eff)) + alpha-beta communication. Device groups
+are laid out TP innermost, then CP, then PP, then DP, so a group of stride s and size p spans
+s * p consecutive devices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rlloom.perf import comm
+from rlloom.perf import memory as mem
+from rlloom.perf.hardware import Hardware
+from rlloom.perf.shapes import ModelShape
+from rlloom.perf.workload import Workload
+from rlloom.plan import Layout
+
+SPREAD_POINTS = 128  # quantile points that stand for a replica's rollouts in the decode simulation
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One role's share of one stage. `flops` is summed over all devices; the rest per device."""
+    stage: str
+    role: str
+    flops: float
+    bytes_moved: float
+    depth: float  # critical path length in dependent operations (work-depth proxy)
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    seconds: float
+    transient_bytes: float  # KV cache / activations / buffers on top of the resident state
+    note: str = ""
+
+
+def _log2(x: float) -> float:
+    return math.log2(max(x, 2.0))
+
+
+def forward_depth(shape: ModelShape, context: float) -> float:
+    """D_f = L [log d + log(S+T)] + log d: reductions over the hidden size and the context."""
+    return shape.layers * (_log2(shape.hidden) + _log2(context)) + _log2(shape.hidden)
+
+
+def _tp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
+             per_layer: int) -> float:
+    """`per_layer` all-reduces of [tokens, d] bf16 activations in each of the device's layers."""
+    if layout.tp == 1:
+        return 0.0
+    nbytes = tokens * shape.hidden * mem.ACT_B
+    layers = shape.layers / layout.pp
+    return per_layer * layers * comm.all_reduce(hw, layout.tp, layout.tp, nbytes)
+
+
+def _pp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
+    if layout.pp == 1:
+        return 0.0
+    span = layout.tp * layout.cp * layout.pp
+    nbytes = tokens * shape.hidden * mem.ACT_B / (layout.tp * layout.cp)
+    return passes * (layout.pp - 1) * comm.p2p(hw, span, nbytes)
+
+
+def _cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
+    """Ring exchange of K/V blocks: cp - 1 hops per layer per pass."""
+    if layout.cp == 1:
+        return 0.0
+    span = layout.tp * layout.cp
+    block = tokens / layout.cp * 2 * shape.kv_width * mem.ACT_B / min(layout.tp, shape.kv_heads)
+    hops = (layout.cp - 1) * shape.layers / layout.pp
+    return passes * hops * comm.p2p(hw, span, block)
+
+
+def _bubble(layout: Layout, micro_batches: int) -> float:
+    """Time multiplier of a GPipe / 1F1B schedule: 1 / (1 - (pp-1)/(m+pp-1))."""
+    return (micro_batches + layout.pp - 1) / micro_batches
+
+
+def _weight_bytes(shape: ModelShape, layout: Layout) -> float:
+    return mem.PARAM_B * mem.params_per_device(shape, layout)
+
+
+def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
+               kv_budget: float, role: str = "actor") -> StageCost:
+    """Prefill (once per prompt: the K samples share it) and a simulated decode in which live
+    sequences finish at their own lengths. Concurrency per replica is capped by `kv_budget`
+    bytes per device; when not all rollouts fit, they run in static waves (no continuous
+    batching refill: conservative)."""
+    per_replica = math.ceil(wl.rollouts / layout.dp)
+    kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
+    concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one))
+    if concurrent < 1:
+        return _infeasible("generation", role, kv_one)
+    key = (shape, layout.tp, layout.pp, layout.dp, layout.ep, wl, id(hw), concurrent)
+    if key not in _GEN_CACHE:
+        _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role)
+    return _GEN_CACHE[key]
+
+
+_GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generation many times
+
+
+def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
+              per_replica: int, role: str) -> StageCost:
+    kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
+    waves = math.ceil(per_replica / concurrent)
+    flops_s = hw.flops() * layout.tp  # decode has no sequence to split: CP devices sit idle
+    bw = hw.mem_bw * hw.mem_eff
+    s = wl.prompt_len
+
+    prompts = math.ceil(concurrent / wl.samples)
+    logits = 2 * shape.vocab * shape.hidden
+    pre_flops = prompts * (s * shape.forward_flops(s, logits=False) + logits)
+    pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout) * layout.pp / bw)
+    pre_s += (_tp_comm(hw, layout, shape, prompts * s, 2)
+              + _pp_comm(hw, layout, shape, prompts * s, 1))
+
+    # A token crosses the pp stages one after another, so per step the reads add up over stages:
+    # PP saves memory in decode, not time.
+    kv_tok = shape.kv_bytes_per_token() / min(layout.tp, shape.kv_heads)
+    dec_flops, dec_bytes, compute_s, memory_s, comm_s, dec_s = _decode(
+        concurrent, shape, layout, wl, hw, flops_s, bw, kv_tok)
+    seconds = waves * (pre_s + dec_s)
+    total_flops = layout.dp * waves * (pre_flops + dec_flops)
+    depth = forward_depth(shape, wl.max_context) * wl.response.max
+    note = f"{concurrent} concurrent rollouts per replica, {waves} wave(s)"
+    return StageCost("generation", role, total_flops, waves * dec_bytes, depth, waves * compute_s,
+                     waves * memory_s, waves * comm_s, seconds, concurrent * kv_one, note)
+
+
+def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
+            flops_s: float, bw: float, kv_tok: float) -> tuple[float, ...]:
+    """Decode steps segment by segment between consecutive finishing lengths; each step is
+    bound by compute or by reading weights + KV, so the max is taken per segment.
+    Returns (flops, bytes, compute_s, memory_s, comm_s, seconds) for one replica and wave."""
+    points = min(concurrent, SPREAD_POINTS)
+    weight = concurrent / points
+    totals = [0.0] * 6
+    prev = 1.0  # the first token comes out of prefill
+    for i, length in enumerate(wl.response.spread(points)):
+        steps = length - prev
+        if steps <= 0:
+            continue
+        live = (points - i) * weight
+        pos = wl.prompt_len + (prev + length) / 2
+        f = live * shape.decode_flops(pos)
+        b = _decode_weight_bytes(shape, layout, live) * layout.pp + live * pos * kv_tok
+        c = _tp_comm(hw, layout, shape, live, 2) + _pp_comm(hw, layout, shape, live, 1)
+        for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
+            totals[k] += steps * v
+        prev = length
+    return tuple(totals)
+
+
+def _decode_weight_bytes(shape: ModelShape, layout: Layout, live: float) -> float:
+    """Weights read per decode step; a MoE layer reads only the experts its tokens select
+    (expected distinct experts E (1 - (1 - k/E)^tokens))."""
+    full = _weight_bytes(shape, layout)
+    if not shape.moe:
+        return full
+    e, k = shape.n_experts, shape.experts_per_token
+    experts = shape.layers * (shape.mlp_params - shape.hidden * e) * mem.PARAM_B
+    experts /= layout.tp * layout.pp * layout.ep
+    touched = 1 - (1 - k / e) ** live
+    return full - experts * (1 - touched)
+
+
+def _infeasible(stage: str, role: str, need: float) -> StageCost:
+    inf = float("inf")
+    return StageCost(stage, role, 0.0, 0.0, inf, inf, inf, 0.0, inf, need,
+                     "not even one rollout's KV cache fits")
+
+
+def _micro_batches(wl: Workload, layout: Layout, per_step: float) -> int:
+    return max(1, math.ceil(per_step / wl.micro_batch))
+
+
+def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
+            logits: bool = True) -> StageCost:
+    """Teacher-forced forward over all rollouts (reference log-probs, reward or value scores)."""
+    seqs = math.ceil(wl.rollouts / layout.dp)
+    m = _micro_batches(wl, layout, seqs)
+    mb_tokens = wl.micro_batch * wl.mean_context
+    flops = seqs * wl.mean_context * shape.forward_flops(wl.mean_context, logits)
+    shards = layout.tp * layout.pp * layout.cp
+    compute_s = flops / shards / hw.flops()
+    memory_s = m * _weight_bytes(shape, layout) / (hw.mem_bw * hw.mem_eff)
+    comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
+                  + _cp_comm(hw, layout, shape, mb_tokens, 1)) / layout.pp
+    comm_s += _pp_comm(hw, layout, shape, mb_tokens, m)
+    seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
+    transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
+    return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
+                     forward_depth(shape, wl.max_context), compute_s, memory_s, comm_s, seconds,
+                     transient)
+
+
+def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
+             logits: bool = True) -> StageCost:
+    """ppo_epochs passes of forward + backward (3 C_f, +1 C_f with checkpointing) and the
+    DP gradient collectives of each optimizer step."""
+    ckpt = layout.activation_checkpointing
+    seqs = math.ceil(wl.rollouts / layout.dp)
+    steps = wl.ppo_epochs * wl.minibatches
+    m = _micro_batches(wl, layout, seqs / wl.minibatches)
+    mb_tokens = wl.micro_batch * wl.mean_context
+    passes = (4 if ckpt else 3)
+    flops = wl.ppo_epochs * seqs * wl.mean_context * passes * shape.forward_flops(
+        wl.mean_context, logits)
+    shards = layout.tp * layout.pp * layout.cp
+    compute_s = flops / shards / hw.flops()
+    memory_s = steps * m * passes * _weight_bytes(shape, layout) / (hw.mem_bw * hw.mem_eff)
+    per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
+              + _cp_comm(hw, layout, shape, mb_tokens, passes)) / layout.pp
+    comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens, 2 * m)
+    comm_s += steps * _dp_comm(shape, layout, hw, m)
+    seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
+    transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
+                 + mem.zero3_buffer_bytes(shape, layout))
+    depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
+    return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
+                     depth, compute_s, memory_s, comm_s, seconds, transient)
+
+
+def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int) -> float:
+    """Per optimizer step. ZeRO-0/1: all-reduce bf16 gradients; ZeRO-2: reduce-scatter them and
+    all-gather updated parameters; ZeRO-3: per micro-batch, all-gather parameters for forward
+    and backward and reduce-scatter gradients. No overlap with compute is assumed."""
+    dp, span = layout.dp, layout.world_size
+    grads = mem.GRAD_B * mem.params_per_device(shape, layout)
+    if layout.zero <= 1:
+        return comm.all_reduce(hw, dp, span, grads)
+    if layout.zero == 2:
+        return 2 * comm.gather_or_scatter(hw, dp, span, grads)
+    return micro_batches * 3 * comm.gather_or_scatter(hw, dp, span, grads)

@@ -1,0 +1,83 @@
+"""Bytes resident per device: model state by ZeRO stage, activations, KV cache.
+
+Precision assumption (mixed-precision Adam, as in the ZeRO paper): bf16 parameters (2 B) and
+bf16 gradients (2 B), fp32 master weights and two fp32 Adam moments (12 B): 16 B per parameter
+before sharding. Frozen models keep bf16 weights only.
+"""
+from __future__ import annotations
+
+from rlloom.perf.shapes import ModelShape
+from rlloom.plan import Layout
+
+PARAM_B = 2
+GRAD_B = 2
+OPTIM_B = 12
+ACT_B = 2
+LOGIT_CHUNK = 8192  # tokens per chunk of the (chunked) cross-entropy; logits kept in fp32
+USABLE = 0.9  # fraction of device memory usable: CUDA context, allocator fragmentation
+
+
+def params_per_device(shape: ModelShape, layout: Layout) -> float:
+    """Parameters a device holds before ZeRO sharding: TP and PP split them, EP the experts."""
+    p = shape.params / (layout.tp * layout.pp)
+    if shape.moe and layout.ep > 1:
+        experts = shape.layers * (shape.mlp_params - shape.hidden * shape.n_experts)
+        p -= experts / (layout.tp * layout.pp) * (1 - 1 / layout.ep)
+    return p
+
+
+def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool) -> float:
+    """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (PERF_MODEL.md's
+    4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz in elements, here in bytes with the precisions above)."""
+    p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
+    if not trainable:
+        return PARAM_B * p / (dz if zero == 3 else 1)
+    if zero == 0:
+        return (PARAM_B + GRAD_B + OPTIM_B) * p
+    if zero == 1:
+        return (PARAM_B + GRAD_B) * p + OPTIM_B * p / dz
+    if zero == 2:
+        return PARAM_B * p + (GRAD_B + OPTIM_B) * p / dz
+    return (PARAM_B + GRAD_B + OPTIM_B) * p / dz
+
+
+def zero3_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
+    """ZeRO-3 gathers one layer at a time; two layers in flight with prefetch."""
+    if layout.zero != 3:
+        return 0.0
+    return 2 * PARAM_B * params_per_device(shape, layout) / shape.layers
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
+    """Training activations per device for one micro-batch of `tokens` (before CP split).
+
+    Per layer and token, d (10 + 24 / tp) bytes in bf16 with flash attention (Korthikanti et al.
+    2022, no sequence parallelism); with checkpointing only each layer's bf16 input is kept, plus
+    one layer's full activations during recompute. Under 1F1B the first stage holds pp
+    micro-batches of L/pp layers, i.e. all L layers' worth.
+    """
+    t = tokens / layout.cp
+    d, layers = shape.hidden, shape.layers
+    full_layer = t * d * (10 + 24 / layout.tp)
+    if layout.activation_checkpointing:
+        acts = t * d * ACT_B * layers + full_layer
+    else:
+        acts = full_layer * layers
+    return acts + (_logit_bytes(shape, layout, t) * 2 if logits else 0.0)
+
+
+def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
+    """Forward-only buffers: a few hidden-size tensors and the FFN intermediate per token."""
+    t = tokens / layout.cp
+    hidden = t * ACT_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
+    return hidden + (_logit_bytes(shape, layout, t) if logits else 0.0)
+
+
+def _logit_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
+    return min(tokens, LOGIT_CHUNK) * shape.vocab / layout.tp * 4
+
+
+def kv_bytes_per_rollout(shape: ModelShape, layout: Layout, context: float) -> float:
+    """2 L kv_width bf16 elements per token; TP splits KV heads only up to their number."""
+    shards = min(layout.tp, shape.kv_heads) * layout.pp
+    return shape.kv_bytes_per_token() * context / shards

@@ -1,0 +1,182 @@
+"""Enumerate plans for a model, algorithm, workload and cluster; rank the feasible ones by
+predicted step time and keep the reasons the others were rejected.
+
+Pruning (so 64 devices take well under 10 s): TP is a power of two within a node dividing the
+head count; every frozen role gets the same layout; device groups are sized in eighths of the
+cluster; each role keeps only its TOP_K fastest layouts judged alone on its own group before
+the joint (memory-coupled) pricing; CP, EP, interleaved placement and hybrid actor layouts
+(other than async's separate rollout group) are priced by compose.py but not searched.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from rlloom.algos.presets import PRESETS
+from rlloom.perf import cost
+from rlloom.perf import memory as mem
+from rlloom.perf.compose import TRAINABLE, Priced, price, role_models
+from rlloom.perf.hardware import Hardware
+from rlloom.perf.shapes import ModelShape
+from rlloom.perf.workload import Workload
+from rlloom.plan import Layout, Plan
+
+TOP_K = 3
+INF = float("inf")
+
+
+@dataclass
+class Search:
+    """Feasible plans fastest first, and (description, reason) for the rejected ones."""
+    ranked: list[Priced]
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool) -> list[Layout]:
+    """Candidate layouts on n devices."""
+    out = []
+    tp = 1
+    while tp <= min(n, hw.devices_per_node):
+        for pp in (1, 2, 4):
+            if shape.heads % tp or n % (tp * pp) or shape.layers % pp:
+                continue
+            dp = n // (tp * pp)
+            zeros = (0, 1, 2, 3) if trainable else (0, 3)
+            for zero in zeros if dp > 1 else (0,):
+                for ckpt in (False, True) if trainable else (False,):
+                    out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero,
+                                      activation_checkpointing=ckpt))
+        tp *= 2
+    return out
+
+
+def describe(p: Plan, gen: Layout | None) -> str:
+    def short(x: Layout) -> str:
+        s = f"dp{x.dp}xtp{x.tp}xpp{x.pp}"
+        ckpt = "-ckpt" if x.activation_checkpointing else ""
+        return s + (f"-z{x.zero}" if x.zero else "") + ckpt
+    roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items())
+    rollout = f", rollout={short(gen)}" if gen else ""
+    return f"{p.placement}/{p.schedule}/{p.actor_critic}: {roles}{rollout}"
+
+
+def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
+          with_gen: bool, rollout_only: bool = False) -> float:
+    """A role's time alone on its own group, INF when it does not fit there."""
+    usable = hw.mem_bytes * mem.USABLE
+    if rollout_only:
+        return cost.generation(shape, x, wl, hw, usable - 2 * mem.PARAM_B *
+                               mem.params_per_device(shape, x)).seconds
+    trainable = role in TRAINABLE
+    state = mem.model_state_bytes(shape, x, trainable)
+    total = 0.0
+    if role != "actor":
+        f = cost.forward(shape, x, wl, hw, role, role == "reference")
+        if state + f.transient_bytes > usable:
+            return INF
+        total += f.seconds
+    if trainable:
+        t = cost.training(shape, x, wl, hw, role, role == "actor")
+        if state + t.transient_bytes > usable:
+            return INF
+        total += t.seconds
+    if with_gen:
+        extra = mem.PARAM_B * mem.params_per_device(shape, x) if x.zero == 3 else 0.0
+        total += cost.generation(shape, x, wl, hw, usable - state - extra).seconds
+    return total
+
+
+def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_gen: bool,
+         rollout_only: bool, cache: dict) -> list[Layout]:
+    key = (role, n, with_gen, rollout_only)
+    if key not in cache:
+        trainable = role in TRAINABLE and not rollout_only
+        scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
+                  for i, x in enumerate(layouts(n, shape, hw, trainable))]
+        cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]
+    return cache[key]
+
+
+def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
+    return [c for c in itertools.product(range(1, units), repeat=parts) if sum(c) == units]
+
+
+def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
+           reward: ModelShape | None = None) -> Search:
+    """Rank the plans this module enumerates for `devices` devices of `hw`."""
+    start = time.perf_counter()
+    roles = PRESETS[algo].roles
+    models = role_models(actor, roles, reward)
+    active = [r for r, m in models.items() if m is not None]
+    frozen = [r for r in active if r not in TRAINABLE]
+    ac_modes = ("separate", "shared") if "critic" in active else ("separate",)
+    unit = devices // 8 if devices % 8 == 0 and devices >= 8 else 1
+    units = devices // unit
+    cache: dict = {}
+    result = Search([])
+
+    def top(role: str, n: int, with_gen: bool = False, rollout: bool = False) -> list[Layout]:
+        shape = models[role] if role in models and models[role] else actor
+        return _top(role, shape, n, wl, hw, with_gen, rollout, cache)
+
+    def add(plan_kw: dict, choice: dict[str, list[Layout]], gen: list[Layout] | None) -> None:
+        names = list(choice)
+        for combo in itertools.product(*(choice[r] for r in names), *([gen] if gen else [])):
+            lay = dict(zip(names, combo))
+            for r in frozen:
+                lay.setdefault(r, lay[frozen[0]] if frozen[0] in lay else Layout(dp=devices))
+            p = Plan(layouts=lay, **plan_kw)
+            g = combo[-1] if gen else None
+            priced = price(p, models, wl, hw, g)
+            if priced.feasible:
+                result.ranked.append(priced)
+            else:
+                result.rejected.append((describe(p, g), "; ".join(priced.problems)))
+
+    for ac in ac_modes:
+        owners = [r for r in active if not (ac == "shared" and r == "critic")]
+        groups = ["actor"] + [r for r in owners if r == "critic"] + (frozen[:1] if frozen else [])
+        # colocated, sync: everyone on all devices
+        choice = {r: top(r, devices, with_gen=(r == "actor")) for r in groups}
+        if all(choice.values()):
+            add({"placement": "colocated", "actor_critic": ac}, choice, None)
+        else:
+            result.rejected.append((f"colocated/{ac}", "some role fits no layout on "
+                                    f"{devices} devices"))
+        # disaggregated: each group its own share; sync / fused, and async with a rollout group
+        for rollout in (False, True):
+            n_parts = len(groups) + rollout
+            for split in _splits(units, n_parts):
+                sizes = [s * unit for s in split]
+                # separate groups do not share memory: each role's own best layout is best
+                choice = {r: top(r, n, with_gen=(r == "actor" and not rollout))[:1]
+                          for r, n in zip(groups, sizes[rollout:])}
+                gen = top("actor", sizes[0], rollout=True)[:1] if rollout else None
+                if not all(choice.values()) or (rollout and not gen):
+                    result.rejected.append((f"disaggregated split {sizes}",
+                                            "some role fits no layout on its group"))
+                    continue
+                scheds = [("async", 1)] if rollout else [("sync", 0), ("fused", 0)]
+                for sched, eta in scheds:
+                    add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
+                         "actor_critic": ac}, choice, gen)
+    result.ranked.sort(key=lambda q: q.step_s)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
+          reward: ModelShape | None = None) -> Priced | None:
+    """Everything colocated, DP only, sync, with the lowest ZeRO stage (and checkpointing only
+    if needed) that fits; None when none does."""
+    models = role_models(actor, PRESETS[algo].roles, reward)
+    for ckpt, zero in itertools.product((False, True), (0, 1, 2, 3)):
+        trained = Layout(dp=devices, zero=zero, activation_checkpointing=ckpt)
+        lay = {r: trained if r in TRAINABLE else Layout(dp=devices)
+               for r, m in models.items() if m is not None}
+        priced = price(Plan(layouts=lay), models, wl, hw)
+        if priced.feasible:
+            return priced
+    return None

@@ -1,0 +1,58 @@
+"""`rlloom plan`: search plans for a model, algorithm, workload and cluster; print or emit JSON."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+
+from rlloom.perf.compose import Priced
+from rlloom.perf.hardware import hardware
+from rlloom.perf.planner import describe, naive, search
+from rlloom.perf.shapes import model_shape
+from rlloom.perf.workload import Lengths, Workload
+
+
+def parse_gpus(spec: str) -> tuple[int, str]:
+    """'64xH100' -> (64, 'h100')."""
+    m = re.fullmatch(r"(\d+)x([\w.-]+)", spec.strip(), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--gpus {spec!r} must look like 64xH100")
+    return int(m.group(1)), m.group(2).lower()
+
+
+def _row(p: Priced) -> dict:
+    return {"plan": describe(p.plan, p.gen_layout), "step_s": p.step_s, "gen_s": p.gen_s,
+            "assess_s": p.assess_s, "train_s": p.train_s, "sync_s": p.sync_s,
+            "mem_gib": p.mem_gib, "plan_json": p.plan.model_dump(mode="json"),
+            "gen_layout": p.gen_layout.model_dump(mode="json") if p.gen_layout else None}
+
+
+def plan_report(model: str, algo: str, gpus: str, prompts: int, samples: int, prompt_len: int,
+                p50: int, p99: int, top: int, as_json: bool) -> str:
+    devices, hw_name = parse_gpus(gpus)
+    hw = hardware(hw_name)
+    shape = model_shape(model)
+    response = Lengths("lognormal", p50, p99) if p99 > p50 else Lengths("fixed", p50)
+    wl = Workload(prompts, samples, prompt_len, response)
+    found = search(shape, algo, wl, hw, devices)
+    base = naive(shape, algo, wl, hw, devices)
+    if as_json:
+        return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
+                           "ranked": [_row(p) for p in found.ranked[:top]],
+                           "naive": _row(base), "rejected": found.rejected[:20]}, indent=2)
+    lines = [f"{model} {algo} on {devices} x {hw.name}: searched in {found.seconds:.2f} s, "
+             f"{len(found.ranked)} feasible plans, {len(found.rejected)} rejected",
+             f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8}  plan"]
+    for p in found.ranked[:top]:
+        lines.append(f"{p.step_s:8.1f} {p.gen_s:8.1f} {p.assess_s:8.1f} {p.train_s:8.1f}  "
+                     f"{describe(p.plan, p.gen_layout)}")
+    if found.ranked:
+        best = found.ranked[0]
+        stage = max(("generation", best.gen_s), ("assessment", best.assess_s),
+                    ("training", best.train_s), key=lambda s: s[1])[0]
+        lines += [f"naive plan (co-located, data parallel only, sync): {base.step_s:.1f} s "
+                  f"per step; best is {base.step_s / best.step_s:.2f}x faster; its bottleneck "
+                  f"is {stage}"]
+    for plan, reason in found.rejected[:3]:
+        lines.append(f"rejected {plan}: {reason}")
+    return "\n".join(lines)

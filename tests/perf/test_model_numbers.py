@@ -1,0 +1,43 @@
+"""Golden values computed by hand for stated tiny examples, and real parameter counts."""
+import subprocess
+import sys
+
+import pytest
+
+from rlloom.perf import memory as mem
+from rlloom.perf.shapes import MODELS, ModelShape
+from rlloom.plan import Layout
+
+# L=2, d=8, d_ff=32, V=100, 2 heads of 4 (no GQA), plain 2-matrix MLP, tied embeddings.
+TINY = ModelShape("tiny", 2, 8, 32, 2, 2, 4, 100, tied_embeddings=True, gated_mlp=False)
+
+
+def test_tiny_params_and_flops():
+    # L (4 d^2 + 2 d d_ff) + V d + norms (2 L d + d) = 2 (256 + 512) + 800 + 40 = 2376
+    assert TINY.params == 2376
+    # C_f at context 10: 2 * 1536 + 2 L 10 d + 2 V d = 3072 + 320 + 1600
+    assert TINY.forward_flops(10) == 4992
+    # KV bytes per token: 2 L kv_width * 2 B = 2 * 2 * 8 * 2
+    assert TINY.kv_bytes_per_token() == 64
+
+
+@pytest.mark.parametrize("zero,expected", [(0, 16e9), (1, 4e9 + 12e9 / 8),
+                                           (2, 2e9 + 14e9 / 8), (3, 16e9 / 8)])
+def test_zero_memory_per_device(zero, expected):
+    one_b = ModelShape("1b", 1, 1, 1, 1, 1, 1, 1)
+    scale = 1e9 / one_b.params  # state bytes are linear in params
+    got = mem.model_state_bytes(one_b, Layout(dp=8, zero=zero), trainable=True) * scale
+    assert got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name,count", [("llama-3-8b", 8.03e9), ("qwen2.5-7b", 7.62e9)])
+def test_real_param_counts(name, count):
+    assert MODELS[name].params == pytest.approx(count, rel=0.01)
+
+
+def test_perf_does_not_import_torch():
+    code = ("import sys, pkgutil, importlib, rlloom.perf as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('rlloom.perf.'"
+            " + m.name)\n"
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
