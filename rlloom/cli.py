@@ -5,10 +5,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config, load_config
 from rlloom.data.row_files import DataError
 from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
 
+ONLINE_PRESETS = [name for name, preset in PRESETS.items() if preset.online]
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
 
 
@@ -57,7 +59,6 @@ def cmd_sft(args: argparse.Namespace) -> None:
 
 
 def cmd_algos(args: argparse.Namespace) -> None:
-    from rlloom.algos.presets import PRESETS
     width = max(map(len, PRESETS))
     for name, preset in PRESETS.items():
         print(f"{name:<{width}}  roles: {', '.join(preset.roles):<36} {preset.summary}")
@@ -65,8 +66,12 @@ def cmd_algos(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from rlloom.perf.report import plan_report
-    print(plan_report(args.model, args.algo, args.gpus, args.prompts, args.samples,
-                      args.prompt_len, args.p50, args.p99, args.top, args.json))
+    try:
+        report = plan_report(args.model, args.algo, args.gpus, args.prompts, args.samples,
+                             args.prompt_len, args.p50, args.p99, args.top, args.json)
+    except (KeyError, ValueError) as e:  # unknown model / hardware / malformed --gpus
+        raise ConfigError(e.args[0]) from None
+    print(report)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("plan", help="rank parallel plans by predicted step time (no torch)")
     p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b")
-    p.add_argument("--algo", default="grpo", help="algorithm preset")
+    p.add_argument("--algo", default="grpo", choices=ONLINE_PRESETS,
+                   help="online algorithm preset (offline DPO is not priced yet)")
     p.add_argument("--gpus", default="64xH100", help="cluster, e.g. 64xH100")
     p.add_argument("--prompts", type=int, default=512, help="prompts per step (B)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (K)")

@@ -22,3 +22,16 @@ def test_plan_json_is_sorted_and_beats_naive():
     steps = [p["step_s"] for p in data["ranked"]]
     assert steps == sorted(steps)
     assert data["naive"]["step_s"] / steps[0] >= 1.3   # long-reasoning default workload
+
+
+def test_unknown_model_and_hardware_are_clear_errors(capsys):
+    import pytest
+
+    from rlloom.cli import main
+    for args, message in [(["--model", "foo"], "unknown model 'foo'; known: qwen2.5-0.5b"),
+                          (["--gpus", "8xTPU"], "unknown hardware 'tpu'; known: a100-40gb"),
+                          (["--gpus", "lots"], "must look like 64xH100")]:
+        with pytest.raises(SystemExit) as e:
+            main(["plan", *args])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
