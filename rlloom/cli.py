@@ -1,4 +1,4 @@
-"""`rlloom train | sft | plan | algos`: the command line."""
+"""`rlloom train | sft | plan | simulate | algos`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -74,6 +74,29 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(report)
 
 
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from rlloom.perf.report import simulate_report
+    try:
+        report = simulate_report(args.model, args.algo, args.gpus, args.prompts, args.samples,
+                                 args.prompt_len, args.p50, args.p99, args.plan, args.steps,
+                                 args.seed, Path(args.out))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(e.args[0]) from None
+    print(report)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b")
+    p.add_argument("--algo", default="grpo", choices=ONLINE_PRESETS,
+                   help="online algorithm preset (offline DPO is not priced yet)")
+    p.add_argument("--gpus", default="64xH100", help="cluster, e.g. 64xH100")
+    p.add_argument("--prompts", type=int, default=512, help="prompts per step (B)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (K)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (S)")
+    p.add_argument("--p50", type=int, default=2048, help="median response tokens")
+    p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlloom", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,18 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="directory for the Hugging Face checkpoint")
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("plan", help="rank parallel plans by predicted step time (no torch)")
-    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b")
-    p.add_argument("--algo", default="grpo", choices=ONLINE_PRESETS,
-                   help="online algorithm preset (offline DPO is not priced yet)")
-    p.add_argument("--gpus", default="64xH100", help="cluster, e.g. 64xH100")
-    p.add_argument("--prompts", type=int, default=512, help="prompts per step (B)")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (K)")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (S)")
-    p.add_argument("--p50", type=int, default=2048, help="median response tokens")
-    p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
+    _workload_args(p)
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--json", action="store_true", help="emit JSON")
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("simulate", help="simulate steps of a plan with sampled lengths; "
+                       "writes a Chrome trace and a Gantt chart")
+    _workload_args(p)
+    p.add_argument("--plan", choices=["best", "naive"], default="best", help="which plan")
+    p.add_argument("--steps", type=int, default=10, help="steps to simulate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
+    p.add_argument("--out", default="simulation", help="directory for trace.json, gantt.png")
+    p.set_defaults(fn=cmd_simulate)
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)

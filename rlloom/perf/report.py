@@ -1,14 +1,19 @@
-"""`rlloom plan`: search plans for a model, algorithm, workload and cluster; print or emit JSON."""
+"""`rlloom plan` and `rlloom simulate`: search plans for a model, algorithm, workload and
+cluster; print them, emit JSON, or simulate one with a trace and a Gantt chart."""
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import asdict
+from pathlib import Path
 
-from rlloom.perf.compose import Priced
+from rlloom.algos.presets import PRESETS
+from rlloom.perf.compose import Priced, role_models
+from rlloom.perf.gantt import plot_gantt
 from rlloom.perf.hardware import hardware
 from rlloom.perf.planner import describe, naive, search
 from rlloom.perf.shapes import model_shape
+from rlloom.perf.simulate import simulate
 from rlloom.perf.workload import Lengths, Workload
 
 
@@ -27,13 +32,40 @@ def _row(p: Priced) -> dict:
             "gen_layout": p.gen_layout.model_dump(mode="json") if p.gen_layout else None}
 
 
+def _workload(prompts: int, samples: int, prompt_len: int, p50: int, p99: int) -> Workload:
+    response = Lengths("lognormal", p50, p99) if p99 > p50 else Lengths("fixed", p50)
+    return Workload(prompts, samples, prompt_len, response)
+
+
+def simulate_report(model: str, algo: str, gpus: str, prompts: int, samples: int,
+                    prompt_len: int, p50: int, p99: int, which: str, steps: int, seed: int,
+                    out: Path) -> str:
+    """Simulate the planner's best (or the naive) plan; write trace.json and gantt.png."""
+    devices, hw_name = parse_gpus(gpus)
+    hw, shape = hardware(hw_name), model_shape(model)
+    wl = _workload(prompts, samples, prompt_len, p50, p99)
+    chosen = naive(shape, algo, wl, hw, devices) if which == "naive" else \
+        (search(shape, algo, wl, hw, devices).ranked or [None])[0]
+    if chosen is None:
+        raise ValueError(f"no feasible {which} plan for {model} on {gpus}")
+    sim = simulate(chosen.plan, role_models(shape, PRESETS[algo].roles), wl, hw, steps, seed,
+                   chosen.gen_layout)
+    out.mkdir(parents=True, exist_ok=True)
+    sim.chrome_trace(out / "trace.json")
+    label = describe(chosen.plan, chosen.gen_layout)
+    plot_gantt(sim, out / "gantt.png", f"{which} plan")
+    idle = ", ".join(f"{g} {f:.0%}" for g, f in sorted(sim.idle.items()))
+    return (f"{which} plan {label}\n{steps} simulated steps: steady-state step "
+            f"{sim.step_s:.1f} s (priced at the workload's p50/p99: {chosen.step_s:.1f} s); "
+            f"idle: {idle}\nwrote {out / 'trace.json'} and {out / 'gantt.png'}")
+
+
 def plan_report(model: str, algo: str, gpus: str, prompts: int, samples: int, prompt_len: int,
                 p50: int, p99: int, top: int, as_json: bool) -> str:
     devices, hw_name = parse_gpus(gpus)
     hw = hardware(hw_name)
     shape = model_shape(model)
-    response = Lengths("lognormal", p50, p99) if p99 > p50 else Lengths("fixed", p50)
-    wl = Workload(prompts, samples, prompt_len, response)
+    wl = _workload(prompts, samples, prompt_len, p50, p99)
     found = search(shape, algo, wl, hw, devices)
     base = naive(shape, algo, wl, hw, devices)
     if as_json:

@@ -1,0 +1,99 @@
+"""Discrete-event simulation of N steps of a priced plan with sampled response lengths.
+
+Each step draws its own response lengths (so long tails vary step to step), prices its stages
+with `compose.price`, and places every stage on its device group's timeline under the plan's
+schedule: sync (barriers), fused (assessment streams behind generation), or async (generation
+of step i may start once the weights of step i-1-eta are synced).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rlloom.perf.compose import ROLLOUT, _group_of, price
+from rlloom.perf.hardware import Hardware
+from rlloom.perf.shapes import ModelShape
+from rlloom.perf.workload import Lengths, Workload
+from rlloom.plan import Layout, Plan
+
+WARMUP_STEPS = 2  # steps excluded from the steady-state step time (pipelines still filling)
+
+
+@dataclass(frozen=True)
+class Span:
+    group: str   # device group: "all", a role, "trainable"/"frozen", or "rollout"
+    name: str    # "<stage> <role>"
+    step: int
+    start: float
+    end: float
+
+
+@dataclass
+class Simulation:
+    spans: list[Span]
+    step_s: float             # steady state: mean interval between training ends after warm-up
+    idle: dict[str, float]    # group -> fraction of the makespan it sits idle
+    makespan: float
+
+    def chrome_trace(self, path: Path) -> None:
+        events = [{"name": s.name, "ph": "X", "pid": s.group, "tid": s.name.split()[0],
+                   "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": {"step": s.step}}
+                  for s in self.spans]
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def step_lengths(wl: Workload, rng: random.Random) -> Lengths:
+    """This step's length distribution: median and p99 of one sample of B*K lengths."""
+    sample = sorted(wl.response.sample(wl.rollouts, rng))
+    p50, p99 = sample[len(sample) // 2], sample[min(len(sample) - 1, int(0.99 * len(sample)))]
+    return Lengths("lognormal", p50, p99) if p99 > p50 else Lengths("fixed", p50)
+
+
+def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,
+             steps: int, seed: int = 0, gen_layout: Layout | None = None) -> Simulation:
+    rng = random.Random(seed)
+    free: dict[str, float] = {}            # group -> time it becomes free
+    train_end: list[float] = []
+    gen_end_prev = 0.0
+    spans: list[Span] = []
+    for i in range(steps):
+        priced = price(plan, models, replace(wl, response=step_lengths(wl, rng)), hw, gen_layout)
+        if priced.problems:
+            raise ValueError(f"plan is infeasible: {priced.problems[0]}")
+        gen, *rest = priced.stages
+        gen_group = ROLLOUT if gen_layout is not None else _group_of(plan, "actor")
+        ready = 0.0 if not train_end else train_end[-1] + priced.sync_s
+        if plan.schedule == "async" and gen_group == ROLLOUT:
+            lag = i - 1 - plan.staleness   # generation may use weights this many steps old
+            ready = (train_end[lag] + priced.sync_s) if lag >= 0 else 0.0
+            ready = max(ready, gen_end_prev)
+        start = max(ready, free.get(gen_group, 0.0))
+        spans.append(Span(gen_group, f"generation {gen.role}", i, start, start + gen.seconds))
+        free[gen_group] = gen_end_prev = start + gen.seconds
+        fused = plan.schedule == "fused"
+        assess_end = free[gen_group]
+        for st in [s for s in rest if s.stage == "assessment"]:
+            g = _group_of(plan, st.role)
+            begin = max(free.get(g, 0.0), start if fused and g != gen_group else free[gen_group])
+            end = max(begin + st.seconds, free[gen_group]) if fused else begin + st.seconds
+            spans.append(Span(g, f"assessment {st.role}", i, begin, end))
+            free[g] = end
+            assess_end = max(assess_end, end)
+        end_of_step = assess_end
+        for st in [s for s in rest if s.stage == "training"]:
+            g = _group_of(plan, st.role)
+            begin = max(free.get(g, 0.0), assess_end, train_end[-1] if train_end else 0.0)
+            spans.append(Span(g, f"training {st.role}", i, begin, begin + st.seconds))
+            free[g] = begin + st.seconds
+            end_of_step = max(end_of_step, free[g])
+        train_end.append(end_of_step)
+    makespan = max(s.end for s in spans)
+    busy: dict[str, float] = {}
+    for s in spans:
+        busy[s.group] = busy.get(s.group, 0.0) + s.end - s.start
+    warm = min(WARMUP_STEPS, steps - 2) if steps > 2 else 0
+    step_s = ((train_end[-1] - train_end[warm]) / (steps - 1 - warm) if steps > 1
+              else train_end[0])
+    return Simulation(spans, step_s, {g: 1 - b / makespan for g, b in busy.items()}, makespan)
