@@ -53,7 +53,7 @@ def role_models(actor: ModelShape, roles: tuple[str, ...],
     return models
 
 
-def _group_of(plan: Plan, role: str) -> str:
+def group_of(plan: Plan, role: str) -> str:
     if plan.placement == "colocated":
         return "all"
     if plan.placement == "interleaved":
@@ -68,8 +68,8 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     active = {r: m for r, m in models.items() if m is not None and not (shared and r == "critic")}
     groups: dict[str, list[str]] = {}
     for role in active:
-        groups.setdefault(_group_of(plan, role), []).append(role)
-    gen_group = ROLLOUT if gen_layout is not None else _group_of(plan, "actor")
+        groups.setdefault(group_of(plan, role), []).append(role)
+    gen_group = ROLLOUT if gen_layout is not None else group_of(plan, "actor")
     actor, gen = models["actor"], gen_layout or plan.layout("actor")
     assert actor is not None
     problems: list[str] = []
@@ -101,7 +101,7 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
         if role in TRAINABLE:
             stages.append(cost.training(shape, plan.layout(role), wl, hw, role, role == "actor"))
     for st in stages[1:]:
-        g = _group_of(plan, st.role)
+        g = group_of(plan, st.role)
         need = resident[g] + st.transient_bytes
         peak[g] = max(peak[g], need)
         if need > usable:
@@ -112,7 +112,7 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
         out: dict[str, float] = {}
         for st in stages:
             if st.stage == stage:
-                g = _group_of(plan, st.role)
+                g = group_of(plan, st.role)
                 out[g] = out.get(g, 0.0) + st.seconds
         return out
 

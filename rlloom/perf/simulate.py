@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlloom.perf.compose import ROLLOUT, _group_of, price
+from rlloom.perf.compose import ROLLOUT, group_of, price
 from rlloom.perf.hardware import Hardware
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Lengths, Workload
@@ -63,7 +63,7 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
         if priced.problems:
             raise ValueError(f"plan is infeasible: {priced.problems[0]}")
         gen, *rest = priced.stages
-        gen_group = ROLLOUT if gen_layout is not None else _group_of(plan, "actor")
+        gen_group = ROLLOUT if gen_layout is not None else group_of(plan, "actor")
         ready = 0.0 if not train_end else train_end[-1] + priced.sync_s
         if plan.schedule == "async" and gen_group == ROLLOUT:
             lag = i - 1 - plan.staleness   # generation may use weights this many steps old
@@ -75,7 +75,7 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
         fused = plan.schedule == "fused"
         assess_end = free[gen_group]
         for st in [s for s in rest if s.stage == "assessment"]:
-            g = _group_of(plan, st.role)
+            g = group_of(plan, st.role)
             begin = max(free.get(g, 0.0), start if fused and g != gen_group else free[gen_group])
             end = max(begin + st.seconds, free[gen_group]) if fused else begin + st.seconds
             spans.append(Span(g, f"assessment {st.role}", i, begin, end))
@@ -83,7 +83,7 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
             assess_end = max(assess_end, end)
         end_of_step = assess_end
         for st in [s for s in rest if s.stage == "training"]:
-            g = _group_of(plan, st.role)
+            g = group_of(plan, st.role)
             begin = max(free.get(g, 0.0), assess_end, train_end[-1] if train_end else 0.0)
             spans.append(Span(g, f"training {st.role}", i, begin, begin + st.seconds))
             free[g] = begin + st.seconds

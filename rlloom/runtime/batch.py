@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.algos.policy_losses import entropy_from_logits
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
-from rlloom.rollout.generate import Rollout
+from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.rollout.sampling import policy_logprobs
 
 
@@ -25,6 +25,17 @@ def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[
 def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
     return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
             for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
+
+
+def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+                   responses: list[str]) -> Rollout:
+    """Prompt + given response (+ EOS) rows in generation's layout, for SFT and DPO."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    p_ids, p_mask = left_pad(encode(tokenizer, prompts), pad)
+    r_ids, r_mask = right_pad([tokenizer(r, add_special_tokens=False)["input_ids"] + [eos]
+                               for r in responses], pad)
+    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
+                   torch.ones(len(prompts), dtype=torch.bool))
 
 
 def _joined(r: Rollout) -> tuple[torch.Tensor, torch.Tensor, slice]:
@@ -56,9 +67,12 @@ def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
     return logp, entropy, values
 
 
-def response_values(critic: ValueModel, r: Rollout) -> torch.Tensor:
-    """Critic values [n, T] of the state before each response token."""
+def response_values(critic: ValueModel | ActorCritic, r: Rollout) -> torch.Tensor:
+    """Critic values [n, T] of the state before each response token (without computing
+    logits, also for a shared actor-critic)."""
     ids, mask, span = _joined(r)
+    if isinstance(critic, ActorCritic):
+        return critic.score(critic.model(ids, mask)).squeeze(-1)[:, span]
     return critic(ids, mask)[:, span]
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from rlloom.models.hf_io import replace_dir
+
 _NAME = re.compile(r"^step_(\d{6})$")
 
 
@@ -27,9 +29,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp_"))
     try:
         torch.save(state, tmp / "state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

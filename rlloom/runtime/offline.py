@@ -8,21 +8,14 @@ from rlloom.algos.preference import PREFERENCE_LOSSES, preference_accuracy
 from rlloom.config import AlgoSection
 from rlloom.data.preferences import PreferencePair
 from rlloom.models.transformer import CausalLM
-from rlloom.rollout.generate import Rollout, left_pad
-from rlloom.runtime.batch import encode, response_logprobs
-from rlloom.runtime.sft import right_pad
+from rlloom.rollout.generate import Rollout
+from rlloom.runtime.batch import response_logprobs, teacher_forced
 
 
 def pair_batch(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair]) -> Rollout:
     """Chosen responses in rows [0, n), rejected in [n, 2n), each ending with EOS."""
-    prompts = encode(tokenizer, [p.prompt for p in pairs]) * 2
-    eos = tokenizer.eos_token_id
-    texts = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
-    p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
-    r_ids, r_mask = right_pad(responses, tokenizer.pad_token_id)
-    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
-                   torch.ones(len(prompts), dtype=torch.bool))
+    return teacher_forced(tokenizer, [p.prompt for p in pairs] * 2,
+                          [p.chosen for p in pairs] + [p.rejected for p in pairs])
 
 
 def sequence_logprobs(model: CausalLM, batch: Rollout) -> torch.Tensor:

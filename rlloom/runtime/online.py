@@ -156,11 +156,7 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
     loss_mask = mask * r.finished[:, None] if a.overlong == "filter" else mask
     ref_logp = (response_logprobs(reference, r, cfg.rollout.temperature)[0]
                 if reference is not None else None)
-    old_values = None
-    if isinstance(critic, ActorCritic):
-        old_values = response_logprobs(critic, r, cfg.rollout.temperature)[2]
-    elif critic is not None:
-        old_values = response_values(critic, r)
+    old_values = response_values(critic, r) if critic is not None else None
     shaping = kl_coef if a.kl_in_reward and ref_logp is not None else 0.0
     token_rewards = kl_shaped_rewards(scores, mask, r.logprobs,
                                       ref_logp if ref_logp is not None else r.logprobs,

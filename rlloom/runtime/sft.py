@@ -10,19 +10,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
-from rlloom.rollout.generate import Rollout, left_pad
-from rlloom.runtime.batch import encode, response_logprobs
+from rlloom.runtime.batch import response_logprobs, teacher_forced
 from rlloom.runtime.progress import progress_bar
-
-
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask
 
 
 def mix_direct_answers(problems: list[Problem], fraction: float, seed: int) -> list[Problem]:
@@ -47,18 +36,14 @@ def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     losses = []
     with progress_bar("sft", steps) as bar:
         for _ in range(steps):
             batch = rng.sample(problems, batch_size)
-            p_ids, p_mask = left_pad(encode(tokenizer, [p.prompt for p in batch]), pad)
-            r_ids, r_mask = right_pad([tokenizer(p.solution, add_special_tokens=False)["input_ids"]
-                                       + [eos] for p in batch], pad)
-            seqs = Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
-                           torch.ones(len(batch), dtype=torch.bool))
+            seqs = teacher_forced(tokenizer, [p.prompt for p in batch],
+                                  [p.solution for p in batch])
             logp, _, _ = response_logprobs(model, seqs, temperature=1.0)
-            loss = -(logp * r_mask).sum() / r_mask.sum()
+            loss = -(logp * seqs.response_mask).sum() / seqs.response_mask.sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
