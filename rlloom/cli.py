@@ -1,16 +1,20 @@
-"""`rlloom train | sft | plan | simulate | algos`: the command line."""
+"""`rlloom train | sft | plan | simulate | bench hw | perf validate | algos`: the command
+line."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config, load_config
 from rlloom.data.row_files import DataError
 from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
 
-ONLINE_PRESETS = [name for name, preset in PRESETS.items() if preset.online]
+if TYPE_CHECKING:
+    from rlloom.perf.report import Request
+
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
 
 
@@ -64,37 +68,57 @@ def cmd_algos(args: argparse.Namespace) -> None:
         print(f"{name:<{width}}  roles: {', '.join(preset.roles):<36} {preset.summary}")
 
 
+def _request(args: argparse.Namespace) -> "Request":
+    from rlloom.perf.report import Request
+    return Request(args.model, args.algo, args.gpus, args.prompts, args.samples, args.prompt_len,
+                   args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None)
+
+
+def _perf_errors(fn: Callable[[], str]) -> None:
+    """The perf model's lookups raise KeyError / ValueError for bad names and values."""
+    try:
+        print(fn())
+    except (KeyError, ValueError) as e:
+        raise ConfigError(e.args[0]) from None
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     from rlloom.perf.report import plan_report
-    try:
-        report = plan_report(args.model, args.algo, args.gpus, args.prompts, args.samples,
-                             args.prompt_len, args.p50, args.p99, args.top, args.json)
-    except (KeyError, ValueError) as e:  # unknown model / hardware / malformed --gpus
-        raise ConfigError(e.args[0]) from None
-    print(report)
+    _perf_errors(lambda: plan_report(_request(args), args.top, args.json,
+                                     Path(args.write_plan) if args.write_plan else None))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     from rlloom.perf.report import simulate_report
-    try:
-        report = simulate_report(args.model, args.algo, args.gpus, args.prompts, args.samples,
-                                 args.prompt_len, args.p50, args.p99, args.plan, args.steps,
-                                 args.seed, Path(args.out))
-    except (KeyError, ValueError) as e:
-        raise ConfigError(e.args[0]) from None
-    print(report)
+    _perf_errors(lambda: simulate_report(_request(args), args.plan, args.steps, args.seed,
+                                         Path(args.out)))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from rlloom.runtime.hardware_bench import bench_hw
+    print(bench_hw(Path(args.out) if args.out else None))
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from rlloom.perf.hardware import hardware, load_hardware
+    from rlloom.perf.validate import validation_report
+    _perf_errors(lambda: validation_report(
+        [Path(d) for d in args.run_dirs],
+        load_hardware(args.hardware) if args.hardware else hardware("local"), args.skip))
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b")
-    p.add_argument("--algo", default="grpo", choices=ONLINE_PRESETS,
-                   help="online algorithm preset (offline DPO is not priced yet)")
-    p.add_argument("--gpus", default="64xH100", help="cluster, e.g. 64xH100")
+    p.add_argument("--algo", default="grpo", choices=list(PRESETS), help="algorithm preset")
+    p.add_argument("--gpus", default="64xH100",
+                   help="cluster, e.g. 64xH100; 1xlocal is this machine (`rlloom bench hw`)")
     p.add_argument("--prompts", type=int, default=512, help="prompts per step (B)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (K)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (S)")
     p.add_argument("--p50", type=int, default=2048, help="median response tokens")
     p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
+    p.add_argument("--lengths-from", metavar="RUN_DIR",
+                   help="use the response lengths a run generated instead of --p50/--p99")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     _workload_args(p)
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--json", action="store_true", help="emit JSON")
+    p.add_argument("--write-plan", metavar="FILE", help="save the best plan as a config file")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("simulate", help="simulate steps of a plan with sampled lengths; "
                        "writes a Chrome trace and a Gantt chart")
@@ -121,6 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
     p.add_argument("--out", default="simulation", help="directory for trace.json, gantt.png")
     p.set_defaults(fn=cmd_simulate)
+    p = sub.add_parser("bench", help="measure this machine for the performance model")
+    p.add_argument("what", choices=["hw"], help="hw: matmul, memory, dispatch, all-reduce")
+    p.add_argument("--out", help="hardware file (default: the cache, used as `local`)")
+    p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("perf", help="check the performance model against measured runs")
+    p.add_argument("what", choices=["validate"], help="validate: predicted vs measured stages")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
+    p.add_argument("--hardware", help="hardware file (default: this machine's, `local`)")
+    p.add_argument("--skip", type=int, default=1, help="warm-up steps left out")
+    p.set_defaults(fn=cmd_validate)
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)

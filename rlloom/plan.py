@@ -8,7 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Role = Literal["actor", "reference", "reward", "critic"]
+# "rollout" is the actor's generation layout when it differs from its training layout (a
+# hybrid layout, or the separate generation group of an asynchronous plan).
+Role = Literal["actor", "reference", "reward", "critic", "rollout"]
 
 
 class Strict(BaseModel):

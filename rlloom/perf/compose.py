@@ -62,8 +62,12 @@ def group_of(plan: Plan, role: str) -> str:
 
 
 def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,
-          gen_layout: Layout | None = None) -> Priced:
-    """Predict one RL step of `plan`; `models` maps each role the algorithm needs to its shape."""
+          gen_layout: Layout | None = None, offline: bool = False) -> Priced:
+    """Predict one RL step of `plan`; `models` maps each role the algorithm needs to its shape.
+    The generation layout is `gen_layout`, else the plan's "rollout" layout, else the actor's.
+    Offline (DPO) steps generate nothing: the workload's K samples are the chosen and rejected
+    responses, scored by the reference and trained on."""
+    gen_layout = gen_layout or plan.layouts.get("rollout")
     shared = plan.actor_critic == "shared"
     active = {r: m for r, m in models.items() if m is not None and not (shared and r == "critic")}
     groups: dict[str, list[str]] = {}
@@ -87,7 +91,8 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     peak: dict[str, float] = dict(resident)
     extra = mem.PARAM_B * mem.params_per_device(actor, gen) if gen_group != ROLLOUT and \
         plan.layout("actor").zero == 3 else 0.0  # ZeRO-3 gathers full weights to generate
-    g_cost = cost.generation(actor, gen, wl, hw, usable - resident[gen_group] - extra)
+    g_cost = cost.skipped("generation", "actor") if offline else \
+        cost.generation(actor, gen, wl, hw, usable - resident[gen_group] - extra)
     stages.append(g_cost)
     peak[gen_group] = max(peak[gen_group], resident[gen_group] + extra + g_cost.transient_bytes)
     if g_cost.seconds == float("inf"):

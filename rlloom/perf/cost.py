@@ -17,6 +17,12 @@ from rlloom.perf.workload import Workload
 from rlloom.plan import Layout
 
 SPREAD_POINTS = 128  # quantile points that stand for a replica's rollouts in the decode simulation
+# Operators dispatched by rlloom's runtime, per decoder layer and per call (counted with a
+# TorchDispatchMode on rlloom's own model; tests/perf/test_validate.py recounts them). They
+# price `Hardware.launch_s`, which only a CPU has non-zero.
+FORWARD_OPS = (87, 45)  # a forward (prefill, decode step or micro-batch): per layer, fixed
+DECODE_STEP_OPS = 20  # sampling and bookkeeping of one decode step
+OPTIMIZER_OPS = (110, 42)  # gradient clipping + AdamW step + zero_grad: per layer, fixed
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,10 @@ class StageCost:
     seconds: float
     transient_bytes: float  # KV cache / activations / buffers on top of the resident state
     note: str = ""
+
+
+def _ops(per: tuple[int, int], shape: ModelShape, layout: Layout) -> float:
+    return per[0] * shape.layers / layout.pp + per[1]
 
 
 def _log2(x: float) -> float:
@@ -77,8 +87,8 @@ def _bubble(layout: Layout, micro_batches: int) -> float:
     return (micro_batches + layout.pp - 1) / micro_batches
 
 
-def _weight_bytes(shape: ModelShape, layout: Layout) -> float:
-    return mem.PARAM_B * mem.params_per_device(shape, layout)
+def _weight_bytes(shape: ModelShape, layout: Layout, wl: Workload) -> float:
+    return wl.elem_bytes * mem.params_per_device(shape, layout)
 
 
 def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
@@ -105,20 +115,21 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
               per_replica: int, role: str) -> StageCost:
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
     waves = math.ceil(per_replica / concurrent)
-    flops_s = hw.flops() * layout.tp  # decode has no sequence to split: CP devices sit idle
+    flops_s = hw.flops(wl.dtype) * layout.tp  # decode has no sequence to split: CP idles
     bw = hw.mem_bw * hw.mem_eff
     s = wl.prompt_len
 
     prompts = math.ceil(concurrent / wl.samples)
     logits = 2 * shape.vocab * shape.hidden
     pre_flops = prompts * (s * shape.forward_flops(s, logits=False) + logits)
-    pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout) * layout.pp / bw)
+    pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout, wl) * layout.pp / bw)
+    pre_s += hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     pre_s += (_tp_comm(hw, layout, shape, prompts * s, 2)
               + _pp_comm(hw, layout, shape, prompts * s, 1))
 
     # A token crosses the pp stages one after another, so per step the reads add up over stages:
     # PP saves memory in decode, not time.
-    kv_tok = shape.kv_bytes_per_token() / min(layout.tp, shape.kv_heads)
+    kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
     dec_flops, dec_bytes, compute_s, memory_s, comm_s, dec_s = _decode(
         concurrent, shape, layout, wl, hw, flops_s, bw, kv_tok)
     seconds = waves * (pre_s + dec_s)
@@ -137,6 +148,7 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
     points = min(concurrent, SPREAD_POINTS)
     weight = concurrent / points
     totals = [0.0] * 6
+    launch = hw.launch_s * (_ops(FORWARD_OPS, shape, layout) + DECODE_STEP_OPS)
     prev = 1.0  # the first token comes out of prefill
     for i, length in enumerate(wl.response.spread(points)):
         steps = length - prev
@@ -145,25 +157,30 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
         live = (points - i) * weight
         pos = wl.prompt_len + (prev + length) / 2
         f = live * shape.decode_flops(pos)
-        b = _decode_weight_bytes(shape, layout, live) * layout.pp + live * pos * kv_tok
-        c = _tp_comm(hw, layout, shape, live, 2) + _pp_comm(hw, layout, shape, live, 1)
+        b = _decode_weight_bytes(shape, layout, wl, live) * layout.pp + live * pos * kv_tok
+        c = _tp_comm(hw, layout, shape, live, 2) + _pp_comm(hw, layout, shape, live, 1) + launch
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
         prev = length
     return tuple(totals)
 
 
-def _decode_weight_bytes(shape: ModelShape, layout: Layout, live: float) -> float:
+def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: float) -> float:
     """Weights read per decode step; a MoE layer reads only the experts its tokens select
     (expected distinct experts E (1 - (1 - k/E)^tokens))."""
-    full = _weight_bytes(shape, layout)
+    full = _weight_bytes(shape, layout, wl)
     if not shape.moe:
         return full
     e, k = shape.n_experts, shape.experts_per_token
-    experts = shape.layers * (shape.mlp_params - shape.hidden * e) * mem.PARAM_B
+    experts = shape.layers * (shape.mlp_params - shape.hidden * e) * wl.elem_bytes
     experts /= layout.tp * layout.pp * layout.ep
     touched = 1 - (1 - k / e) ** live
     return full - experts * (1 - touched)
+
+
+def skipped(stage: str, role: str) -> StageCost:
+    """A stage the algorithm does not run (generation in offline DPO)."""
+    return StageCost(stage, role, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "not run")
 
 
 def _infeasible(stage: str, role: str, need: float) -> StageCost:
@@ -184,10 +201,11 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     mb_tokens = wl.micro_batch * wl.mean_context
     flops = seqs * wl.mean_context * shape.forward_flops(wl.mean_context, logits)
     shards = layout.tp * layout.pp * layout.cp
-    compute_s = flops / shards / hw.flops()
-    memory_s = m * _weight_bytes(shape, layout) / (hw.mem_bw * hw.mem_eff)
+    compute_s = flops / shards / hw.flops(wl.dtype)
+    memory_s = m * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
                   + _cp_comm(hw, layout, shape, mb_tokens, 1)) / layout.pp
+    comm_s += m * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens, m)
     seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
     transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
@@ -209,12 +227,14 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     flops = wl.ppo_epochs * seqs * wl.mean_context * passes * shape.forward_flops(
         wl.mean_context, logits)
     shards = layout.tp * layout.pp * layout.cp
-    compute_s = flops / shards / hw.flops()
-    memory_s = steps * m * passes * _weight_bytes(shape, layout) / (hw.mem_bw * hw.mem_eff)
+    compute_s = flops / shards / hw.flops(wl.dtype)
+    memory_s = steps * m * passes * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
               + _cp_comm(hw, layout, shape, mb_tokens, passes)) / layout.pp
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens, 2 * m)
     comm_s += steps * _dp_comm(shape, layout, hw, m)
+    comm_s += steps * hw.launch_s * (m * passes * _ops(FORWARD_OPS, shape, layout)
+                                     + _ops(OPTIMIZER_OPS, shape, layout))
     seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))

@@ -3,6 +3,7 @@ measured machine (written by `rlloom bench hw`)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -30,6 +31,10 @@ class Hardware:
     compute_eff: float = 0.5
     mem_eff: float = 0.8
     comm_eff: float = 0.8
+    # Fixed host cost of dispatching one operator. Catalogue GPUs use 0: launches are
+    # asynchronous and decode is captured in CUDA graphs, so they hide behind the kernels.
+    # On a CPU every operator runs in the Python thread, so tiny models are bound by it.
+    launch_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -47,6 +52,12 @@ class Hardware:
 def load_hardware(path: str | Path) -> Hardware:
     """Read a Hardware written by `Hardware.save` (unknown keys are an error)."""
     return Hardware(**json.loads(Path(path).read_text()))
+
+
+def local_hardware_path() -> Path:
+    """Where `rlloom bench hw` saves this machine's measurements."""
+    root = os.environ.get("RLLOOM_CACHE") or Path.home() / ".cache" / "rlloom"
+    return Path(root) / "hardware" / "local.json"
 
 
 def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, hbm_tbs: float,
@@ -78,8 +89,14 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in [
 
 def hardware(name: str, **changes: float) -> Hardware:
     """A catalogue entry, optionally with fields replaced (e.g. calibrated efficiencies)."""
+    if name == "local":
+        path = local_hardware_path()
+        if not path.is_file():
+            raise KeyError(f"no measurements of this machine at {path}; run `rlloom bench hw`")
+        return replace(load_hardware(path), **changes)
     try:
         base = HARDWARE[name]
     except KeyError:
-        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}") from None
+        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}, local "
+                       "(this machine, measured by `rlloom bench hw`)") from None
     return replace(base, **changes)

@@ -107,7 +107,7 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
            reward: ModelShape | None = None) -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`."""
     start = time.perf_counter()
-    roles = PRESETS[algo].roles
+    roles, online = PRESETS[algo].roles, PRESETS[algo].online
     models = role_models(actor, roles, reward)
     active = [r for r, m in models.items() if m is not None]
     frozen = [r for r in active if r not in TRAINABLE]
@@ -129,7 +129,7 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
                 lay.setdefault(r, lay[frozen[0]] if frozen[0] in lay else Layout(dp=devices))
             p = Plan(layouts=lay, **plan_kw)
             g = combo[-1] if gen else None
-            priced = price(p, models, wl, hw, g)
+            priced = price(p, models, wl, hw, g, offline=not online)
             if priced.feasible:
                 result.ranked.append(priced)
             else:
@@ -139,26 +139,27 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
         owners = [r for r in active if not (ac == "shared" and r == "critic")]
         groups = ["actor"] + [r for r in owners if r == "critic"] + (frozen[:1] if frozen else [])
         # colocated, sync: everyone on all devices
-        choice = {r: top(r, devices, with_gen=(r == "actor")) for r in groups}
+        choice = {r: top(r, devices, with_gen=(r == "actor" and online)) for r in groups}
         if all(choice.values()):
             add({"placement": "colocated", "actor_critic": ac}, choice, None)
         else:
             result.rejected.append((f"colocated/{ac}", "some role fits no layout on "
                                     f"{devices} devices"))
         # disaggregated: each group its own share; sync / fused, and async with a rollout group
-        for rollout in (False, True):
+        for rollout in (False, True) if online else (False,):
             n_parts = len(groups) + rollout
             for split in _splits(units, n_parts):
                 sizes = [s * unit for s in split]
                 # separate groups do not share memory: each role's own best layout is best
-                choice = {r: top(r, n, with_gen=(r == "actor" and not rollout))[:1]
+                choice = {r: top(r, n, with_gen=(r == "actor" and online and not rollout))[:1]
                           for r, n in zip(groups, sizes[rollout:])}
                 gen = top("actor", sizes[0], rollout=True)[:1] if rollout else None
                 if not all(choice.values()) or (rollout and not gen):
                     result.rejected.append((f"disaggregated split {sizes}",
                                             "some role fits no layout on its group"))
                     continue
-                scheds = [("async", 1)] if rollout else [("sync", 0), ("fused", 0)]
+                scheds = [("async", 1)] if rollout else \
+                    [("sync", 0), ("fused", 0)] if online else [("sync", 0)]
                 for sched, eta in scheds:
                     add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
                          "actor_critic": ac}, choice, gen)
@@ -172,11 +173,12 @@ def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int
     """Everything colocated, DP only, sync, with the lowest ZeRO stage (and checkpointing only
     if needed) that fits; None when none does."""
     models = role_models(actor, PRESETS[algo].roles, reward)
+    offline = not PRESETS[algo].online
     for ckpt, zero in itertools.product((False, True), (0, 1, 2, 3)):
         trained = Layout(dp=devices, zero=zero, activation_checkpointing=ckpt)
         lay = {r: trained if r in TRAINABLE else Layout(dp=devices)
                for r, m in models.items() if m is not None}
-        priced = price(Plan(layouts=lay), models, wl, hw)
+        priced = price(Plan(layouts=lay), models, wl, hw, offline=offline)
         if priced.feasible:
             return priced
     return None

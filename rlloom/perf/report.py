@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import yaml
 
 from rlloom.algos.presets import PRESETS
 from rlloom.perf.compose import Priced, role_models
 from rlloom.perf.gantt import plot_gantt
-from rlloom.perf.hardware import hardware
+from rlloom.perf.hardware import Hardware, hardware
 from rlloom.perf.planner import describe, naive, search
 from rlloom.perf.shapes import model_shape
 from rlloom.perf.simulate import simulate
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
 
 
 def parse_gpus(spec: str) -> tuple[int, str]:
@@ -32,24 +34,57 @@ def _row(p: Priced) -> dict:
             "gen_layout": p.gen_layout.model_dump(mode="json") if p.gen_layout else None}
 
 
-def _workload(prompts: int, samples: int, prompt_len: int, p50: int, p99: int) -> Workload:
-    response = Lengths("lognormal", p50, p99) if p99 > p50 else Lengths("fixed", p50)
-    return Workload(prompts, samples, prompt_len, response)
+@dataclass(frozen=True)
+class Request:
+    """What `rlloom plan` and `rlloom simulate` are asked to price."""
+    model: str
+    algo: str
+    gpus: str
+    prompts: int
+    samples: int
+    prompt_len: int
+    p50: int
+    p99: int
+    lengths_from: Path | None = None
+
+    def workload(self) -> Workload:
+        if self.lengths_from is not None:
+            response = lengths_from_metrics(self.lengths_from)
+        elif self.p99 > self.p50:
+            response = Lengths("lognormal", self.p50, self.p99)
+        else:
+            response = Lengths("fixed", self.p50)
+        # offline DPO scores and trains on a chosen and a rejected response per prompt
+        samples = self.samples if PRESETS[self.algo].online else 2
+        return Workload(self.prompts, samples, self.prompt_len, response)
+
+    def cluster(self) -> tuple[int, Hardware]:
+        devices, hw_name = parse_gpus(self.gpus)
+        return devices, hardware(hw_name)
 
 
-def simulate_report(model: str, algo: str, gpus: str, prompts: int, samples: int,
-                    prompt_len: int, p50: int, p99: int, which: str, steps: int, seed: int,
-                    out: Path) -> str:
+def plan_file(p: Priced, title: str) -> str:
+    """A config file holding only `plan:`, which `rlloom train` accepts (other sections keep
+    their defaults); the generation group, when separate, is the "rollout" layout."""
+    plan = p.plan.model_copy(deep=True)
+    if p.gen_layout is not None:
+        plan.layouts["rollout"] = p.gen_layout
+    body = yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False)
+    return f"# {title}\n{body}"
+
+
+def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) -> str:
     """Simulate the planner's best (or the naive) plan; write trace.json and gantt.png."""
-    devices, hw_name = parse_gpus(gpus)
-    hw, shape = hardware(hw_name), model_shape(model)
-    wl = _workload(prompts, samples, prompt_len, p50, p99)
-    chosen = naive(shape, algo, wl, hw, devices) if which == "naive" else \
-        (search(shape, algo, wl, hw, devices).ranked or [None])[0]
+    if not PRESETS[req.algo].online:
+        raise ValueError(f"{req.algo} generates nothing: there is no timeline to simulate")
+    devices, hw = req.cluster()
+    shape, wl = model_shape(req.model), req.workload()
+    chosen = naive(shape, req.algo, wl, hw, devices) if which == "naive" else \
+        (search(shape, req.algo, wl, hw, devices).ranked or [None])[0]
     if chosen is None:
-        raise ValueError(f"no feasible {which} plan for {model} on {gpus}")
-    sim = simulate(chosen.plan, role_models(shape, PRESETS[algo].roles), wl, hw, steps, seed,
-                   chosen.gen_layout)
+        raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
+    sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles), wl, hw, steps,
+                   seed, chosen.gen_layout)
     out.mkdir(parents=True, exist_ok=True)
     sim.chrome_trace(out / "trace.json")
     label = describe(chosen.plan, chosen.gen_layout)
@@ -60,25 +95,27 @@ def simulate_report(model: str, algo: str, gpus: str, prompts: int, samples: int
             f"idle: {idle}\nwrote {out / 'trace.json'} and {out / 'gantt.png'}")
 
 
-def plan_report(model: str, algo: str, gpus: str, prompts: int, samples: int, prompt_len: int,
-                p50: int, p99: int, top: int, as_json: bool) -> str:
-    devices, hw_name = parse_gpus(gpus)
-    hw = hardware(hw_name)
-    shape = model_shape(model)
-    wl = _workload(prompts, samples, prompt_len, p50, p99)
+def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None = None) -> str:
+    devices, hw = req.cluster()
+    shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
     found = search(shape, algo, wl, hw, devices)
     base = naive(shape, algo, wl, hw, devices)
+    if write_plan is not None and found.ranked:
+        best = found.ranked[0]
+        write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {devices} x "
+                                        f"{hw.name}, predicted {best.step_s:.1f} s per step"))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
                            "ranked": [_row(p) for p in found.ranked[:top]],
-                           "naive": _row(base), "rejected": found.rejected[:20]}, indent=2)
+                           "naive": _row(base) if base else None,
+                           "rejected": found.rejected[:20]}, indent=2)
     lines = [f"{model} {algo} on {devices} x {hw.name}: searched in {found.seconds:.2f} s, "
              f"{len(found.ranked)} feasible plans, {len(found.rejected)} rejected",
              f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8}  plan"]
     for p in found.ranked[:top]:
         lines.append(f"{p.step_s:8.1f} {p.gen_s:8.1f} {p.assess_s:8.1f} {p.train_s:8.1f}  "
                      f"{describe(p.plan, p.gen_layout)}")
-    if found.ranked:
+    if found.ranked and base is not None:
         best = found.ranked[0]
         stage = max(("generation", best.gen_s), ("assessment", best.assess_s),
                     ("training", best.train_s), key=lambda s: s[1])[0]
@@ -87,4 +124,6 @@ def plan_report(model: str, algo: str, gpus: str, prompts: int, samples: int, pr
                   f"is {stage}"]
     for plan, reason in found.rejected[:3]:
         lines.append(f"rejected {plan}: {reason}")
+    if write_plan is not None and found.ranked:
+        lines.append(f"wrote the best plan to {write_plan} (`rlloom train {write_plan}`)")
     return "\n".join(lines)

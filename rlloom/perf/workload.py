@@ -1,10 +1,12 @@
 """What one RL step processes: prompts, samples, prompt and response lengths."""
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from statistics import NormalDist
 from typing import Literal
 
@@ -18,18 +20,29 @@ class Lengths:
     fixed: always `p50`; uniform: between `low` and `high`; lognormal: median `p50` and 99th
     percentile `p99`. For lognormal, `max` is p99 (the top 1% are truncated there: a generation
     cap at p99 is what long-reasoning runs set, and the true maximum of a lognormal is infinite).
+    empirical: the lengths a run measured (`values`, e.g. from its metrics.jsonl).
     """
-    kind: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    kind: Literal["fixed", "uniform", "lognormal", "empirical"] = "fixed"
     p50: float = 512
     p99: float = 0
     low: float = 0
     high: float = 0
+    values: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind == "uniform" and not 0 <= self.low <= self.high:
             raise ValueError("uniform lengths need 0 <= low <= high")
         if self.kind == "lognormal" and not self.p99 > self.p50 > 0:
             raise ValueError("lognormal lengths need p99 > p50 > 0")
+        if self.kind == "empirical":
+            if not self.values or min(self.values) < 0:
+                raise ValueError("empirical lengths need at least one length, none negative")
+            object.__setattr__(self, "values", tuple(sorted(self.values)))
+
+    @classmethod
+    def empirical(cls, values: list[float]) -> "Lengths":
+        ordered = sorted(values)
+        return cls("empirical", p50=ordered[len(ordered) // 2], values=tuple(ordered))
 
     @property
     def _sigma(self) -> float:
@@ -40,15 +53,21 @@ class Lengths:
             return self.p50
         if self.kind == "uniform":
             return self.low + q * (self.high - self.low)
+        if self.kind == "empirical":
+            return self.values[min(int(q * len(self.values)), len(self.values) - 1)]
         return min(self.p50 * math.exp(self._sigma * NormalDist().inv_cdf(q)), self.p99)
 
     @property
     def max(self) -> float:
+        if self.kind == "empirical":
+            return self.values[-1]
         return {"fixed": self.p50, "uniform": self.high, "lognormal": self.p99}[self.kind]
 
     @cached_property
     def mean(self) -> float:
         """Mean of the distribution as generated (the lognormal truncated at p99), by quadrature."""
+        if self.kind == "empirical":
+            return sum(self.values) / len(self.values)
         if self.kind != "lognormal":
             return self.p50 if self.kind == "fixed" else (self.low + self.high) / 2
         return sum(self.spread(2000)) / 2000
@@ -72,6 +91,11 @@ class Workload:
     ppo_epochs: int = 1
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch: int = 4  # sequences per device per forward/backward
+    dtype: Literal["bf16", "fp32"] = "bf16"  # of weights, activations and KV cache
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2 if self.dtype == "bf16" else 4
 
     @property
     def rollouts(self) -> int:
@@ -89,3 +113,16 @@ class Workload:
     def tokens(self) -> float:
         """Tokens teacher-forced per pass over the batch: B K (S + mean T)."""
         return self.rollouts * self.mean_context
+
+
+def lengths_from_metrics(path: Path) -> Lengths:
+    """Every response length a run generated (its metrics.jsonl `response_lens`)."""
+    metrics = path / "metrics.jsonl" if path.is_dir() else path
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: not found; pass a run directory or its metrics.jsonl")
+    values = [n for line in metrics.read_text().splitlines()
+              for n in json.loads(line).get("response_lens", [])]
+    if not values:
+        raise ValueError(f"{metrics}: no response_lens recorded (an offline run, or one made "
+                         "before lengths were logged)")
+    return Lengths.empirical(values)

@@ -198,7 +198,10 @@ class Trainer:
                # rewards are computed as samples finish (dynamic sampling needs them): they are
                # Assessment work even though they run inside the generation span
                "gen_s": gen.seconds - samples.score_s,
-               "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds}
+               "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds,
+               # what the performance model needs to price this step (`rlloom perf validate`)
+               "prompt_len": samples.rollout.prompt_mask.sum(1).float().mean().item(),
+               "response_lens": samples.rollout.response_lengths.tolist()}
         self.kl.update(kl_now, len(samples.scores))
         return row
 

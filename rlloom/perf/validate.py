@@ -1,0 +1,121 @@
+"""`rlloom perf validate`: predict each stage of a finished run's steps with the cost model and
+this machine's hardware file, next to what the run measured.
+
+Each step is priced with its own workload: its number of rollouts, mean prompt length and the
+exact response lengths it generated (metrics.jsonl), on one device (the single-process runtime),
+in the run's dtype. Measured times are the run's stage spans (the same spans as trace.json, with
+reward scoring counted under assessment as the runtime logs it).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from rlloom.algos.presets import PRESETS
+from rlloom.config import RunConfig
+from rlloom.perf.compose import price, role_models
+from rlloom.perf.hardware import Hardware
+from rlloom.perf.shapes import ModelShape
+from rlloom.perf.workload import Lengths, Workload
+from rlloom.plan import Plan
+
+STAGES = (("generation", "gen_s"), ("assessment", "assess_s"), ("training", "train_s"))
+
+
+@dataclass(frozen=True)
+class StagePoint:
+    run: str
+    step: int
+    stage: str
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def run_shape(run_dir: Path, cfg: RunConfig) -> ModelShape:
+    """The policy's shape from the run's exported model, or from the model it started from."""
+    for candidate in (run_dir / "final" / "config.json",
+                      Path(cfg.model.path or "") / "config.json"):
+        if candidate.is_file():
+            return ModelShape.from_hf_config(json.loads(candidate.read_text()), "policy")
+    raise ValueError(f"{run_dir}: no final/config.json and no model.path config.json; "
+                     "validate a finished run")
+
+
+def step_workload(row: dict, cfg: RunConfig) -> Workload:
+    lengths = row["response_lens"]
+    samples = cfg.rollout.n_samples
+    return Workload(prompts=len(lengths) // samples, samples=samples,
+                    prompt_len=round(row["prompt_len"]), response=Lengths.empirical(lengths),
+                    ppo_epochs=cfg.algo.epochs, minibatches=cfg.algo.minibatches,
+                    # the runtime forwards a whole mini-batch at once
+                    micro_batch=-(-len(lengths) // cfg.algo.minibatches),
+                    dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32")
+
+
+def run_roles(cfg: RunConfig) -> tuple[str, ...]:
+    """Roles the trainer builds: no reference without a KL term; the reward is a rule verifier
+    (not priced) unless a reward model is configured."""
+    roles = PRESETS[cfg.algo.name].roles
+    return tuple(r for r in roles if not (r == "reference" and cfg.algo.kl_coef == 0))
+
+
+def validate_run(run_dir: Path, hw: Hardware, skip: int = 1) -> list[StagePoint]:
+    """Predicted vs measured seconds per stage for every step after the first `skip`."""
+    cfg = RunConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    if not PRESETS[cfg.algo.name].online:
+        raise ValueError(f"{run_dir}: validation covers online presets; {cfg.algo.name} is not")
+    if cfg.reward.model_path:
+        raise ValueError(f"{run_dir}: runs with a reward model are not validated yet")
+    shape = run_shape(run_dir, cfg)
+    models = role_models(shape, run_roles(cfg))
+    plan = Plan(actor_critic=cfg.plan.actor_critic)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl; is it a run directory?")
+    points = []
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] <= skip or row.get("sample_rounds", 1) != 1:
+            continue  # warm-up, or a step that generated several rounds (dynamic sampling)
+        if "response_lens" not in row:
+            raise ValueError(f"{metrics}: no response_lens; the run predates validation "
+                             "support, run it again")
+        p = price(plan, models, step_workload(row, cfg), hw)
+        for stage, key in STAGES:
+            predicted = {"generation": p.gen_s, "assessment": p.assess_s,
+                         "training": p.train_s}[stage]
+            points.append(StagePoint(run_dir.name, row["step"], stage, predicted, row[key]))
+    return points
+
+
+def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
+    points = [pt for d in run_dirs for pt in validate_run(d, hw, skip)]
+    if not points:
+        raise ValueError(f"no steps after the first {skip} to validate")
+    lines = [f"{'run':<16} {'stage':<11} {'steps':>5} {'predicted s':>12} {'measured s':>11} "
+             f"{'median |error|':>15}"]
+    by_stage: dict[tuple[str, str], list[StagePoint]] = {}
+    for pt in points:
+        by_stage.setdefault((pt.run, pt.stage), []).append(pt)
+    for (run, stage), pts in by_stage.items():
+        pred = statistics.mean(p.predicted_s for p in pts)
+        meas = statistics.mean(p.measured_s for p in pts)
+        err = statistics.median(abs(p.error) for p in pts)
+        lines.append(f"{run[:16]:<16} {stage:<11} {len(pts):>5} {pred:>12.3f} {meas:>11.3f} "
+                     f"{err:>14.1%}")
+    errors = [abs(p.error) for p in points]
+    worst = max(by_stage.items(), key=lambda kv: statistics.median(abs(p.error) for p in kv[1]))
+    lines.append(f"median |error| over {len(points)} stage measurements: "
+                 f"{statistics.median(errors):.1%} (hardware {hw.name}); worst stage: "
+                 f"{worst[0][1]} of {worst[0][0]} at "
+                 f"{statistics.median(abs(p.error) for p in worst[1]):.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""`rlloom bench hw`: measure this machine and save it as a Hardware file for the performance
+model. Measured rates are what kernels achieve here, so the efficiencies are 1."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlloom.perf.hardware import GIB, Hardware, local_hardware_path
+
+
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, repeats: int = 3) -> float:
+    """Fastest mean time per call over `repeats` timed batches of at least `min_time` each:
+    the minimum filters out the noise of a shared machine."""
+    fn()
+    calls, t = 1, 0.0
+    while True:  # grow the batch until it runs long enough to time
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = time.perf_counter() - t0
+        if t >= min_time:
+            break
+        calls *= 2
+    best = t / calls
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 1024) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _best_seconds(lambda: a @ b)
+
+
+def memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
+    """Bytes read plus written per second by a large copy."""
+    src = torch.empty(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src))
+
+
+def dispatch_seconds() -> float:
+    """Host time per operator: a forward of a model too small to compute anything, divided by
+    the operators it dispatches (the same code path a tiny model's decode takes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlloom.models.config import ModelConfig
+    from rlloom.models.transformer import CausalLM
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model = CausalLM(ModelConfig("qwen3", 16, 8, 16, 1, 1, 1, 8, qk_norm=True))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        with Count():
+            model(ids)
+        return _best_seconds(lambda: model(ids)) / Count.ops
+
+
+def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for n in sizes:
+            x = torch.ones(n // 4)
+            seconds = _best_seconds(lambda: dist.all_reduce(x), min_time=0.2)
+            if rank == 0:
+                out[n] = seconds
+    finally:
+        dist.destroy_process_group()
+
+
+def all_reduce_times(sizes: list[int]) -> dict[int, float]:
+    """Seconds per gloo all-reduce between two local processes, by message bytes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_all_reduce_worker, args=(port, sizes, out), nprocs=2)
+        return dict(out)
+
+
+def measure(progress: Callable[[str], None] = print) -> Hardware:
+    progress("matmul fp32 ...")
+    fp32 = matmul_flops(torch.float32)
+    progress("matmul bf16 ...")
+    bf16 = matmul_flops(torch.bfloat16)
+    progress("memory bandwidth ...")
+    bw = memory_bandwidth()
+    progress("operator dispatch ...")
+    launch = dispatch_seconds()
+    progress("gloo all-reduce between 2 processes ...")
+    small, large = 4, 16 * 2**20
+    times = all_reduce_times([small, large])
+    # A 2-process ring all-reduce sends n/2 bytes twice: alpha from the tiny message, the
+    # bandwidth from the large one net of that latency.
+    alpha = times[small] / 2
+    link = large / max(times[large] - times[small], 1e-9)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return Hardware("local", {"fp32": fp32, "bf16": bf16}, mem_gib=round(ram, 1), mem_bw=bw,
+                    intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
+                    intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
+                    mem_eff=1.0, comm_eff=1.0, launch_s=launch,
+                    extra={"threads": float(torch.get_num_threads()),
+                           "cpus": float(os.cpu_count() or 1)})
+
+
+def bench_hw(out: Path | None = None) -> str:
+    hw = measure()
+    path = out or local_hardware_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    hw.save(tmp)
+    os.replace(tmp, path)
+    return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
+            f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
+            f"operator dispatch {hw.launch_s * 1e6:.1f} us, gloo all-reduce latency "
+            f"{hw.intra_node_latency * 1e6:.0f} us and {hw.intra_node_bw / 1e9:.2f} GB/s\n"
+            f"saved {path} (use it as --gpus NxLOCAL or `rlloom perf validate`)")

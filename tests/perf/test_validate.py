@@ -1,0 +1,177 @@
+"""The measured side of the performance model: operator counts, empirical lengths, hardware
+files, `rlloom perf validate` against hand computation, plan files and DPO pricing."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlloom.config import dump_config, load_config
+from rlloom.models.config import ModelConfig
+from rlloom.models.transformer import CausalLM
+from rlloom.perf import cost
+from rlloom.perf.compose import price, role_models
+from rlloom.perf.hardware import hardware, load_hardware
+from rlloom.perf.shapes import model_shape
+from rlloom.perf.validate import validate_run
+from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
+from rlloom.plan import Layout, Plan
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(layers: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig("qwen3", 40, 32, 64, layers, 2, 1, 16, qk_norm=True))
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 40, (4, 10))
+    with _Count() as fwd:
+        model(ids, torch.ones_like(ids))
+    model(ids).sum().backward()
+    opt.step()  # the first step creates the optimizer state: count a later one
+    model(ids).sum().backward()
+    with _Count() as step:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return fwd.ops, step.ops
+
+
+def test_operator_counts_match_the_runtime():
+    """The per-layer / fixed operator counts the cost model uses are rlloom's own, within 15%."""
+    (f1, o1), (f3, o3) = _counts(1), _counts(3)
+    per_layer, fixed = (f3 - f1) / 2, f1 - (f3 - f1) / 2
+    assert per_layer == pytest.approx(cost.FORWARD_OPS[0], rel=0.15)
+    assert fixed == pytest.approx(cost.FORWARD_OPS[1], rel=0.15)
+    assert (o3 - o1) / 2 == pytest.approx(cost.OPTIMIZER_OPS[0], rel=0.15)
+
+
+def test_empirical_lengths():
+    lengths = Lengths.empirical([5, 1, 3, 3])
+    assert lengths.values == (1, 3, 3, 5)
+    assert (lengths.mean, lengths.max, lengths.p50) == (3, 5, 3)
+    assert lengths.spread(4) == [1, 3, 3, 5]
+    with pytest.raises(ValueError, match="at least one length"):
+        Lengths("empirical")
+
+
+def test_lengths_from_metrics(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "response_lens": [4, 2]}) + "\n"
+        + json.dumps({"step": 2, "response_lens": [6]}) + "\n")
+    assert lengths_from_metrics(tmp_path).values == (2, 4, 6)
+    with pytest.raises(ValueError, match="not found"):
+        lengths_from_metrics(tmp_path / "nope")
+
+
+# A device whose arithmetic, memory and links are free: only operator dispatch costs time, so
+# every stage is an operator count times launch_s.
+LAUNCH = 1e-3
+FREE = replace(hardware("h100"), peak_flops={"fp32": 1e30, "bf16": 1e30}, mem_bw=1e30,
+               launch_s=LAUNCH)
+
+
+def _fake_run(tmp_path, lengths):
+    cfg = load_config(None, ["model.layers=2", "algo.epochs=2", "algo.minibatches=2",
+                             "rollout.n_samples=2", "algo.kl_coef=0.001"])
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    (run / "final" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 32,
+        "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "vocab_size": 40}))
+    rows = [{"step": s, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
+             "assess_s": 1.0, "train_s": 1.0} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_validate_predicts_dispatch_bound_stages_by_hand(tmp_path):
+    run = _fake_run(tmp_path, [5, 5, 5, 5])  # 2 prompts x K=2, every response 5 tokens
+    points = validate_run(run, FREE, skip=1)
+    assert [p.step for p in points] == [2, 2, 2]
+    by = {p.stage: p.predicted_s for p in points}
+    fwd = 87 * 2 + 45  # FORWARD_OPS for 2 layers
+    # generation: one prefill, then 4 decode steps (token 1 comes out of prefill)
+    assert by["generation"] == pytest.approx(LAUNCH * (fwd + 4 * (fwd + 20)))
+    # assessment: the reference forwards 2 micro-batches (one per mini-batch)
+    assert by["assessment"] == pytest.approx(LAUNCH * 2 * fwd)
+    # training: 2 epochs x 2 mini-batches, each forward+backward (3 passes) and an optimizer step
+    assert by["training"] == pytest.approx(LAUNCH * 4 * (3 * fwd + 110 * 2 + 42))
+    assert points[0].error == pytest.approx(by["generation"] - 1.0)
+
+
+def test_validate_rejects_a_run_without_lengths(tmp_path):
+    run = _fake_run(tmp_path, [5])
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "gen_s": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="no response_lens"):
+        validate_run(run, FREE)
+
+
+def test_hardware_file_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLLOOM_CACHE", str(tmp_path))
+    with pytest.raises(KeyError, match="run `rlloom bench hw`"):
+        hardware("local")
+    (tmp_path / "hardware").mkdir()
+    FREE.save(tmp_path / "hardware" / "local.json")
+    assert hardware("local") == load_hardware(tmp_path / "hardware" / "local.json") == FREE
+
+
+def test_plan_file_is_a_config_rlloom_train_reads(tmp_path, capsys):
+    from rlloom.cli import main
+    path = tmp_path / "plan.yaml"
+    main(["plan", "--gpus", "16xH100", "--p50", "1024", "--p99", "8192", "--write-plan",
+          str(path)])
+    assert f"wrote the best plan to {path}" in capsys.readouterr().out
+    cfg = load_config(path)
+    assert cfg.plan.layouts["actor"].world_size > 1
+    assert cfg.train.steps == load_config().train.steps  # every other section at its default
+
+
+def test_rollout_layout_in_the_plan_is_the_generation_layout():
+    shape, hw = model_shape("qwen2.5-7b"), hardware("h100")
+    wl = Workload(64, 8, 512, Lengths("lognormal", 1024, 8192))
+    models = role_models(shape, ("actor", "reference"))
+    layouts = {"actor": Layout(dp=4, zero=1), "reference": Layout(dp=4)}
+    gen = Layout(dp=2, tp=2)
+    given = price(Plan(placement="disaggregated", layouts=layouts), models, wl, hw, gen)
+    in_plan = price(Plan(placement="disaggregated", layouts={**layouts, "rollout": gen}),
+                    models, wl, hw)
+    assert in_plan.gen_s == given.gen_s and in_plan.step_s == given.step_s
+
+
+def test_dpo_prices_no_generation():
+    shape, hw = model_shape("qwen2.5-7b"), hardware("h100")
+    wl = Workload(64, 2, 512, Lengths("fixed", 512))
+    models = role_models(shape, ("actor", "reference"))
+    plan = Plan(layouts={"actor": Layout(dp=8, zero=3), "reference": Layout(dp=8)})
+    online, offline = price(plan, models, wl, hw), price(plan, models, wl, hw, offline=True)
+    assert offline.gen_s == 0 < online.gen_s
+    assert offline.step_s == pytest.approx(online.step_s - online.gen_s)
+
+
+def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
+    """`rlloom bench hw` measures this machine; `rlloom perf validate` prices a real run's
+    steps with it and prints predicted vs measured for every stage."""
+    from rlloom.cli import main
+    hw_file, run = tmp_path / "hw.json", tmp_path / "run"
+    main(["bench", "hw", "--out", str(hw_file)])
+    hw = load_hardware(hw_file)
+    assert hw.peak_flops["fp32"] > 1e8 and hw.mem_bw > 1e8 and 0 < hw.launch_s < 1e-3
+    main(["train", *tiny, f"run_dir={run}"])
+    capsys.readouterr()
+    main(["perf", "validate", str(run), "--hardware", str(hw_file)])
+    out = capsys.readouterr().out
+    for stage in ("generation", "assessment", "training"):
+        assert f"run              {stage}" in out
+    assert "median |error| over 6 stage measurements" in out  # steps 2 and 3 x 3 stages
