@@ -1,5 +1,5 @@
-"""Architecture description of the supported dense decoder family, read from and written to
-Hugging Face `config.json` dictionaries."""
+"""Architecture description of the supported decoder family (dense, and Qwen3-MoE with routed
+experts), read from and written to Hugging Face `config.json` dictionaries."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 FAMILY_TO_ARCH = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # The same families with one scalar output: reward models and critics.
@@ -28,7 +29,7 @@ class CheckpointError(ValueError):
 
 @dataclass
 class ModelConfig:
-    family: str                    # "llama" | "qwen2" | "qwen3"
+    family: str                    # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,6 +48,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # Qwen3-MoE: routed SwiGLU experts replace the dense MLP in the sparse layers.
+    n_experts: int = 0             # experts per MoE layer; 0 = every layer dense
+    experts_per_token: int = 0     # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # hidden width of one expert
+    norm_topk_prob: bool = False   # renormalise the k chosen router probabilities to sum to 1
+    decoder_sparse_step: int = 1   # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_TO_ARCH:
@@ -55,14 +63,32 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.n_experts:
+            if self.family != "qwen3_moe":
+                raise UnsupportedArchitectureError(
+                    f"n_experts={self.n_experts} needs family 'qwen3_moe', not {self.family!r}")
+            if not 1 <= self.experts_per_token <= self.n_experts:
+                raise ValueError(f"experts_per_token={self.experts_per_token} must be in "
+                                 f"1..n_experts={self.n_experts}")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("an MoE model needs moe_intermediate_size > 0 and "
+                                 "decoder_sparse_step > 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes to experts (Hugging Face's Qwen3-MoE rule)."""
+        return (self.n_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_params(self) -> int:
         d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * d * self.intermediate_size
+        dense = 3 * d * self.intermediate_size
+        moe = self.n_experts * (3 * d * self.moe_intermediate_size + d)   # experts + router row
+        mlp = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * d) + embed + d
+        return self.num_layers * (attn + 2 * d) + mlp + embed + d
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -80,6 +106,15 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"rope scaling {rope!r} is not supported; only default rotary embeddings are")
         bias = bool(hf.get("attention_bias", False))
+        moe = {}
+        if family == "qwen3_moe":
+            # transformers 5 writes num_experts under its attribute_map name num_local_experts.
+            moe = dict(n_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
+                       experts_per_token=hf.get("num_experts_per_tok", 0),
+                       moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                       mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
         return cls(
             family=family,
             vocab_size=hf["vocab_size"],
@@ -96,10 +131,11 @@ class ModelConfig:
             qkv_bias=True if family == "qwen2" else bias,
             o_bias=False if family == "qwen2" else bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            **moe,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -126,7 +162,14 @@ class ModelConfig:
         }
         if self.family != "qwen2":
             hf["attention_bias"] = self.qkv_bias
+        if self.family in ("llama", "qwen3"):
             hf["mlp_bias"] = self.mlp_bias
+        if self.family == "qwen3_moe":
+            hf.update(num_experts=self.n_experts, num_experts_per_tok=self.experts_per_token,
+                      moe_intermediate_size=self.moe_intermediate_size,
+                      norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step,
+                      mlp_only_layers=list(self.mlp_only_layers))
         return hf
 
     def as_dict(self) -> dict[str, Any]:

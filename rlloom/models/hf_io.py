@@ -48,8 +48,31 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One tensor per expert, as `save_pretrained` writes Qwen3-MoE checkpoints.
+
+    transformers 5 holds a layer's experts as fused 3D tensors (`mlp.experts.gate_up_proj`
+    [experts, 2 * moe_intermediate, hidden], `mlp.experts.down_proj` [experts, hidden,
+    moe_intermediate]); a checkpoint written from that state dict directly arrives in this form.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+            for e in range(t.shape[0]):
+                if leaf == "down_proj":
+                    out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                    out[f"{prefix}.{e}.up_proj.weight"] = up
+        else:
+            out[name] = t
+    return out
+
+
 def _load_into(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
-    state = _read_state(path)
+    state = _split_fused_experts(_read_state(path))
     cfg = model.config
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

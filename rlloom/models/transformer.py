@@ -1,4 +1,4 @@
-"""Plain-PyTorch decoder for the Llama / Qwen2 / Qwen3 dense family.
+"""Plain-PyTorch decoder for the Llama / Qwen2 / Qwen3 family (dense, and Qwen3-MoE).
 
 Module names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`, ...) so a
 state dict loads without renaming. No distributed code lives here (DESIGN.md): parallel
@@ -12,6 +12,7 @@ from torch import nn
 
 from rlloom.models.cache import KVCache
 from rlloom.models.config import ModelConfig
+from rlloom.models.moe import MoEBlock
 
 
 class RMSNorm(nn.Module):
@@ -87,12 +88,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -107,7 +108,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -1,0 +1,87 @@
+"""Qwen3-MoE sparse block: a softmax top-k router over SwiGLU experts.
+
+Module names mirror the Hugging Face checkpoint on disk (`mlp.gate.weight`,
+`mlp.experts.{i}.gate_proj.weight`, ...), so the block loads without renaming. Plain torch: expert
+parallelism (rlloom.parallel.expert_parallel) reuses `route` and `run_experts` from outside.
+
+The router's load-balancing auxiliary loss is not computed: RL post-training here optimises the
+policy loss only (as Hugging Face does unless `output_router_logits` is set).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlloom.models.config import ModelConfig
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert (Qwen3-MoE experts have no biases)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine weights [tokens, k] and expert indices [tokens, k] from logits [tokens, experts].
+
+    The softmax runs in at least fp32 like the reference, but keeps fp64 in fp64 so parity
+    tests of parallel layouts can be tight.
+    """
+    probs = router_logits.softmax(-1, dtype=torch.promote_types(router_logits.dtype,
+                                                                 torch.float32))
+    weights, experts = probs.topk(k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(router_logits.dtype), experts
+
+
+def run_experts(experts: Iterable[tuple[int, nn.Module]], x: torch.Tensor,
+                expert_ids: torch.Tensor) -> torch.Tensor:
+    """Each row of x [rows, hidden] through the expert named by expert_ids [rows].
+
+    `experts` yields (expert index, module) pairs; rows whose expert is not among them stay zero,
+    which is what expert parallelism relies on when it passes only the local experts. Experts
+    with no rows still run (on zero rows) so the autograd graph has the same shape on every
+    rank: distributed backward passes must issue the same collectives everywhere.
+    """
+    out = torch.zeros_like(x)
+    for e, expert in experts:
+        rows = (expert_ids == e).nonzero(as_tuple=True)[0]
+        out = out.index_copy(0, rows, expert(x[rows]))
+    return out
+
+
+class MoEBlock(nn.Module):
+    """Router `gate` + `experts`; forward maps hidden [batch, seq, d] to [batch, seq, d]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """weights, expert indices  # [tokens, k] for flat tokens x [tokens, d]."""
+        return route(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])                       # [tokens, d]
+        weights, chosen = self.route(flat)
+        # One row per (token, slot) pair, so each expert sees a dense batch of its rows.
+        token = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.top_k)
+        out = run_experts(enumerate(self.experts), flat[token], chosen.reshape(-1))
+        out = out * weights.reshape(-1, 1)
+        return torch.zeros_like(flat).index_add(0, token, out).view_as(x)

@@ -1,0 +1,33 @@
+"""Per-layer activation checkpointing: keep each decoder layer's input, recompute the rest.
+
+Activation memory during training drops from every intermediate of every layer to one
+[batch, seq, hidden] tensor per layer plus one layer's intermediates, for about one extra
+forward pass of compute.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+
+from rlloom.parallel.tensor_parallel import backbone_of
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap every decoder layer of `model` in a non-reentrant checkpoint, in place.
+
+    Apply after tensor parallelism and before data parallelism, so FSDP's per-layer groups
+    are the checkpointed layers and recomputation re-gathers a layer's parameters (ZeRO-3)
+    just before using them. The wrapper's state-dict hooks strip its `_checkpoint_wrapped_module`
+    prefix, so `state_dict()` keys are unchanged; `named_parameters()` names carry it.
+    """
+    layers = backbone_of(model).layers
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, CheckpointWrapper):
+            # Non-reentrant: works with keyword arguments, DTensors and FSDP2 hooks, and
+            # under no_grad (generation) it simply runs the layer.
+            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return model

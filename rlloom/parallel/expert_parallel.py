@@ -1,0 +1,118 @@
+"""Expert parallelism: each MoE layer's experts sharded over the ranks of an ep group.
+
+Rank r owns experts [r * E / ep, (r + 1) * E / ep); the router and everything outside the MoE
+blocks stay replicated. Ranks hold different tokens (ep spans data-parallel ranks). In each MoE
+block every rank routes its own tokens, sends each (token, chosen expert) row to the expert's
+owner with one all-to-all, the owner runs its experts, a second all-to-all brings the outputs
+back, and the origin rank weights them by its router probabilities and sums per token. Both
+all-to-alls are differentiable (the backward of an all-to-all is the all-to-all with the splits
+swapped), so expert gradients from every rank's tokens accumulate on the owner, and router
+gradients stay with the tokens.
+
+Gradients: expert parameters are complete on their owner; replicated parameters hold each
+rank's partial sum and must be all-reduced (sum, with a loss normalised over all ranks' tokens)
+over the ep group -- `all_reduce_replicated_grads` does that, or a data-parallel layer that skips
+`is_expert_parameter` names.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlloom.models.moe import MoEBlock, route, run_experts
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with explicit split sizes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return (_AllToAll.apply(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group),
+                None, None, None)
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Differentiable all-to-all: rows [in_splits[j]] of x go to rank j; returns the rows
+    received, [out_splits[j]] from rank j, in rank order."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertParallelMoE(nn.Module):
+    """An `MoEBlock` with only this rank's experts. Experts keep their global index as name
+    (`experts.5.up_proj.weight`), so a rank's state dict is a slice of the full one."""
+
+    def __init__(self, block: MoEBlock, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        if block.n_experts % ep:
+            raise ValueError(f"ep={ep} does not divide n_experts={block.n_experts}; use an ep "
+                             "that divides the number of experts")
+        self.group, self.ep = group, ep
+        self.n_experts, self.top_k = block.n_experts, block.top_k
+        self.norm_topk_prob = block.norm_topk_prob
+        self.n_local = block.n_experts // ep
+        self.first = rank * self.n_local
+        self.gate = block.gate
+        self.experts = nn.ModuleDict({str(e): block.experts[e]
+                                      for e in range(self.first, self.first + self.n_local)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])                                   # [tokens, d]
+        weights, chosen = route(self.gate(flat), self.top_k, self.norm_topk_prob)
+        # One row per (token, slot), sorted by expert: rows for rank j are then contiguous.
+        expert = chosen.reshape(-1)
+        order = expert.argsort(stable=True)
+        token = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.top_k)[order]
+        send_counts = torch.bincount(expert, minlength=self.n_experts)       # [experts]
+        recv_counts = torch.empty_like(send_counts)                          # [ep * n_local]
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send = send_counts.view(self.ep, self.n_local).sum(1).tolist()
+        recv = recv_counts.view(self.ep, self.n_local).sum(1).tolist()
+
+        rows = all_to_all(flat[token], recv, send, self.group)               # [received, d]
+        local = torch.arange(self.first, self.first + self.n_local, device=x.device)
+        row_expert = local.repeat(self.ep).repeat_interleave(recv_counts)    # src-major order
+        out = run_experts(((int(e), m) for e, m in self.experts.items()), rows, row_expert)
+        back = all_to_all(out, send, recv, self.group)                       # [tokens * k, d]
+        back = back * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token, back).view_as(x)
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None
+                          ) -> nn.Module:
+    """Replace every `MoEBlock` of `model` (in place) by its expert-parallel shard; returns it."""
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        raise ValueError("expert parallelism needs an MoE model (n_experts > 0); set ep=1")
+    for name, block in blocks:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, ExpertParallelMoE(block, group))
+    return model
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether a parameter name belongs to a routed expert (sharded, not replicated, under ep)."""
+    return ".experts." in name
+
+
+@torch.no_grad()
+def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup | None = None
+                                ) -> None:
+    """Sum the gradients of all non-expert parameters over the ep group."""
+    for name, p in model.named_parameters():
+        if not is_expert_parameter(name):
+            if p.grad is None:   # every rank must join every all-reduce
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)

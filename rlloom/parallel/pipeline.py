@@ -1,0 +1,164 @@
+"""Pipeline parallelism: a CausalLM's decoder layers in contiguous stages, one per rank of a
+pipeline group, run with `torch.distributed.pipelining`.
+
+Stage 0 holds the token embedding, the last stage the final norm and the lm_head. Training
+runs the 1F1B schedule (at most `n_stages` microbatches of activations alive per stage);
+scoring runs a forward-only schedule (GPipe with no loss: without a backward pass 1F1B and
+GPipe issue the same forwards, and 1F1B's own `eval` path insists on a loss and a target).
+
+Every rank passes the same whole batch: the first stage reads `input_ids`, every stage reads
+`attention_mask` (it is cheap and gives each stage its rotary positions and causal mask without
+sending them down the pipe), the last stage reads `target`. Microbatches are equal slices of
+the batch along dim 0.
+
+Losses are summed over microbatches, never averaged (`scale_grads=False`): the loss function
+returns a microbatch's *sum* of per-token terms divided by a normaliser computed over the
+whole batch (for data x pipeline parallelism, over the whole global batch), so the summed
+pipelined loss and its gradients equal the single-process loss of the batch and its gradients.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from rlloom.models.transformer import CausalLM, positions_and_mask, rotary_cos_sin
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def stage_layers(num_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage; earlier stages take one extra when uneven."""
+    if not 1 <= n_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {n_stages} pipeline stages; "
+                         f"use pp in 1..{num_layers}")
+    base, extra = divmod(num_layers, n_stages)
+    starts = [i * base + min(i, extra) for i in range(n_stages + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(n_stages)]
+
+
+class StageModule(nn.Module):
+    """One stage of a CausalLM. It shares (does not copy) the model's modules, and its parameter
+    names are the full model's (`model.layers.5.mlp.up_proj.weight`), so per-stage state dicts
+    merge into a checkpoint by plain union."""
+
+    def __init__(self, model: CausalLM, stage: int, n_stages: int) -> None:
+        super().__init__()
+        cfg = model.config
+        if cfg.tie_word_embeddings and n_stages > 1:
+            raise ValueError("pipeline parallelism with tie_word_embeddings would split one "
+                             "weight between the first and last stage; use pp=1 for tied models")
+        self.config = cfg
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.layer_ids = stage_layers(cfg.num_layers, n_stages)[stage]
+        self.model = nn.Module()
+        if self.is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i]
+                                           for i in self.layer_ids})
+        if self.is_last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or logits
+        [mb, seq, vocab] on the last stage."""
+        positions, mask = positions_and_mask(attention_mask, None)
+        if self.is_first:
+            x = self.model.embed_tokens(x)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
+                                  x.dtype)
+        for i, layer in self.model.layers.items():
+            x = layer(x, cos, sin, mask, None, int(i))
+        if self.is_last:
+            x = self.lm_head(self.model.norm(x))
+        return x
+
+
+def next_token_loss(normaliser: float) -> LossFn:
+    """Cross-entropy summed over a microbatch's labels [mb, seq] (-100 = ignored) / normaliser."""
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                               reduction="sum") / normaliser
+    return loss_fn
+
+
+class PipelinedCausalLM:
+    """Runs a CausalLM split over the ranks of `group` (default: the world).
+
+    Gradients accumulate into the stage's parameters (`.grad`) like `loss.backward()`; zero them
+    between steps. Stages are rebuilt per call with static shapes, so batches of different
+    lengths need no warm-up and no re-tracing; the cost is one small handshake per call.
+    """
+
+    def __init__(self, model: CausalLM, group: dist.ProcessGroup | None = None,
+                 n_microbatches: int | None = None) -> None:
+        """`n_microbatches` (default: one per stage, the fewest 1F1B accepts) must divide
+        every batch."""
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.n_stages = dist.get_world_size(group)
+        self.n_microbatches = n_microbatches or self.n_stages
+        if self.n_microbatches < self.n_stages:
+            raise ValueError(f"1F1B needs at least one microbatch per stage: n_microbatches="
+                             f"{self.n_microbatches} < pp={self.n_stages}")
+        self.module = StageModule(model, self.rank, self.n_stages)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.last_rank = (self.n_stages - 1 if group is None
+                          else dist.get_global_rank(group, self.n_stages - 1))
+
+    @property
+    def is_last(self) -> bool:
+        return self.module.is_last
+
+    def _stage(self, batch: int, seq: int, train: bool) -> PipelineStage:
+        if batch % self.n_microbatches:
+            raise ValueError(f"batch of {batch} rows does not split into "
+                             f"{self.n_microbatches} equal microbatches")
+        mb, cfg = batch // self.n_microbatches, self.module.config
+        # Static shapes skip the schedule's metadata-inference forward; `requires_grad` on the
+        # examples is what tells the stage to receive and send activation gradients.
+        hidden = torch.empty(mb, seq, cfg.hidden_size, dtype=self.dtype, device="meta",
+                             requires_grad=train)
+        inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if self.module.is_first \
+            else hidden
+        outputs = torch.empty(mb, seq, cfg.vocab_size, dtype=self.dtype, device="meta",
+                              requires_grad=train) if self.module.is_last else hidden
+        return PipelineStage(self.module, self.rank, self.n_stages, self.device,
+                             input_args=inputs, output_args=outputs, group=self.group)
+
+    def _args(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (input_ids,) if self.module.is_first else ()
+
+    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   target: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of the batch with 1F1B; the batch loss (sum over
+        microbatches of `loss_fn(logits, target_mb)`), detached float64, on every rank of the
+        group. `target` [batch, ...] is sliced into microbatches along dim 0 like the inputs;
+        pack several per-token tensors into one (e.g. [batch, seq, k]) when the loss needs them.
+        """
+        schedule = Schedule1F1B(self._stage(*input_ids.shape, train=True), self.n_microbatches,
+                                loss_fn=loss_fn, scale_grads=False)
+        losses: list[torch.Tensor] = []
+        schedule.step(*self._args(input_ids), attention_mask=attention_mask,
+                      target=target if self.module.is_last else None,
+                      losses=losses if self.module.is_last else None, return_outputs=False)
+        # float64 on every rank, whatever the loss dtype, so the broadcast buffers agree.
+        loss = (torch.stack(losses).sum().detach().double() if self.module.is_last
+                else torch.zeros((), dtype=torch.float64, device=self.device))
+        if self.n_stages > 1:
+            dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+              ) -> torch.Tensor | None:
+        """Logits [batch, seq, vocab] on the last stage (None on the others), forward only."""
+        schedule = ScheduleGPipe(self._stage(*input_ids.shape, train=False), self.n_microbatches)
+        out = schedule.step(*self._args(input_ids), attention_mask=attention_mask)
+        return out if self.module.is_last else None

@@ -1,0 +1,136 @@
+"""Tensor parallelism (Megatron-style) with sequence parallelism for the norms.
+
+Inside each decoder layer, q/k/v and gate/up are split by output features (colwise) and
+o/down by input features (rowwise), so each rank holds `heads/tp` query heads, `kv_heads/tp`
+key/value heads and `intermediate/tp` MLP features, and a layer costs one all-gather before
+attention and the MLP and one reduce-scatter after them. Between those, the residual stream
+and the RMSNorms are sharded along the sequence (sequence parallelism), so norms and
+residual adds are not computed `tp` times over.
+
+MoE blocks are replicated across TP ranks (expert parallelism is what splits them). The
+embedding, the final output heads (lm_head, score) and their inputs stay replicated:
+the backbone's output is gathered to a plain full tensor, so every head, loss and sampler
+works unchanged. All TP ranks therefore compute the same loss.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from rlloom.models.transformer import MLP, Attention, Backbone
+
+
+def backbone_of(model: nn.Module) -> Backbone:
+    """The decoder backbone of a CausalLM / ValueModel / ActorCritic (or the backbone itself)."""
+    if isinstance(model, Backbone):
+        return model
+    backbone = getattr(model, "model", None)
+    if not isinstance(backbone, Backbone):
+        raise TypeError(f"{type(model).__name__} has no rlloom Backbone at .model")
+    return backbone
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard every decoder layer of `model` over the 1-D `tp_mesh`, in place; returns `model`.
+
+    Weights must already be identical on all TP ranks (same seed or same checkpoint): the
+    norms are replicated with `from_local`, which does not broadcast.
+    """
+    tp = tp_mesh.size()
+    backbone = backbone_of(model)
+    cfg = backbone.config
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp or cfg.intermediate_size % tp:
+        raise ValueError(f"tp={tp} must divide num_heads={cfg.num_heads}, num_kv_heads="
+                         f"{cfg.num_kv_heads} and intermediate_size={cfg.intermediate_size}")
+    # The residual stream is a DTensor sharded on the sequence from the embedding output to
+    # the final norm. It stays a DTensor (use_local_output=False) rather than a local tensor
+    # so DTensor tracks the global length: decoding feeds one token at a time, which tp
+    # ranks cannot split evenly, and only DTensor's uneven sharding handles that.
+    parallelize_module(backbone, tp_mesh, {
+        "embed_tokens": PrepareModuleOutput(output_layouts=Replicate(),
+                                            desired_output_layouts=Shard(1),
+                                            use_local_output=False),
+        "norm": SequenceParallel(),
+    })
+    for layer in backbone.layers:
+        attn = layer.self_attn
+        plan: dict[str, Any] = {
+            "input_layernorm": SequenceParallel(),
+            # Attention(x, cos, sin, mask, cache, layer): only x is sharded.
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * 5,
+                                            desired_input_layouts=(Replicate(),) + (None,) * 5,
+                                            use_local_output=True),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+        }
+        if isinstance(layer.mlp, MLP):
+            plan.update({
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            })
+        else:
+            # An MoE block is not split by TP (expert parallelism splits experts): every TP
+            # rank runs it on the whole sequence, and its output is cut back to this rank's
+            # sequence shard. The backward of that cut all-gathers the gradient, so the
+            # replicated expert weights get the full gradient on every rank.
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_input=True, output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),), use_local_output=False)
+        if attn.qk_norm:
+            # Per-head norms see only this rank's heads ([b, s, heads/tp, hd], heads on dim
+            # 2); a Replicate weight over a head-sharded input makes DTensor sum the weight's
+            # gradient over all heads, as the single-process model does.
+            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(layer, tp_mesh, plan)
+        _localise_heads(attn, tp)
+    # Outputs of the whole backbone are plain and replicated, whatever head comes next.
+    parallelize_module(backbone, tp_mesh, PrepareModuleOutput(
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+    backbone.register_forward_pre_hook(_shard_kv_cache, with_kwargs=True)
+    return model
+
+
+def _localise_heads(attn: Attention, tp: int) -> None:
+    # Attention reshapes with these attributes; after colwise sharding the projections give
+    # this rank's share of the heads.
+    attn.n_heads //= tp
+    attn.n_kv //= tp
+
+
+def _shard_kv_cache(backbone: Backbone, args: tuple, kwargs: dict) -> None:
+    """Give a fresh KV cache buffers for this rank's kv heads only.
+
+    `KVCache` is sized from the config's (global) kv-head count; under TP a rank stores
+    `num_kv_heads / tp` heads per layer, so the buffers are reallocated before first use.
+    """
+    cache = kwargs.get("cache", args[2] if len(args) > 2 else None)
+    if cache is None or cache.length:
+        return
+    local_kv = backbone.layers[0].self_attn.n_kv if len(backbone.layers) else 0
+    for bufs in (cache.k, cache.v):
+        for i, buf in enumerate(bufs):
+            if buf.shape[1] != local_kv:
+                shape = (buf.shape[0], local_kv, *buf.shape[2:])
+                bufs[i] = torch.zeros(shape, dtype=buf.dtype, device=buf.device)

@@ -1,0 +1,60 @@
+"""Layouts that cannot run are refused before any process group or mesh exists, with the
+problem and the fix in the message."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from harness import tiny_config, tiny_model
+
+from rlloom.parallel.apply import parallelize
+from rlloom.parallel.mesh import MESH_DIMS, LayoutError, layout_problems, validate_layout
+from rlloom.plan import Layout
+
+CFG = tiny_config()  # 4 heads, 2 kv heads, intermediate 64, 2 layers
+
+
+def test_mesh_order_puts_tp_innermost():
+    assert MESH_DIMS == ("pp", "dp", "cp", "tp")
+
+
+@pytest.mark.parametrize("layout, world", [
+    (Layout(), 1), (Layout(dp=2, zero=3), 2), (Layout(tp=2), 2),
+    (Layout(dp=2, tp=2, zero=1), 4), (Layout(pp=2, dp=2), 4),
+])
+def test_valid_layouts_pass(layout, world):
+    validate_layout(layout, CFG, world)
+
+
+@pytest.mark.parametrize("layout, world, words", [
+    (Layout(dp=2), 4, ["multiply to 2", "world has 4", "pp*dp*cp*tp = 4"]),
+    (Layout(tp=4), 4, ["tp=4 does not divide the model's num_kv_heads=2", "use tp in [1, 2]"]),
+    (Layout(tp=3), 3, ["num_heads=4", "num_kv_heads=2", "intermediate_size=64"]),
+    (Layout(pp=4), 4, ["pp=4 does not divide num_layers=2"]),
+    (Layout(dp=2, ep=2), 2, ["no experts", "set ep=1"]),
+    (Layout(zero=2), 1, ["zero=2", "dp=1", "set zero=0 or dp>1"]),
+])
+def test_invalid_layouts_name_problem_and_fix(layout, world, words):
+    with pytest.raises(LayoutError) as err:
+        validate_layout(layout, CFG, world)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_every_problem_is_reported_at_once():
+    problems = layout_problems(Layout(tp=3, zero=1), CFG, 2)
+    assert len(problems) == 5   # world size, 3 divisibility checks, zero without dp
+
+
+def test_experts_must_split_evenly():
+    moe = dataclasses.replace(tiny_config("qwen3_moe"), n_experts=6)
+    assert layout_problems(Layout(dp=3, ep=3), moe, 3) == []
+    [problem] = layout_problems(Layout(dp=4, ep=4), moe, 4)
+    assert "ep=4 does not divide n_experts=6" in problem
+
+
+def test_parallelize_refuses_what_is_not_implemented():
+    with pytest.raises(LayoutError, match="pp=2 is not implemented"):
+        parallelize(tiny_model(), Layout(pp=2))
+    with pytest.raises(LayoutError, match="needs torch.distributed initialised"):
+        parallelize(tiny_model(), Layout(dp=2))

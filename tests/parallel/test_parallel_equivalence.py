@@ -1,0 +1,315 @@
+"""Every supported layout against the single-process oracle: same loss, same gradients, same
+parameters after one AdamW step, all in float64; and TP greedy generation token for token.
+
+Spawning is the slow part, so one 2-process and one 4-process group each run many cases and
+the tests below only read their results. Tolerances: float64 sums taken in a different order
+(sharded reductions, all-reduces) differ by ~1e-16 relative; 1e-10 leaves room for that and
+still catches any real error, which shows up at 1e-3 or more.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import (
+    LR,
+    batch,
+    full,
+    loss_sum,
+    max_errors,
+    n_tokens,
+    plain_name,
+    reference_step,
+    spawn,
+    tiny_model,
+)
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlloom.models.heads import ActorCritic
+from rlloom.parallel.apply import (
+    full_state_dict,
+    load_sharded,
+    make_optimizer,
+    parallelize,
+    save_sharded,
+)
+from rlloom.parallel.mesh import build_mesh
+from rlloom.plan import Layout
+from rlloom.rollout.generate import generate
+from rlloom.rollout.sampling import SamplingParams
+
+TOL = {"loss": 1e-10, "grad": 1e-10, "param": 1e-10}
+
+CASES_2 = {
+    "dp2 zero0": dict(dp=2, zero=0),
+    "dp2 zero1": dict(dp=2, zero=1),
+    "dp2 zero2": dict(dp=2, zero=2),
+    "dp2 zero3": dict(dp=2, zero=3),
+    "dp2 zero3 ac": dict(dp=2, zero=3, activation_checkpointing=True),
+    "tp2 sp": dict(tp=2),
+    "tp2 sp qwen2": dict(tp=2, family="qwen2"),
+    "tp2 sp ac": dict(tp=2, activation_checkpointing=True),
+    "tp2 sp moe": dict(tp=2, family="qwen3_moe"),
+}
+CASES_4 = {
+    "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),
+    "dp2 x tp2 zero1": dict(dp=2, tp=2, zero=1),
+    "dp2 x tp2 zero2": dict(dp=2, tp=2, zero=2),
+    "dp2 x tp2 zero3 ac": dict(dp=2, tp=2, zero=3, activation_checkpointing=True),
+}
+
+
+def dp_shard(layout: Layout, mesh: DeviceMesh | None
+             ) -> tuple[torch.Tensor, torch.Tensor, ProcessGroup | None]:
+    """This rank's rows of the batch and its dp group (TP ranks of one dp rank share rows)."""
+    ids, mask = batch()
+    if mesh is None:
+        return ids, mask, None
+    r = mesh["dp"].get_local_rank()
+    return ids.chunk(layout.dp)[r], mask.chunk(layout.dp)[r], mesh["dp"].get_group()
+
+
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, layout: Layout,
+               mesh: DeviceMesh | None, errors: dict | None = None,
+               ref: dict | None = None) -> float:
+    """One AdamW step on this rank's share of the batch; the global loss before it."""
+    ids, mask, group = dp_shard(layout, mesh)
+    # DP averages gradients over ranks, so each rank's share of the global token mean is
+    # scaled by dp; the average of the shares is then the global mean.
+    loss = loss_sum(model, ids, mask) / n_tokens(batch()[1]) * layout.dp
+    loss.backward()
+    total = loss.detach() / layout.dp
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    if ref is not None:
+        errors["loss"] = abs(total.item() - ref["loss"])
+        errors["grad"] = max_errors(model, ref["grads"], grads=True)
+    optim.step()
+    optim.zero_grad()
+    if ref is not None:
+        errors["param"] = max_errors(model, ref["params"], grads=False)
+    return total.item()
+
+
+def assert_sharded(model: torch.nn.Module, optim: torch.optim.Optimizer, layout: Layout
+                   ) -> None:
+    """The layout really splits the work: a passing comparison is not a replicated model."""
+    attn = model.model.layers[0].self_attn
+    q = attn.q_proj.weight
+    cfg = model.config
+    local_rows = q.to_local().shape[0] if hasattr(q, "to_local") else q.shape[0]
+    dp_split = layout.dp if layout.zero >= 2 else 1
+    assert local_rows * layout.tp * dp_split == cfg.num_heads * cfg.head_dim
+    assert attn.n_heads == cfg.num_heads // layout.tp
+    n_params = len(list(model.parameters()))
+    owned = sum(len(g["params"]) for g in optim.param_groups)
+    if layout.zero == 1:
+        assert 0 < owned < n_params
+    else:
+        assert owned == n_params
+
+
+def one_step(family: str = "qwen3", **layout_kw: Any) -> dict[str, float]:
+    """|parallel - reference| of loss, gradients and stepped parameters on this rank."""
+    layout = Layout(**layout_kw)
+    mesh = build_mesh(layout)
+    model = parallelize(tiny_model(0, family), layout, mesh)
+    optim = make_optimizer(model, layout, mesh, lr=LR)
+    assert_sharded(model, optim, layout)
+    errors: dict[str, float] = {}
+    train_step(model, optim, layout, mesh, errors, reference_step(0, family))
+    return errors
+
+
+def actor_critic(seed: int = 0) -> ActorCritic:
+    model = ActorCritic.from_policy(tiny_model(seed))
+    with torch.no_grad():   # from_policy starts the value head at zero; give it gradients
+        model.score.weight.copy_(torch.linspace(-1, 1, model.score.weight.numel()))
+    return model
+
+
+def actor_critic_loss(model: ActorCritic, ids: torch.Tensor, mask: torch.Tensor,
+                      total_tokens: int) -> torch.Tensor:
+    logits, values = model.logits_and_values(ids, mask)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                         reduction="none") * mask[:, 1:].reshape(-1)
+    return (ce.sum() + (values.pow(2) * mask).sum()) / total_tokens
+
+
+def actor_critic_errors() -> dict[str, float]:
+    """ZeRO-3 on ActorCritic, whose shared-trunk pass is a method other than forward()."""
+    layout = Layout(dp=2, zero=3)
+    mesh = build_mesh(layout)
+    model = parallelize(actor_critic(), layout, mesh)
+    ids, mask, group = dp_shard(layout, mesh)
+    total = n_tokens(batch()[1])
+    loss = actor_critic_loss(model, ids, mask, total) * layout.dp
+    loss.backward()
+    loss = loss.detach() / layout.dp
+    dist.all_reduce(loss, group=group)
+    ref = actor_critic()
+    ref_loss = actor_critic_loss(ref, *batch(), total)
+    ref_loss.backward()
+    return {"loss": abs(loss.item() - ref_loss.item()),
+            "grad": max_errors(model, {n: p.grad for n, p in ref.named_parameters()}, True)}
+
+
+@torch.no_grad()
+def full_batch_loss(model: torch.nn.Module) -> float:
+    ids, mask = batch()
+    return (loss_sum(model, ids, mask) / n_tokens(mask)).item()
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {plain_name(n): full(p.detach()) for n, p in model.named_parameters()}
+
+
+def save_then_reload(path: str, saved_kw: dict[str, Any]) -> dict[str, Any]:
+    """Step at `saved_kw`, save, step again; reload the save at TP-2 and step again there.
+
+    Returns the losses after the first step from the saving and the reloaded model, how far
+    the two second steps land apart, and (rank 0) what a 1-process reload must reproduce.
+    """
+    layout = Layout(**saved_kw)
+    mesh = build_mesh(layout)
+    model = parallelize(tiny_model(0), layout, mesh)
+    optim = make_optimizer(model, layout, mesh, lr=LR)
+    train_step(model, optim, layout, mesh)
+    save_sharded(model, optim, path)
+    weights = full_state_dict(model)
+    saved_loss = full_batch_loss(model)
+    train_step(model, optim, layout, mesh)
+    after = params_of(model)
+
+    tp = Layout(tp=2)
+    tp_mesh = build_mesh(tp)
+    reloaded = parallelize(tiny_model(seed=7), tp, tp_mesh)   # other weights until the load
+    tp_optim = make_optimizer(reloaded, tp, tp_mesh, lr=LR)
+    load_sharded(reloaded, tp_optim, path)
+    out = {"saved loss": saved_loss, "reloaded loss": full_batch_loss(reloaded)}
+    train_step(reloaded, tp_optim, tp, tp_mesh)
+    mine = params_of(reloaded)
+    out["second step"] = max((mine[k] - after[k]).abs().max().item() for k in after)
+    if dist.get_rank() == 0:
+        out["full state"] = weights
+        out["after second step"] = after
+    return out
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+
+
+def greedy(model: torch.nn.Module, use_cache: bool) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    return generate(model, PROMPTS, params, eos_id=2, pad_id=0,
+                    use_cache=use_cache).response_ids.tolist()
+
+
+# Two kv heads per TP rank: a KV cache left at the global four would not fit them.
+GEN_MODEL = dict(seed=3, std=0.3, heads=8, kv_heads=4)
+
+
+def tp_generation() -> dict[str, list[list[int]]]:
+    layout = Layout(tp=2)
+    model = parallelize(tiny_model(**GEN_MODEL), layout, build_mesh(layout)).eval()
+    return {"cache": greedy(model, True), "no cache": greedy(model, False)}
+
+
+def run_cases(cases: dict[str, dict], checkpoints: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: one_step(**kw) for name, kw in cases.items()}
+    if dist.get_world_size() == 2:
+        out["generation"] = tp_generation()
+        out["actor critic zero3"] = actor_critic_errors()
+        for name, path in checkpoints.items():
+            out[name] = save_then_reload(path, SAVED[name])
+    return out
+
+
+# Sharded checkpoints saved by the 2-process run, reloaded there at TP-2 and here in 1
+# process. ZeRO-1 is there for its own optimizer's state.
+SAVED = {"fsdp2": dict(dp=2, zero=3), "zero1": dict(dp=2, zero=1)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sharded")
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir) -> list[dict[str, Any]]:
+    return spawn(run_cases, 2, CASES_2, {k: str(checkpoint_dir / k) for k in SAVED})
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict[str, Any]]:
+    return spawn(run_cases, 4, CASES_4, {})
+
+
+def check(results: list[dict[str, Any]], case: str) -> None:
+    for rank, res in enumerate(results):
+        for what, err in res[case].items():
+            assert err < TOL[what], f"{case}: rank {rank} {what} differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES_2)
+def test_two_process_layout_matches_single_process(world2, case):
+    check(world2, case)
+
+
+def test_actor_critic_under_zero3(world2):
+    check(world2, "actor critic zero3")
+
+
+@pytest.mark.parametrize("case", CASES_4)
+def test_four_process_layout_matches_single_process(world4, case):
+    check(world4, case)
+
+
+def test_tp_greedy_generation_matches_single_process(world2):
+    plain = tiny_model(**GEN_MODEL).eval()
+    expected = greedy(plain, True)
+    assert len({tuple(r) for r in expected}) > 1
+    for rank, res in enumerate(world2):
+        assert res["generation"]["cache"] == expected, f"rank {rank} with KV cache"
+        assert res["generation"]["no cache"] == expected, f"rank {rank} without KV cache"
+
+
+def test_activation_checkpointing_single_process():
+    model = parallelize(tiny_model(0), Layout(activation_checkpointing=True))
+    ids, mask = batch()
+    loss = loss_sum(model, ids, mask) / n_tokens(mask)
+    loss.backward()
+    ref = reference_step(0)
+    assert abs(loss.item() - ref["loss"]) < 1e-12
+    assert max_errors(model, ref["grads"], grads=True) < 1e-12
+    assert full(next(model.parameters())).dtype == torch.float64
+
+
+@pytest.mark.parametrize("saved", SAVED)
+def test_sharded_checkpoint_reloads_at_tp2(world2, saved):
+    for rank, res in enumerate(world2):
+        r = res[saved]
+        assert abs(r["reloaded loss"] - r["saved loss"]) < 1e-12, f"rank {rank}"
+        # Same weights and same Adam moments: the next step lands in the same place.
+        assert r["second step"] < 1e-10, f"rank {rank}: {r['second step']:.3g}"
+
+
+@pytest.mark.parametrize("saved", SAVED)
+def test_sharded_checkpoint_reloads_in_one_process(world2, checkpoint_dir, saved):
+    r = world2[0][saved]
+    model = tiny_model(seed=7)
+    optim = make_optimizer(model, Layout(), None, lr=LR)
+    load_sharded(model, optim, checkpoint_dir / saved)
+    assert abs(full_batch_loss(model) - r["saved loss"]) < 1e-12
+    plain = {k: v for k, v in model.state_dict().items()}
+    assert plain.keys() == r["full state"].keys()
+    for k, v in r["full state"].items():
+        assert torch.equal(plain[k], v), k
+    train_step(model, optim, Layout(), None)
+    assert max((p.detach() - r["after second step"][n]).abs().max().item()
+               for n, p in model.named_parameters()) < 1e-10
