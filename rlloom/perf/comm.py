@@ -28,6 +28,11 @@ def gather_or_scatter(hw: Hardware, size: int, span: int, nbytes: float) -> floa
     return (size - 1) * (alpha + nbytes / size / bw)
 
 
+def all_to_all(hw: Hardware, size: int, span: int, nbytes: float) -> float:
+    """Pairwise all-to-all of `nbytes` per member: (p-1) rounds of a 1/p share each."""
+    return gather_or_scatter(hw, size, span, nbytes)
+
+
 def p2p(hw: Hardware, span: int, nbytes: float) -> float:
     alpha, bw = link(hw, span)
     return alpha + nbytes / bw

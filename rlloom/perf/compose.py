@@ -61,6 +61,13 @@ def group_of(plan: Plan, role: str) -> str:
     return role
 
 
+def reshard_seconds(shape: ModelShape, train: Layout, gen: Layout, hw: Hardware) -> float:
+    """Training layout -> generation layout on the same devices: every device all-gathers its
+    generation share of the bf16 weights from the training shards across the whole group."""
+    world = train.world_size
+    return comm.gather_or_scatter(hw, world, world, mem.PARAM_B * mem.params_per_device(shape, gen))
+
+
 def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,
           gen_layout: Layout | None = None, offline: bool = False) -> Priced:
     """Predict one RL step of `plan`; `models` maps each role the algorithm needs to its shape.
@@ -73,7 +80,11 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     groups: dict[str, list[str]] = {}
     for role in active:
         groups.setdefault(group_of(plan, role), []).append(role)
-    gen_group = ROLLOUT if gen_layout is not None else group_of(plan, "actor")
+    # A colocated plan generates on the training devices even with its own generation layout
+    # (a hybrid layout); other placements give that layout its own rollout group.
+    separate_gen = gen_layout is not None and plan.placement != "colocated"
+    hybrid = gen_layout is not None and not separate_gen and gen_layout != plan.layout("actor")
+    gen_group = ROLLOUT if separate_gen else group_of(plan, "actor")
     actor, gen = models["actor"], gen_layout or plan.layout("actor")
     assert actor is not None
     problems: list[str] = []
@@ -89,8 +100,9 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
 
     stages: list[StageCost] = []
     peak: dict[str, float] = dict(resident)
+    # ZeRO-3 gathers full weights to generate; a hybrid layout holds a generation copy
     extra = mem.PARAM_B * mem.params_per_device(actor, gen) if gen_group != ROLLOUT and \
-        plan.layout("actor").zero == 3 else 0.0  # ZeRO-3 gathers full weights to generate
+        (plan.layout("actor").zero == 3 or hybrid) else 0.0
     g_cost = cost.skipped("generation", "actor") if offline else \
         cost.generation(actor, gen, wl, hw, usable - resident[gen_group] - extra)
     stages.append(g_cost)
@@ -127,6 +139,8 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     sync_s = 0.0
     if gen_group == ROLLOUT:
         sync_s = comm.broadcast_between_groups(hw, mem.PARAM_B * mem.params_per_device(actor, gen))
+    elif hybrid:
+        sync_s = reshard_seconds(actor, plan.layout("actor"), gen, hw)
     a_on_gen = gen_group in a_by
     if plan.schedule == "async" and plan.staleness > 0 and gen_group == ROLLOUT:
         busy_train = max(t_by.get(g, 0.0) + a_by.get(g, 0.0) for g in t_by) if t_by else 0.0

@@ -64,6 +64,18 @@ def _tp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
     return per_layer * layers * comm.all_reduce(hw, layout.tp, layout.tp, nbytes)
 
 
+def _ep_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
+             per_layer: int) -> float:
+    """`per_layer` all-to-alls (dispatch and combine, each way) of the k routed copies of each
+    token's activations among the ep ranks, in every MoE layer of the device. EP ranks are
+    carved out of DP, next to the tp x cp x pp block."""
+    if not shape.moe or layout.ep == 1:
+        return 0.0
+    nbytes = tokens * shape.experts_per_token * shape.hidden * mem.ACT_B
+    span = layout.tp * layout.cp * layout.pp * layout.ep
+    return per_layer * shape.layers / layout.pp * comm.all_to_all(hw, layout.ep, span, nbytes)
+
+
 def _pp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
     if layout.pp == 1:
         return 0.0
@@ -125,6 +137,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
     pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout, wl) * layout.pp / bw)
     pre_s += hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     pre_s += (_tp_comm(hw, layout, shape, prompts * s, 2)
+              + _ep_comm(hw, layout, shape, prompts * s, 2)
               + _pp_comm(hw, layout, shape, prompts * s, 1))
 
     # A token crosses the pp stages one after another, so per step the reads add up over stages:
@@ -158,7 +171,8 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
         pos = wl.prompt_len + (prev + length) / 2
         f = live * shape.decode_flops(pos)
         b = _decode_weight_bytes(shape, layout, wl, live) * layout.pp + live * pos * kv_tok
-        c = _tp_comm(hw, layout, shape, live, 2) + _pp_comm(hw, layout, shape, live, 1) + launch
+        c = (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
+             + _pp_comm(hw, layout, shape, live, 1) + launch)
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
         prev = length
@@ -205,6 +219,7 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     memory_s = m * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
                   + _cp_comm(hw, layout, shape, mb_tokens, 1)) / layout.pp
+    comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
     comm_s += m * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens, m)
     seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
@@ -231,6 +246,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     memory_s = steps * m * passes * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
               + _cp_comm(hw, layout, shape, mb_tokens, passes)) / layout.pp
+    per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens, 2 * m)
     comm_s += steps * _dp_comm(shape, layout, hw, m)
     comm_s += steps * hw.launch_s * (m * passes * _ops(FORWARD_OPS, shape, layout)

@@ -4,8 +4,9 @@ predicted step time and keep the reasons the others were rejected.
 Pruning (so 64 devices take well under 10 s): TP is a power of two within a node dividing the
 head count; every frozen role gets the same layout; device groups are sized in eighths of the
 cluster; each role keeps only its TOP_K fastest layouts judged alone on its own group before
-the joint (memory-coupled) pricing; CP, EP, interleaved placement and hybrid actor layouts
-(other than async's separate rollout group) are priced by compose.py but not searched.
+the joint (memory-coupled) pricing; hybrid actor layouts are tried colocated (generation
+layout + resharding) and as async's separate rollout group; CP, EP and interleaved placement
+are priced by compose.py but not searched.
 """
 from __future__ import annotations
 
@@ -93,8 +94,11 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
     key = (role, n, with_gen, rollout_only)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only
+        # a generation-only layout holds no optimizer state: ZeRO would only add gathers
+        candidates = [x for x in layouts(n, shape, hw, trainable)
+                      if not (rollout_only and x.zero)]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
-                  for i, x in enumerate(layouts(n, shape, hw, trainable))]
+                  for i, x in enumerate(candidates)]
         cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]
     return cache[key]
 
@@ -142,6 +146,9 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
         choice = {r: top(r, devices, with_gen=(r == "actor" and online)) for r in groups}
         if all(choice.values()):
             add({"placement": "colocated", "actor_critic": ac}, choice, None)
+            if online:  # hybrid: generate with a generation-only layout, reshard each step
+                add({"placement": "colocated", "actor_critic": ac}, choice,
+                    top("actor", devices, rollout=True))
         else:
             result.rejected.append((f"colocated/{ac}", "some role fits no layout on "
                                     f"{devices} devices"))

@@ -175,3 +175,30 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     for stage in ("generation", "assessment", "training"):
         assert f"run              {stage}" in out
     assert "median |error| over 6 stage measurements" in out  # steps 2 and 3 x 3 stages
+
+
+def test_hybrid_colocated_layout_pays_resharding():
+    """TP generation and FSDP training on the same 8 devices: generation runs on them (no
+    rollout group) and each step pays one all-gather of a device's generation share of the
+    bf16 weights: (8-1) (alpha + share/8/bw)."""
+    from rlloom.perf import memory as mem
+    shape, hw = model_shape("qwen2.5-7b"), hardware("h100")
+    wl = Workload(64, 8, 512, Lengths("fixed", 1024))
+    models = role_models(shape, ("actor",))
+    train, gen = Layout(dp=8, zero=3), Layout(dp=4, tp=2)
+    hybrid = price(Plan(layouts={"actor": train, "rollout": gen}), models, wl, hw)
+    plain = price(Plan(layouts={"actor": train}), models, wl, hw)
+    share = mem.PARAM_B * shape.params / 2
+    alpha, bw = hw.intra_node_latency, hw.intra_node_bw * hw.comm_eff
+    assert hybrid.sync_s == pytest.approx(7 * (alpha + share / 8 / bw))
+    assert hybrid.devices == plain.devices == 8 and plain.sync_s == 0
+    assert hybrid.gen_s < plain.gen_s  # TP 2 decodes each token on two devices
+
+
+def test_expert_parallel_prices_all_to_all():
+    shape, hw = model_shape("qwen3-30b-a3b"), hardware("h100")
+    wl = Workload(64, 8, 512, Lengths("fixed", 1024))
+    no_ep = cost.training(shape, Layout(dp=8), wl, hw, "actor")
+    ep = cost.training(shape, Layout(dp=8, ep=8), wl, hw, "actor")
+    assert ep.comm_s > no_ep.comm_s
+    assert ep.compute_s == no_ep.compute_s
