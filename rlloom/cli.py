@@ -41,8 +41,19 @@ def _resolve(args: argparse.Namespace, resume: Path | None = None) -> RunConfig:
     return load_config(path, overrides)
 
 
+def _group_cpus(text: str | None) -> dict[str, float]:
+    """`--group-cpus 2` (every group) or `--group-cpus rollout=2,actor=1`."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return {"*": float(text)}
+    try:
+        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--group-cpus {text!r}: give N or group=N,group=N") from None
+
+
 def cmd_train(args: argparse.Namespace) -> None:
-    from rlloom.runtime.trainer import train
     resume = Path(args.resume) if args.resume else None
     if resume is not None and not (resume / "config.yaml").is_file():
         raise ConfigError(f"--resume {resume}: no config.yaml there; is it a run directory?")
@@ -50,6 +61,31 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(dump_config(cfg), end="")
         return
+    import os
+
+    from rlloom.runtime import ray_runtime as rr
+    if args.ray or args.ray_address or rr.needs_ray(cfg):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("this run needs the Ray runtime (plan.placement="
+                              f"{cfg.plan.placement}, plan.schedule={cfg.plan.schedule}); "
+                              "install it with pip install 'rlloom[ray]'") from None
+        cpus = _group_cpus(args.group_cpus)
+        if "*" in cpus:
+            cpus = {g.name: cpus["*"] for g in rr.group_specs(cfg.plan)}
+        try:
+            rr.train_ray(cfg, resume, rr.RayOptions(
+                address=args.ray_address, worker_timeout_s=args.worker_timeout,
+                max_restarts=args.max_restarts, group_cpus=cpus,
+                fused_chunks=args.fused_chunks,
+                fault=os.environ.get("RLLOOM_RAY_FAULT") or None))  # a test hook
+        except rr.WorkerFailure as e:  # restarts used up: say who failed, no traceback
+            print(f"error: {e}\nthe run can continue from its last checkpoint with "
+                  f"rlloom train --resume {e.run_dir}", file=sys.stderr)
+            sys.exit(1)
+        return
+    from rlloom.runtime.trainer import train
     train(cfg, resume)
 
 
@@ -127,6 +163,18 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("train", help="RL-train a policy (default: GRPO on the arith task)")
     _config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--ray", action="store_true", help="run on Ray (the default for plans with "
+                   "placement other than colocated or schedule other than sync)")
+    p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. auto, "
+                   "head:6379) instead of starting one; implies --ray")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N", help="Ray: recreate the "
+                   "worker groups from the last checkpoint after up to N worker faults")
+    p.add_argument("--worker-timeout", type=float, default=600.0, metavar="S", help="Ray: "
+                   "seconds to wait for any worker answer before calling it failed")
+    p.add_argument("--group-cpus", metavar="N|GROUP=N,...", help="Ray: CPUs per device group "
+                   "(default 1 each; groups: all | trainable, frozen | rollout, actor, reference)")
+    p.add_argument("--fused-chunks", type=int, default=2, metavar="N", help="Ray, fused "
+                   "schedule: generation requests per step, each assessed as it arrives")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("sft", help="supervised warm start on worked solutions")
     _config_args(p)

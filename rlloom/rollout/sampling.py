@@ -1,6 +1,7 @@
 """Turning next-token logits into a sampled token and its log-probability."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,12 @@ class SamplingParams:
     temperature: float = 1.0     # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0               # 0 disables top-k
+    min_p: float = 0.0           # drop tokens below min_p * the top token's probability
+    # Stops end a sequence like EOS (it counts as finished) and stay in the response, since
+    # the trainer needs every sampled token. Token stops match the response's last ids; text
+    # stops need a decode callback (the engine's `decode`).
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()
+    stop: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -45,5 +52,57 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             drop_sorted = cum - sorted_lp.softmax(-1) >= params.top_p
             filtered = filtered.scatter(-1, order, sorted_lp.masked_fill(drop_sorted,
                                                                          float("-inf")))
+        if params.min_p > 0.0:
+            # ratios to the top token survive renormalisation, so this equals min-p on the
+            # top-k / top-p renormalised distribution
+            floor = filtered.max(-1, keepdim=True).values + math.log(params.min_p)
+            filtered = filtered.masked_fill(filtered < floor, float("-inf"))
         tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` by inverting the CDF at given uniforms u [batch] in [0, 1).
+
+    The same distribution as `sample`, but each row's draw depends only on its own uniform,
+    not on which other rows share the batch: the engine gives every (sequence, step) a
+    uniform drawn up front, so its output does not depend on slot scheduling.
+    """
+    logp = policy_logprobs(logits, params.temperature)         # [batch, vocab]
+    if params.greedy:
+        tokens = logp.argmax(-1)
+    elif params.top_p < 1.0 or params.top_k > 0:
+        if params.top_p < 1.0:
+            weights, order = logp.exp().sort(-1, descending=True)
+            if params.top_k > 0:
+                weights, order = weights[:, :params.top_k], order[:, :params.top_k]
+        else:
+            weights, order = logp.exp().topk(min(params.top_k, logp.shape[-1]), -1)
+        if params.top_p < 1.0:
+            cum = weights.cumsum(-1)
+            # mass before a token reaching top_p of the (top-k renormalised) total drops it
+            weights = weights.masked_fill(cum - weights >= params.top_p * cum[:, -1:], 0.0)
+        if params.min_p > 0.0:
+            weights = weights.masked_fill(weights < params.min_p * weights[:, :1], 0.0)
+        tokens = order.gather(-1, _invert_cdf(weights, u)[:, None]).squeeze(-1)
+    else:
+        weights = logp.exp()
+        if params.min_p > 0.0:
+            weights = weights.masked_fill(
+                weights < params.min_p * weights.max(-1, keepdim=True).values, 0.0)
+        tokens = _invert_cdf(weights, u)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index [batch] of the first weight whose cumulative sum exceeds u * total.
+
+    The target is kept strictly below the total so rounding can never pick a zero-weight
+    tail entry; a zero weight never owns a cumulative step, so it is never chosen.
+    """
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None].to(cdf.dtype) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)

@@ -3,7 +3,9 @@ online preset (the estimator, loss and KL placement come from the registries by 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,9 +21,11 @@ from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
+from rlloom.parallel.apply import clip_grad_norm
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
-from rlloom.rollout.generate import Rollout, cat_rollouts, generate
+from rlloom.rollout.engine import EngineConfig, engine_generate
+from rlloom.rollout.generate import Rollout, cat_rollouts
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import (
     decode_responses,
@@ -30,6 +34,7 @@ from rlloom.runtime.batch import (
     response_values,
     sequence_scores,
 )
+from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches, trim
 
 
 @dataclass
@@ -90,9 +95,10 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
                   cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
     r, k = cfg.rollout, cfg.rollout.n_samples
     prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
-    rollout = generate(policy, prompts, SamplingParams(r.max_new_tokens, r.temperature, r.top_p,
-                                                       r.top_k),
-                       tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+    rollout = engine_generate(policy, prompts, SamplingParams(r.max_new_tokens, r.temperature,
+                                                              r.top_p, r.top_k),
+                              tokenizer.eos_token_id, tokenizer.pad_token_id, generator,
+                              EngineConfig(n_samples=k))
     group_ids = torch.arange(len(problems)).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)
@@ -136,9 +142,9 @@ def _group(s: Samples, g: int) -> Samples:
 def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,
                     cfg: RunConfig, rewarder: Rewarder) -> torch.Tensor:
     """ReMax: the reward of each prompt's greedy response, per sample [n]."""
-    rollout = generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
-                       SamplingParams(cfg.rollout.max_new_tokens, 0.0),
-                       tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout = engine_generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
+                              SamplingParams(cfg.rollout.max_new_tokens, 0.0),
+                              tokenizer.eos_token_id, tokenizer.pad_token_id)
     _, scores = rewarder.score(s.problems, torch.arange(len(s.problems)), rollout)
     return scores[s.group_ids]
 
@@ -169,59 +175,112 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
 
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
-             kl_coef: float, cfg: RunConfig, generator: torch.Generator) -> dict[str, float]:
+             kl_coef: float, cfg: RunConfig, generator: torch.Generator,
+             micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+             global_norm: Callable[[LossNorm], LossNorm] = lambda n: n) -> dict[str, float]:
     """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
-    bonus, + value loss for a shared actor-critic); a separate critic steps alongside."""
-    a, r = cfg.algo, exp.samples.rollout
+    bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
+    mini-batch runs as length-bucketed micro-batches of at most `micro_batch_tokens` padded
+    tokens, accumulating the mini-batch's gradient. Under data parallelism `global_norm`
+    turns a replica's normalisers into the whole mini-batch's (runtime/distributed.py)."""
+    r = exp.samples.rollout
+    totals: dict[str, float] = {}
+    updates = 0
+    for _ in range(cfg.algo.epochs):
+        for idx in torch.randperm(len(r.finished), generator=generator).chunk(
+                cfg.algo.minibatches):
+            mask = exp.loss_mask[idx]
+            if mask.sum() == 0:
+                continue  # every sample here was filtered out (overlong)
+            norm = global_norm(LossNorm.of(mask, const=cfg.rollout.max_new_tokens))
+            optimizer.zero_grad(set_to_none=True)
+            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, micro_batch_tokens)
+            stats["grad_norm"] = clip_grad_norm(
+                policy.parameters(), cfg.train.grad_clip).item()
+            optimizer.step()
+            if critic is not None:
+                critic_optimizer.zero_grad(set_to_none=True)
+                stats["value_loss"] = critic_backward(critic, exp, idx, norm, cfg,
+                                                      micro_batch_tokens)
+                clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
+                critic_optimizer.step()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+            updates += 1
+    return {k: v / max(updates, 1) for k, v in totals.items()}
+
+
+def _micro(exp: Experience, idx: torch.Tensor, budget: int
+           ) -> Iterator[tuple[torch.Tensor, Rollout, int]]:
+    """(rows, trimmed rollout of those rows, its response width) per micro-batch of `idx`."""
+    r = exp.samples.rollout
+    for part in micro_batches(r.prompt_mask[idx].sum(1), r.response_mask[idx].sum(1), budget):
+        rows = idx[part]
+        mb = trim(r.select(rows))
+        yield rows, mb, mb.response_ids.shape[1]
+
+
+def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: LossNorm,
+                    kl_coef: float, cfg: RunConfig, micro_batch_tokens: int = MICRO_BATCH_TOKENS
+                    ) -> dict[str, float]:
+    """Accumulate into `.grad` the gradient of mini-batch `idx`'s loss, one micro-batch at a
+    time, and return its statistics (token means over the whole mini-batch)."""
+    a = cfg.algo
     loss_fn, aggregate = POLICY_LOSSES.get(a.policy_loss), AGGREGATIONS.get(a.loss_agg)
     kl_fn = KL_ESTIMATORS.get(a.kl_estimator)
     pl_cfg = PolicyLossConfig(a.clip_low, a.clip_high, a.dual_clip)
     kl_in_loss = not a.kl_in_reward and exp.ref_logp is not None and kl_coef > 0
     shared = isinstance(policy, ActorCritic)
-    totals: dict[str, float] = {}
-    updates = 0
-    for _ in range(a.epochs):
-        for idx in torch.randperm(len(r.finished), generator=generator).chunk(a.minibatches):
-            mask = exp.loss_mask[idx]
-            if mask.sum() == 0:
-                continue  # every sample here was filtered out (overlong)
-            norm = LossNorm.of(mask, const=cfg.rollout.max_new_tokens)
-            mb = r.select(idx)
-            logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
-                                                      with_entropy=True)
-            per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[idx], mask, pl_cfg)
-            stats = {"clip_frac": _mean(clipped.float(), mask), "entropy": _mean(entropy, mask)}
-            if kl_in_loss:
-                kl = kl_fn(logp, exp.ref_logp[idx])
-                per_token = per_token + kl_coef * kl
-                stats["kl"] = _mean(kl, mask)
-            if a.entropy_coef:
-                per_token = per_token - a.entropy_coef * entropy
-            loss = aggregate(per_token, mask, norm)
-            if shared:
-                vloss = aggregate(value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
-                                             a.value_clip), mask, norm)
-                loss = loss + a.vf_coef * vloss
-                stats["value_loss"] = vloss.item()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                policy.parameters(), cfg.train.grad_clip).item()
-            optimizer.step()
-            if critic is not None:
-                values = response_values(critic, mb)
-                vloss = aggregate(value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
-                                             a.value_clip), mask, norm)
-                critic_optimizer.zero_grad(set_to_none=True)
-                vloss.backward()
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.grad_clip)
-                critic_optimizer.step()
-                stats["value_loss"] = vloss.item()
-            stats["loss"] = loss.item()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v
-            updates += 1
-    return {k: v / max(updates, 1) for k, v in totals.items()}
+    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+    if kl_in_loss:
+        sums["kl"] = 0.0
+    if shared:
+        sums["value_loss"] = 0.0
+    for rows, mb, t in _micro(exp, idx, micro_batch_tokens):
+        mask = exp.loss_mask[rows, :t]
+        logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
+                                                  with_entropy=True)
+        per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask, pl_cfg)
+        sums["clip_frac"] += _masked_sum(clipped.float(), mask)
+        sums["entropy"] += _masked_sum(entropy, mask)
+        if kl_in_loss:
+            kl = kl_fn(logp, exp.ref_logp[rows, :t])
+            per_token = per_token + kl_coef * kl
+            sums["kl"] += _masked_sum(kl, mask)
+        if a.entropy_coef:
+            per_token = per_token - a.entropy_coef * entropy
+        loss = aggregate(per_token, mask, norm)
+        if shared:
+            vloss = aggregate(value_loss(values, exp.old_values[rows, :t], exp.returns[rows, :t],
+                                         mask, a.value_clip), mask, norm)
+            loss = loss + a.vf_coef * vloss
+            sums["value_loss"] += vloss.item()
+        loss.backward()
+        sums["loss"] += loss.item()
+    tokens = exp.loss_mask[idx].sum().clamp(min=1).item()
+    for k in ("clip_frac", "entropy", "kl"):
+        if k in sums:
+            sums[k] /= tokens
+    return sums
+
+
+def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm: LossNorm,
+                    cfg: RunConfig, micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> float:
+    """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
+    aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
+    total = 0.0
+    for rows, mb, t in _micro(exp, idx, micro_batch_tokens):
+        mask = exp.loss_mask[rows, :t]
+        vloss = aggregate(value_loss(response_values(critic, mb), exp.old_values[rows, :t],
+                                     exp.returns[rows, :t], mask, cfg.algo.value_clip),
+                          mask, norm)
+        vloss.backward()
+        total += vloss.item()
+    return total
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return (x.detach() * mask).sum().item()
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:

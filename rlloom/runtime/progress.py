@@ -24,9 +24,10 @@ class Bar:
 
 
 @contextmanager
-def progress_bar(label: str, total: int, done: int = 0) -> Iterator[Bar]:
+def progress_bar(label: str, total: int, done: int = 0, show: bool = True) -> Iterator[Bar]:
+    """`show=False` for all but one process of a distributed run."""
     progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                        TextColumn("{task.fields[metrics]}"), transient=False)
+                        TextColumn("{task.fields[metrics]}"), transient=False, disable=not show)
     with progress:
         yield Bar(progress, progress.add_task(label, total=total, completed=done, metrics=""))

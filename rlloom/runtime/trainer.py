@@ -2,6 +2,7 @@
 evaluation, metrics, a trace, checkpoints and resume."""
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -26,29 +27,58 @@ from rlloom.models.hf_io import (
     load_value_model,
     save_checkpoint,
 )
+from rlloom.models.transformer import CausalLM
+from rlloom.parallel.apply import full_state_dict, make_optimizer, parallelize
+from rlloom.parallel.mesh import layout_problems, layout_summary
+from rlloom.parallel.tensor_parallel import apply_tensor_parallel
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.batch import encode
 from rlloom.runtime.checkpoint import load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
+from rlloom.runtime.distributed import (
+    Collective,
+    distributed_problems,
+    join_process_group,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    world_size,
+)
 from rlloom.runtime.evaluate import greedy_accuracy
 from rlloom.runtime.metrics import MetricsLog
 from rlloom.runtime.offline import preference_step
-from rlloom.runtime.online import Rewarder, assess, behaviour_kl, collect, greedy_baseline, optimise
+from rlloom.runtime.online import (
+    Rewarder,
+    Samples,
+    assess,
+    behaviour_kl,
+    collect,
+    greedy_baseline,
+    optimise,
+    sample_groups,
+)
 from rlloom.runtime.plots import plot_run
 from rlloom.runtime.progress import progress_bar
 from rlloom.runtime.tracing import Tracer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ONE_MICRO_BATCH = 2**62  # a token budget no mini-batch reaches
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")
 
 
-def check_runnable(cfg: RunConfig) -> None:
+def check_runnable(cfg: RunConfig, world: int = 1) -> None:
     """Refuse, before any work, what this runtime cannot execute."""
-    problems = cfg.plan.single_process_problems()
-    if problems:
-        raise ConfigError("the single-process runtime cannot run this plan: " +
-                          "; ".join(problems))
+    if world > 1:
+        problems = distributed_problems(cfg, world)
+        if problems:
+            raise ConfigError(f"this plan cannot run under torchrun with {world} processes: "
+                              + "; ".join(problems))
+    else:
+        problems = cfg.plan.single_process_problems()
+        if problems:
+            raise ConfigError("the single-process runtime cannot run this plan: " +
+                              "; ".join(problems) + " (launch it with torchrun "
+                              "--nproc_per_node N -m rlloom train, or use the Ray runtime)")
     for key, registry, name in [("algo.advantage", ADVANTAGES, cfg.algo.advantage),
                                 ("algo.policy_loss", POLICY_LOSSES, cfg.algo.policy_loss),
                                 ("algo.loss_agg", AGGREGATIONS, cfg.algo.loss_agg),
@@ -73,16 +103,25 @@ def check_prompt_lengths(tokenizer: PreTrainedTokenizerBase, problems: list[Prob
 def new_run_dir(cfg: RunConfig) -> Path:
     if cfg.run_dir:
         return Path(cfg.run_dir)
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    name = [time.strftime("%Y%m%d-%H%M%S")]
+    if world_size() > 1:  # every process must write where rank 0 does
+        join_process_group()
+        torch.distributed.broadcast_object_list(name, src=0)
+    return Path("runs") / name[0]
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
-        check_runnable(cfg)
+        world = world_size()
+        check_runnable(cfg, world)
         self.cfg, self.run_dir = cfg, run_dir
         self.preset = PRESETS[cfg.algo.name]
-        torch.set_num_threads(cfg.train.threads or os.cpu_count() or 1)
-        model_path = Path(cfg.model.path) if cfg.model.path else ensure_default_model(cfg)
+        # processes on one machine share its cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
+        if world > 1:
+            join_process_group()
+        model_path = Path(cfg.model.path) if cfg.model.path else self._default_model()
         dtype = DTYPES[cfg.model.dtype]
         self.policy = load_model(model_path, dtype)
         self.tokenizer = load_tokenizer(model_path)
@@ -129,35 +168,88 @@ class Trainer:
         self.eval_history: list[tuple[int, float]] = []
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.tracer = Tracer(run_dir / "trace.json")
+        self.coll: Collective | None = None
+        self.generator = self.policy  # the model that generates (a copy in a hybrid layout)
+        if world > 1:
+            self._parallelize()
+
+    def _parallelize(self) -> None:
+        """Apply the plan's layouts (torchrun): the actor and critic train in the actor's
+        layout, the reference scores with its TP (no gradients, so no DP wrapper), and
+        generation may run on a copy (see `Collective.gen_copy`)."""
+        coll = self.coll = Collective.start(self.cfg)
+        for layout in (coll.train, coll.gen):
+            problems = layout_problems(layout, self.policy.config, coll.world)
+            if problems:
+                raise ConfigError(f"plan layout {layout_summary(layout)} cannot run: "
+                                  + "; ".join(problems))
+        if coll.gen_copy:
+            self.generator = copy.deepcopy(self.policy)
+            if coll.gen.tp > 1:
+                apply_tensor_parallel(self.generator, coll.gen_mesh["tp"])
+        parallelize(self.policy, coll.train, coll.train_mesh)
+        self.optimizer = make_optimizer(self.policy, coll.train, coll.train_mesh,
+                                        self.cfg.train.lr,
+                                        weight_decay=self.cfg.train.weight_decay)
+        if self.critic is not None:
+            parallelize(self.critic, coll.train, coll.train_mesh)
+            self.critic_optimizer = make_optimizer(self.critic, coll.train, coll.train_mesh,
+                                                   self.cfg.algo.critic_lr)
+        if self.reference is not None and coll.train.tp > 1:
+            apply_tensor_parallel(self.reference, coll.train_mesh["tp"])
+
+    def _default_model(self) -> Path:
+        """The built-in model, built (and cached) by one process while the others wait."""
+        if world_size() == 1:
+            return ensure_default_model(self.cfg)
+        if torch.distributed.get_rank() == 0:
+            ensure_default_model(self.cfg)
+        torch.distributed.barrier()
+        return ensure_default_model(self.cfg)
+
+    @property
+    def main(self) -> bool:
+        """The process that writes files and prints (rank 0, or the only one)."""
+        return self.coll is None or self.coll.main
+
+    def _sharded_parts(self) -> dict:
+        parts = {"actor": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_optimizer)
+        return parts
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"step": self.step, "policy": self.policy.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "kl_coef": self.kl.value,
+        state = {"step": self.step, "kl_coef": self.kl.value,
                  "sample_gen": self.sample_gen.get_state(),
                  "shuffle_gen": self.shuffle_gen.get_state(),
                  "data_position": self.stream.position, "eval_history": self.eval_history}
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        if self.coll is None:  # sharded runs save model and optimizer state with DCP
+            state["policy"] = self.policy.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
+            if self.critic is not None:
+                state["critic"] = self.critic.state_dict()
+                state["critic_optimizer"] = self.critic_optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "policy" in state:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.critic is not None:
+                self.critic.load_state_dict(state["critic"])
+                self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.kl.value = state["kl_coef"]
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.stream.position = state["data_position"]
         self.eval_history = state["eval_history"]
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint; forget metrics and spans logged after it."""
-        state = load_latest(self.run_dir)
+        state = (load_latest(self.run_dir) if self.coll is None else
+                 load_sharded_checkpoint(self.run_dir, self._sharded_parts()))
         if state is None:
             return False
         self.load_state_dict(state)
@@ -173,21 +265,45 @@ class Trainer:
         self.eval_history.append((self.step, acc))
         return acc
 
+    def _generate(self) -> tuple[Samples, dict[str, float]]:
+        """The step's whole batch of scored samples (on every rank), and what moving the
+        weights into the generation layout cost."""
+        cfg, coll = self.cfg, self.coll
+        if coll is None:
+            return collect(self.policy, self.tokenizer, self.stream, cfg, self.rewarder,
+                           self.sample_gen), {}
+        sync = {}
+        if coll.gen_copy:
+            seconds, nbytes = coll.reshard(self.policy, self.generator)
+            sync = {"reshard_s": seconds, "reshard_bytes": nbytes}
+        problems = self.stream.next(cfg.train.prompts_per_step)
+        mine = problems[coll.share(len(problems), coll.gen_mesh)]
+        part = sample_groups(self.generator, self.tokenizer, mine, cfg, self.rewarder,
+                             self.sample_gen)
+        return coll.gather(part, self.tokenizer.pad_token_id), sync
+
     def online_step(self, step: int) -> dict[str, float]:
-        cfg = self.cfg
+        cfg, coll = self.cfg, self.coll
         with self.tracer.span("generation", step, "actor") as gen:
-            samples = collect(self.policy, self.tokenizer, self.stream, cfg, self.rewarder,
-                              self.sample_gen)
+            samples, sync = self._generate()
             baseline = (greedy_baseline(self.policy, self.tokenizer, samples, cfg, self.rewarder)
                         if cfg.algo.advantage == "remax" else None)
         with self.tracer.span("assessment", step, "reference+reward+critic") as ass:
-            exp = assess(samples, self.reference, self.critic or
+            mine, rows = coll.training_share(samples) if coll else (samples, slice(None))
+            exp = assess(mine, self.reference, self.critic or
                          (self.policy if isinstance(self.policy, ActorCritic) else None),
-                         self.kl.value, baseline, cfg)
+                         self.kl.value, baseline[rows] if baseline is not None else None, cfg)
         with self.tracer.span("training", step, "actor+critic") as tr:
+            # under torchrun every rank runs one micro-batch per mini-batch, so the ranks'
+            # collectives (gradient sync, ZeRO-3 gathers) pair up
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
-                             self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen)
-        kl_now = behaviour_kl(exp)
+                             self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
+                             **({"global_norm": coll.global_norm,
+                                 "micro_batch_tokens": ONE_MICRO_BATCH} if coll else {}))
+        stats["behaviour_kl"] = behaviour_kl(exp)
+        if coll is not None:
+            stats = coll.mean(stats)
+        kl_now = stats.pop("behaviour_kl")
         row = {"reward": samples.scores.mean().item(),
                **{f"reward/{k}": v.float().mean().item() for k, v in samples.terms.items()},
                "accuracy": samples.correct.float().mean().item(),
@@ -201,7 +317,7 @@ class Trainer:
                "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds,
                # what the performance model needs to price this step (`rlloom perf validate`)
                "prompt_len": samples.rollout.prompt_mask.sum(1).float().mean().item(),
-               "response_lens": samples.rollout.response_lengths.tolist()}
+               "response_lens": samples.rollout.response_lengths.tolist(), **sync}
         self.kl.update(kl_now, len(samples.scores))
         return row
 
@@ -220,29 +336,50 @@ class Trainer:
         return {"step": step, **row, "step_s": time.perf_counter() - t0}
 
     def checkpoint(self) -> None:
-        save_state(self.run_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep)
-        self.tracer.save()
+        if self.coll is None:
+            save_state(self.run_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep)
+        else:
+            save_sharded_checkpoint(self.coll, self.run_dir, self.step, self.state_dict(),
+                                    self._sharded_parts(), self.cfg.checkpoint.keep)
+        if self.main:
+            self.tracer.save()
+
+    def export(self, path: Path) -> None:
+        """The policy as a Hugging Face checkpoint (gathered from its shards under torchrun)."""
+        if self.coll is None:
+            save_checkpoint(self.policy, self.tokenizer, path)
+            return
+        state = full_state_dict(self.policy)
+        if self.main:
+            plain = CausalLM(self.policy.config)
+            plain.load_state_dict(state)
+            save_checkpoint(plain, self.tokenizer, path)
+        torch.distributed.barrier()
 
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the first and last held-out accuracy."""
         cfg = self.cfg
         if self.step == 0 and not self.eval_history:
-            print(f"held-out greedy accuracy before RL: {self.evaluate():.3f}")
-        with progress_bar("rl", cfg.train.steps, done=self.step) as bar:
+            before = self.evaluate()
+            if self.main:
+                print(f"held-out greedy accuracy before RL: {before:.3f}")
+        with progress_bar("rl", cfg.train.steps, done=self.step, show=self.main) as bar:
             while self.step < cfg.train.steps:
                 row = self.train_step()
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
                     row["eval_accuracy"] = self.evaluate()
-                self.metrics.append(row)
+                if self.main:
+                    self.metrics.append(row)
                 if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
                     self.checkpoint()
                 bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS})
-        save_checkpoint(self.policy, self.tokenizer, self.run_dir / "final")
-        self.tracer.save()
-        plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
+        self.export(self.run_dir / "final")
         before, after = self.eval_history[0][1], self.eval_history[-1][1]
-        print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
-              f"({100 * (after - before):+.1f} points) over {len(self.eval_set)} problems")
+        if self.main:
+            self.tracer.save()
+            plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
+            print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
+                  f"({100 * (after - before):+.1f} points) over {len(self.eval_set)} problems")
         return {"eval_before": before, "eval_after": after}
 
 
@@ -250,9 +387,10 @@ def train(cfg: RunConfig, resume_dir: Path | None = None) -> dict[str, float]:
     run_dir = resume_dir or new_run_dir(cfg)
     trainer = Trainer(cfg, run_dir)  # validates everything before the run directory exists
     run_dir.mkdir(parents=True, exist_ok=True)
-    if resume_dir is not None and trainer.resume():
+    if resume_dir is not None and trainer.resume() and trainer.main:
         print(f"resuming {run_dir} at step {trainer.step}")
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if trainer.main:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
     try:
         return trainer.run()
     finally:

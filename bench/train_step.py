@@ -1,0 +1,126 @@
+"""Training forward+backward throughput, rlloom against the transformers model with the same
+weights on the same batch and the same loss: ``python bench/train_step.py [--big]``.
+
+The batch is what a step trains on: B prompts x K samples, prompts of 16-47 tokens and
+long-tailed response lengths (exponential, mean `--mean-len`, capped at `--max-len`), in
+generation's layout (left-padded prompts, right-padded responses). The loss is minus the mean
+log-prob of the response tokens at temperature 1, the core of every policy loss.
+
+- transformers: one padded forward+backward (positions from the mask, as rlloom computes
+  them, so both see the same inputs and give the same loss);
+- rlloom, padded: the same single padded forward+backward through rlloom's model;
+- rlloom, bucketed: rows sorted by length and cut into micro-batches of at most
+  `--budget` padded tokens, each trimmed to its own widths, gradients accumulated (what
+  `runtime.online.optimise` does).
+tok/s counts real (unpadded) prompt + response tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlloom.models.hf_io import save_checkpoint
+from rlloom.models.transformer import CausalLM
+from rlloom.rollout.generate import Rollout, left_pad, right_pad
+from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches, trim
+
+sys.path.insert(0, str(Path(__file__).parent))
+from generate import VOCAB, prompts_for, shape, time_best  # noqa: E402
+
+
+def batch(b: int, k: int, mean_len: float, max_len: int, seed: int = 0) -> Rollout:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [p for p in prompts_for(b, seed) for _ in range(k)]
+    lens = (torch.empty(b * k).exponential_(1 / mean_len, generator=g).long() + 1).clamp(
+        max=max_len)
+    p_ids, p_mask = left_pad(prompts, 0)
+    r_ids, r_mask = right_pad([torch.randint(3, VOCAB, (int(n),), generator=g).tolist()
+                               for n in lens], 0)
+    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape),
+                   torch.ones(b * k, dtype=torch.bool))
+
+
+def rlloom_step(model: CausalLM, r: Rollout, budget: int | None) -> float:
+    model.zero_grad(set_to_none=True)
+    total = r.response_mask.sum()
+    parts = ([torch.arange(len(r.finished))] if budget is None else
+             micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget))
+    loss_sum = 0.0
+    for part in parts:
+        mb = r.select(part) if budget is None else trim(r.select(part))
+        logp, _, _ = response_logprobs(model, mb, 1.0)
+        loss = -(logp * mb.response_mask).sum() / total
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def hf_step(hf: torch.nn.Module, r: Rollout) -> float:
+    hf.zero_grad(set_to_none=True)
+    ids = torch.cat([r.prompt_ids, r.response_ids], 1)
+    mask = torch.cat([r.prompt_mask, r.response_mask], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    p, t = r.prompt_ids.shape[1], r.response_ids.shape[1]
+    logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    logp = torch.log_softmax(logits[:, p - 1:p + t - 1].float(), -1)
+    logp = logp.gather(-1, r.response_ids[..., None]).squeeze(-1)
+    loss = -(logp * r.response_mask).sum() / r.response_mask.sum()
+    loss.backward()
+    return loss.item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--b", type=int, default=16, help="prompts")
+    ap.add_argument("--k", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--mean-len", type=float, default=48.0, help="mean response length")
+    ap.add_argument("--max-len", type=int, default=256, help="response length cap")
+    ap.add_argument("--budget", type=int, default=MICRO_BATCH_TOKENS,
+                    help="padded tokens per micro-batch (bucketed run)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    r = batch(a.b, a.k, a.mean_len, a.max_len)
+    real = int(r.prompt_mask.sum() + r.response_mask.sum())
+    padded = r.prompt_ids.numel() + r.response_ids.numel()
+    rows = []
+    for hidden, layers in [(128, 2)] + ([(512, 4)] if a.big else []):
+        model = CausalLM(shape(hidden, layers))
+        model.init_weights(seed=0)
+        with tempfile.TemporaryDirectory() as d:
+            save_checkpoint(model, None, d)
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        hf.train()
+        losses = {"hf": hf_step(hf, r), "padded": rlloom_step(model, r, None),
+                  "bucketed": rlloom_step(model, r, a.budget)}
+        spread = max(losses.values()) - min(losses.values())
+        assert spread < 1e-4, f"the three runs must compute the same loss: {losses}"
+        times = time_best({"hf": lambda: hf_step(hf, r),
+                           "padded": lambda: rlloom_step(model, r, None),
+                           "bucketed": lambda: rlloom_step(model, r, a.budget)}, a.repeats)
+        print(f"h{hidden}xL{layers} loss: " +
+              ", ".join(f"{k} {v:.9f}" for k, v in losses.items()), flush=True)
+        for clock in (0, 1):
+            tps = {k: real / v[clock] for k, v in times.items()}
+            rows.append((f"h{hidden}xL{layers}", ("wall", "cpu")[clock], tps, spread))
+    print(f"\ntrain step (forward+backward), {a.b}x{a.k} rows, {real} real tokens in a "
+          f"{padded}-token padded batch, budget {a.budget}, {a.threads} CPU thread(s), "
+          f"best of {a.repeats}")
+    print(f"{'model':>10} {'clock':>5} {'HF tok/s':>9} {'padded':>9} {'bucketed':>9} "
+          f"{'padded/HF':>10} {'bucketed/HF':>12} {'loss diff':>10}")
+    for name, clock, tps, spread in rows:
+        print(f"{name:>10} {clock:>5} {tps['hf']:>9.0f} {tps['padded']:>9.0f} "
+              f"{tps['bucketed']:>9.0f} {tps['padded'] / tps['hf']:>9.2f}x "
+              f"{tps['bucketed'] / tps['hf']:>11.2f}x {spread:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,565 @@
+"""The fast generation engine: group prefix sharing and continuous batching over preallocated,
+per-slot KV caches, behind the interface of `rlloom.rollout.generate.generate`.
+
+`generate` stays the simple reference (one left-padded batch, one shared cache length); this
+engine must return the same `Rollout` for the same greedy inputs, and tests check that it does.
+
+How one call runs:
+- prompts are split into groups of equal consecutive prompts (the trainer repeats each prompt
+  K times); each group's prompt is prefilled once and its keys/values are copied into the
+  slots of its K samples, which all sample their first token from the one set of logits;
+- a fixed number of slots (`max_batch`, or as many as `kv_budget_bytes` allows) each hold one
+  sequence left-aligned in a preallocated cache, so a slot has its own length and rotary
+  position and no padding ever enters it; when a sequence ends (EOS, a stop, or the token
+  limit) the next waiting sequence is placed into its slot before the next decode step, so
+  the live batch stays full;
+- every (sequence, step) gets its uniform from a hash of one seed drawn per call, so what a
+  sequence samples does not depend on which slot it got or what else shared the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlloom.models.transformer import MLP, CausalLM, apply_rotary, rotary_cos_sin
+from rlloom.rollout.generate import Rollout, generate, left_pad
+from rlloom.rollout.sampling import SamplingParams, sample_with_uniforms
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support has no DTensor parameters
+    DTensor = ()
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 0             # live sequences (KV slots); 0 = every sequence at once
+    kv_budget_bytes: int = 0       # fewer slots if their KV cache would exceed this; 0 = no cap
+    prefix_sharing: bool = True    # prefill each distinct prompt once for all its samples
+    continuous: bool = True        # refill a finished slot at once; False = static waves
+    prefill_tokens: int = 16384    # padded prompt tokens per prefill forward (activation cap)
+    n_samples: int = 0             # samples per prompt; 0 = detect equal consecutive prompts
+    kv_chunk: int = 16             # KV capacity grows by this many positions at a time
+
+    def __post_init__(self) -> None:
+        if min(self.max_batch, self.kv_budget_bytes, self.n_samples) < 0:
+            raise ValueError(f"EngineConfig fields must be >= 0, got {self}")
+        if self.prefill_tokens < 1 or self.kv_chunk < 1:
+            raise ValueError(f"prefill_tokens and kv_chunk must be >= 1, got {self}")
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x [..] int64 in [0, 2**32), in halves so int64 never overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixed 32-bit integer hash (Wellons' lowbias32) of x in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seed: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """u [rows] in [0, 1), 24 bits like float32 `torch.rand`, for sequences seq [rows] at
+    steps step [rows]: a hash of (seed, sequence, step), so each is drawn once and for all
+    whatever slot or batch the sequence runs in, without a table of n x max_new_tokens."""
+    h = _hash32(_mul32(seq & _M32, 0x9E3779B1) ^ (seed & _M32))
+    h = _hash32((h + _mul32(step & _M32, 0x85EBCA77)) & _M32)
+    return (h >> 8).float() * 2.0 ** -24
+
+
+def is_plain(model: nn.Module) -> bool:
+    """Whether the model's modules run as written: no DTensor parameters and no module hooks
+    (tensor parallelism, FSDP and `replicate` add both)."""
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return False
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
+    """Bytes of keys and values one slot holds for `max_len` positions (a capacity step
+    briefly holds the old and the new cache together)."""
+    c = model.config
+    elem = next(model.parameters()).element_size()
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * max_len * elem
+
+
+class SlotKVCache:
+    """Keys and values [slots, kv_heads, capacity, head_dim] per layer, one sequence per slot,
+    left-aligned: slot i holds its sequence at positions [0, length_i).
+
+    The capacity grows in steps of `chunk` positions (reallocating), instead of being sized
+    for the longest possible sequence up front, so that decode attention can read a
+    contiguous [rows * kv_heads, capacity, head_dim] block: a strided window of a larger
+    buffer makes CPU batched matmuls copy it, about twice as slow.
+    """
+
+    def __init__(self, model: CausalLM, slots: int, max_len: int, chunk: int) -> None:
+        c = model.config
+        p = next(model.parameters())
+        self.slots, self.kv_heads, self.head_dim = slots, c.num_kv_heads, c.head_dim
+        self.layers, self.dtype, self.device = c.num_layers, p.dtype, p.device
+        self.max_len, self.chunk, self.cap = max_len, chunk, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(1)
+
+    def ensure(self, width: int) -> None:
+        """Make room for positions [0, width)."""
+        if width <= self.cap:
+            return
+        cap = min(self.max_len, -(-width // self.chunk) * self.chunk)
+        shape = (self.slots, self.kv_heads, cap, self.head_dim)
+        fresh = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                 for _ in range(2 * self.layers)]
+        for j, new in enumerate(fresh):
+            if self.cap:
+                new[:, :, :self.cap] = (self.k + self.v)[j]
+            # zeros, not garbage: a NaN in an unused position would leak through 0 * NaN in P @ V
+            new[:, :, self.cap:] = 0
+        self.k, self.v, self.cap = fresh[:self.layers], fresh[self.layers:], cap
+
+    def place(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Copy prefilled keys/values [n, kv_heads, width, hd] per layer into `slots` [n]."""
+        width = k[0].shape[2]
+        self.ensure(width)
+        for layer, (kl, vl) in enumerate(zip(k, v)):
+            self.k[layer][slots, :, :width] = kl
+            self.v[layer][slots, :, :width] = vl
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move slots `keep` [m] to the front."""
+        m = keep.shape[0]
+        for kl, vl in zip(self.k, self.v):
+            kl[:m] = kl[keep]
+            vl[:m] = vl[keep]
+
+
+class _Capture:
+    """The cache a prefill forward runs with: keeps each layer's keys and values aside (to be
+    copied into slots) and attends over them unchanged."""
+
+    def __init__(self) -> None:
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kv.append((k, v))
+        return k, v
+
+
+@dataclass
+class _Fused:
+    """One decoder layer's decode-time weights: q/k/v (and gate/up) stacked into one matmul
+    each. Built per call, since training changes the weights between calls."""
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    split: tuple[int, int, int]   # q, k, v output widths
+    gate_up_w: torch.Tensor | None  # None: call the layer's own MLP (e.g. an MoE block)
+    gate_up_b: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> "_Fused":
+        a = layer.self_attn
+        projs = (a.q_proj, a.k_proj, a.v_proj)
+        qkv_b = (torch.cat([p.bias for p in projs]) if a.q_proj.bias is not None else None)
+        split = tuple(p.weight.shape[0] for p in projs)
+        gate_up_w = gate_up_b = None
+        if isinstance(layer.mlp, MLP):
+            m = layer.mlp
+            gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            if m.gate_proj.bias is not None:
+                gate_up_b = torch.cat([m.gate_proj.bias, m.up_proj.bias])
+        return cls(torch.cat([p.weight for p in projs]), qkv_b, split, gate_up_w, gate_up_b)
+
+
+@dataclass
+class _Prefilled:
+    """One prefill forward: keys/values per layer [g, kv_heads, width, hd], last logits [g, V]."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    logits: torch.Tensor
+
+
+def prompt_groups(prompts: list[list[int]], n_samples: int = 0) -> list[int]:
+    """Group index of each prompt: runs of equal consecutive prompts share one, or fixed runs
+    of `n_samples` when given (checked to be equal)."""
+    if n_samples:
+        if len(prompts) % n_samples:
+            raise ValueError(f"{len(prompts)} prompts are not whole groups of n_samples="
+                             f"{n_samples}")
+        for i, p in enumerate(prompts):
+            if p != prompts[i - i % n_samples]:
+                raise ValueError(f"prompt {i} differs from the first of its group of "
+                                 f"{n_samples}; pass n_samples=0 to detect groups")
+        return [i // n_samples for i in range(len(prompts))]
+    out, g = [], -1
+    for i, p in enumerate(prompts):
+        if i == 0 or p != prompts[i - 1]:
+            g += 1
+        out.append(g)
+    return out
+
+
+class Engine:
+    """Generation for one model; `generate` has the reference `generate`'s interface."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, eos_id: int,
+                 pad_id: int, generator: torch.Generator | None = None,
+                 decode: Decode | None = None) -> Rollout:
+        """Sample up to `params.max_new_tokens` per prompt; rows end at EOS or a stop.
+
+        `decode` turns response token ids into text for `params.stop` strings.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generation needs at least one prompt and no empty prompt")
+        if params.stop and decode is None:
+            raise ValueError("stop strings need a `decode` callback (token ids -> text)")
+        if not is_plain(self.model):
+            # A parallel layout (TP / FSDP / replicate) runs inside the modules' own forwards,
+            # which the fast path bypasses: the reference drives those forwards instead.
+            if params.stop or params.stop_token_ids:
+                raise ValueError("stops need the engine's fast path, which runs only on a "
+                                 "model without a parallel layout applied")
+            return generate(self.model, prompts, params, eos_id, pad_id, generator)
+        with torch.inference_mode():
+            run = _Run(self.model, prompts, params, eos_id, pad_id, generator, self.config,
+                       decode)
+            run.loop()
+        return run.rollout(prompts)
+
+
+def engine_generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
+                    eos_id: int, pad_id: int, generator: torch.Generator | None = None,
+                    config: EngineConfig | None = None, decode: Decode | None = None
+                    ) -> Rollout:
+    """`Engine(model, config).generate(...)`: a drop-in for the reference `generate`."""
+    return Engine(model, config).generate(prompts, params, eos_id, pad_id, generator, decode)
+
+
+class _Run:
+    """State of one `Engine.generate` call."""
+
+    def __init__(self, model: CausalLM, prompts: list[list[int]], params: SamplingParams,
+                 eos_id: int, pad_id: int, generator: torch.Generator | None,
+                 cfg: EngineConfig, decode: Decode | None) -> None:
+        self.model, self.params, self.cfg, self.decode = model, params, cfg, decode
+        self.eos, self.pad = eos_id, pad_id
+        p = next(model.parameters())
+        dev = self.device = p.device
+        n = self.n = len(prompts)
+        t = self.t_max = params.max_new_tokens
+        groups = (prompt_groups(prompts, cfg.n_samples) if cfg.prefix_sharing
+                  else list(range(n)))
+        self.group_of = groups
+        self.group_prompt: dict[int, list[int]] = {}
+        self.group_left: dict[int, int] = {}
+        for i, g in enumerate(groups):
+            self.group_prompt.setdefault(g, prompts[i])
+            self.group_left[g] = self.group_left.get(g, 0) + 1
+        self.prefilled: dict[int, tuple[_Prefilled, int]] = {}
+        self.prompt_len = torch.tensor([len(q) for q in prompts], device=dev)
+
+        # A sequence feeds back at most prompt + t - 1 tokens; a finished one keeps length
+        # prompt + t - 1, whose rotary row an idle slot still looks up.
+        max_len = max(len(q) for q in prompts) + t
+        slots = min(n, cfg.max_batch or n)
+        if cfg.kv_budget_bytes:
+            per_slot = kv_bytes_per_slot(model, max_len)
+            if per_slot > cfg.kv_budget_bytes:
+                raise ValueError(f"one sequence of {max_len} positions needs {per_slot} bytes "
+                                 f"of KV cache; kv_budget_bytes={cfg.kv_budget_bytes}")
+            slots = min(slots, cfg.kv_budget_bytes // per_slot)
+        self.slots = slots
+        self.cache = SlotKVCache(model, slots, max_len, cfg.kv_chunk)
+        self.fused = [_Fused.of(layer) for layer in model.model.layers]
+        c = model.config
+        cos, sin = rotary_cos_sin(torch.arange(max_len, device=dev)[None], c.head_dim,
+                                  c.rope_theta, p.dtype)
+        self.cos, self.sin = cos[0, 0], sin[0, 0]                   # [max_len, head_dim]
+        self.key_pos = torch.arange(max_len, device=dev)
+        self.kv_row = torch.arange(slots * c.num_kv_heads, device=dev)
+
+        # One seed per call; each (sequence, step) hashes it into its own uniform, so what a
+        # sequence samples does not depend on its slot or on what shares its batch.
+        self.seed = (None if params.greedy else int(torch.randint(
+            0, 2 ** 32, (1,), generator=generator,
+            device=generator.device if generator is not None else "cpu")))
+        # row n and column t are targets for idle slots, so no step needs a branch for them
+        self.out_tok = torch.full((n + 1, t + 1), pad_id, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(n + 1, t + 1, dtype=torch.float32, device=dev)
+        zeros = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.next_tok, self.lens, self.gen = zeros.clone(), zeros.clone(), zeros.clone()
+        self.active = zeros.clone()
+        self.seq = torch.full((slots,), n, dtype=torch.long, device=dev)
+
+        self.slot_seq = [-1] * slots
+        self.free = list(range(slots))        # kept sorted: low slots first keep rows small
+        self.waiting = 0                      # sequences [waiting, n) are not placed yet
+        self.live = 0
+        self.rows = 0                         # decode runs over slots [0, rows)
+        self.width = 0                        # key positions the next decode step reads
+        self.resp_len = [0] * n
+        self.finished = [False] * n
+        self.stop_ids = [list(s) for s in params.stop_token_ids if s]
+        self.tails: list[list[int]] = [[] for _ in range(slots)]
+        self.stop_window = 2 * max((len(s) for s in params.stop), default=0) + 4
+
+    # -- main loop --------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        while True:
+            if self.waiting < self.n and (self.cfg.continuous or self.live == 0):
+                self._admit()
+            if self.live == 0:
+                break
+            self._decode_step()
+
+    def _admit(self) -> None:
+        """Place waiting sequences into free slots (their first token comes from the prompt's
+        prefill logits); a sequence that ends at once frees its slot for the next."""
+        while self.free and self.waiting < self.n:
+            m = min(len(self.free), self.n - self.waiting)
+            slots, self.free = self.free[:m], self.free[m:]
+            seqs = list(range(self.waiting, self.waiting + m))
+            self.waiting += m
+            self._prefill_missing([self.group_of[s] for s in seqs])
+            by_batch: dict[int, tuple[_Prefilled, list[int], list[int], list[int]]] = {}
+            for slot, s in zip(slots, seqs):
+                g = self.group_of[s]
+                batch, row = self.prefilled[g]
+                entry = by_batch.setdefault(id(batch), (batch, [], [], []))
+                entry[1].append(slot)
+                entry[2].append(row)
+                entry[3].append(s)
+                self.group_left[g] -= 1
+                if self.group_left[g] == 0:
+                    del self.prefilled[g]
+            order_slots, order_seqs, logits = [], [], []
+            for batch, b_slots, rows, b_seqs in by_batch.values():
+                rows_t = torch.tensor(rows, device=self.device)
+                slots_t = torch.tensor(b_slots, device=self.device)
+                self.cache.place(slots_t, [k[rows_t] for k in batch.k],
+                                 [v[rows_t] for v in batch.v])
+                logits.append(batch.logits[rows_t])
+                order_slots += b_slots
+                order_seqs += b_seqs
+            idx = torch.tensor(order_slots, device=self.device)
+            seq_t = torch.tensor(order_seqs, device=self.device)
+            self.seq[idx] = seq_t
+            self.lens[idx] = self.prompt_len[seq_t]
+            self.gen[idx] = 0
+            self.active[idx] = 1
+            for slot, s in zip(order_slots, order_seqs):
+                self.slot_seq[slot] = s
+                self.tails[slot] = []
+            self.live += len(order_slots)
+            self._dirty = True
+            self._commit(idx, order_slots, torch.cat(logits), torch.ones_like(idx))
+        self._reshape()
+
+    def _prefill_missing(self, groups: list[int]) -> None:
+        """Prefill the prompts of `groups` not prefilled yet, in token-budgeted forwards."""
+        todo = list(dict.fromkeys(g for g in groups if g not in self.prefilled))
+        chunk: list[int] = []
+        for g in todo:
+            width = max(len(self.group_prompt[h]) for h in chunk + [g])
+            if chunk and width * (len(chunk) + 1) > self.cfg.prefill_tokens:
+                self._prefill(chunk)
+                chunk = []
+            chunk.append(g)
+        if chunk:
+            self._prefill(chunk)
+
+    def _prefill(self, groups: list[int]) -> None:
+        prompts = [self.group_prompt[g] for g in groups]
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((b, width), self.pad, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        plen = torch.tensor([len(p) for p in prompts], device=self.device)
+        # right padding: real keys come first, a padded query still sees key 0
+        keys = self.key_pos[:width][None] < plen[:, None]                 # [b, width]
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        mask = (causal[None] & keys[:, None, :])[:, None]
+        cos = self.cos[:width].view(1, 1, width, -1)
+        sin = self.sin[:width].view(1, 1, width, -1)
+        backbone = self.model.model
+        capture = _Capture()
+        x = backbone.embed_tokens(ids)
+        for i, layer in enumerate(backbone.layers):
+            x = layer(x, cos, sin, mask, capture, i)
+        last = x[torch.arange(b, device=self.device), plen - 1]
+        logits = self.model.lm_head(backbone.norm(last))
+        batch = _Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv], logits)
+        for row, g in enumerate(groups):
+            self.prefilled[g] = (batch, row)
+
+    def _decode_step(self) -> None:
+        rows = self.rows
+        self.cache.ensure(self.width)
+        cap = self.cache.cap
+        lens = self.lens[:rows]
+        backbone = self.model.model
+        x = backbone.embed_tokens(self.next_tok[:rows])                   # [rows, hidden]
+        cos, sin = self.cos[lens][:, None], self.sin[lens][:, None]      # [rows, 1, hd]
+        # computed once per step for every layer: the additive mask over all cache positions
+        # and the scatter index of the new key
+        kv = self.cache.kv_heads
+        bias = torch.zeros(rows, 1, 1, cap, dtype=self.cache.dtype, device=self.device)
+        bias.masked_fill_((self.key_pos[:cap] > lens[:, None]).view(rows, 1, 1, cap),
+                          float("-inf"))
+        bias = bias.expand(rows, kv, 1, cap).reshape(rows * kv, 1, cap)
+        # row (slot, kv head) of the flattened cache, times its capacity, plus the position;
+        # an idle slot (decoded along, output ignored) writes at its own position 0, since
+        # its stale length may equal the capacity and would spill into the next slot
+        act = self.active[:rows]
+        index = self.kv_row[:rows * kv] * cap + (lens * act).repeat_interleave(kv)
+        for i, (layer, fused) in enumerate(zip(backbone.layers, self.fused)):
+            x = self._layer(i, layer, fused, x, cos, sin, bias, index)
+        logits = self.model.lm_head(backbone.norm(x))
+        self.lens[:rows] += act
+        self.width += 1
+        self._commit(slice(0, rows), None, logits, act)
+        self._reshape()
+
+    def _layer(self, i: int, layer: nn.Module, w: _Fused, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """One decoder layer for one new token per row, x [rows, hidden]: the model's math
+        (its norms, rotary, GQA head order, MLP) with fused projections and the slot cache."""
+        rows, cap = x.shape[0], self.cache.cap
+        kv, hd = self.cache.kv_heads, self.cache.head_dim
+        attn = layer.self_attn
+        q, k, v = F.linear(layer.input_layernorm(x), w.qkv_w, w.qkv_b).split(w.split, -1)
+        heads = w.split[0] // hd
+        q, k = q.view(rows, heads, hd), k.view(rows, kv, hd)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kc, vc = self.cache.k[i][:rows], self.cache.v[i][:rows]
+        kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd))
+        vc.view(-1, hd).index_copy_(0, index, v.reshape(rows * kv, hd))
+        # query head h reads kv head h // (heads / kv), as repeat_kv and SDPA's GQA do
+        scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd),
+                               kc.view(rows * kv, cap, hd).transpose(1, 2), alpha=hd ** -0.5)
+        probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
+        out = torch.bmm(probs, vc.view(rows * kv, cap, hd)).view(rows, heads * hd)
+        x = x + attn.o_proj(out)
+        h = layer.post_attention_layernorm(x)
+        if w.gate_up_w is None:
+            return x + layer.mlp(h[:, None])[:, 0]
+        gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, -1)
+        return x + layer.mlp.down_proj(F.silu(gate) * up)
+
+    def _commit(self, idx: torch.Tensor | slice, slots: list[int] | None,
+                logits: torch.Tensor, act: torch.Tensor) -> None:
+        """Sample from logits [r, V] for slots `idx`, record the tokens and retire the rows
+        that ended. `slots` lists the slot of each row when `idx` is a tensor."""
+        seq, gen = self.seq[idx], self.gen[idx]
+        u = None if self.seed is None else uniforms(self.seed, seq, gen)
+        tok, lp = sample_with_uniforms(logits, self.params, u)
+        self.out_tok[seq, gen] = tok
+        self.out_lp[seq, gen] = lp
+        self.next_tok[idx] = tok
+        gen = gen + act
+        self.gen[idx] = gen
+        done = act.bool() & ((tok == self.eos) | (gen >= self.t_max))
+        ended = done.nonzero().squeeze(1).tolist()      # the one host sync of a step
+        stopped: set[int] = set()
+        if self.stop_ids or self.params.stop:
+            stopped = self._stops(tok.tolist(), slots)
+        if not ended and not stopped:
+            return
+        rows = sorted(set(ended) | stopped)
+        rows_t = torch.tensor(rows, device=self.device)
+        lens = gen[rows_t].tolist()
+        eos = (tok[rows_t] == self.eos).tolist()
+        for r, n_tok, hit in zip(rows, lens, eos):
+            slot = slots[r] if slots is not None else r
+            s = self.slot_seq[slot]
+            self.resp_len[s] = n_tok
+            self.finished[s] = hit or r in stopped
+            self.slot_seq[slot] = -1
+            self.free.append(slot)
+        slot_t = rows_t if slots is None else torch.tensor(
+            [slots[r] for r in rows], device=self.device)
+        self.active[slot_t] = 0
+        self.seq[slot_t] = self.n
+        self.live -= len(rows)
+        self.free.sort()
+        self._dirty = True
+
+    def _stops(self, toks: list[int], slots: list[int] | None) -> set[int]:
+        """Rows whose response now ends with a stop token sequence or contains a stop string."""
+        hits = set()
+        for r, tok in enumerate(toks):
+            slot = slots[r] if slots is not None else r
+            if self.slot_seq[slot] < 0:
+                continue
+            tail = self.tails[slot]
+            tail.append(tok)
+            if any(tail[-len(s):] == s for s in self.stop_ids):
+                hits.add(r)
+            elif self.params.stop:
+                text = self.decode(tail[-self.stop_window:])
+                if any(s in text for s in self.params.stop):
+                    hits.add(r)
+        return hits
+
+    _dirty = True
+
+    def _reshape(self) -> None:
+        """After slots change: the rows decode must cover, the key width it must read, and
+        moving the live slots to the front once most of the rows would be idle."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        used = [i for i, s in enumerate(self.slot_seq) if s >= 0]
+        if not used:
+            self.rows = self.width = 0
+            return
+        self.rows = used[-1] + 1
+        act = self.active[:self.rows]
+        self.width = int(torch.where(act > 0, self.lens[:self.rows], 0).max()) + 1
+        no_refill = self.waiting == self.n or not self.cfg.continuous
+        if no_refill and len(used) <= self.rows // 2 and self.rows >= 8:
+            keep = torch.tensor(used, device=self.device)
+            m = len(used)
+            self.cache.compact(keep)
+            for t in (self.next_tok, self.lens, self.gen, self.active, self.seq):
+                t[:m] = t[keep].clone()
+            self.active[m:] = 0
+            self.seq[m:] = self.n
+            self.slot_seq = [self.slot_seq[i] for i in used] + [-1] * (self.slots - m)
+            self.tails = [self.tails[i] for i in used] + [[] for _ in range(self.slots - m)]
+            self.free = list(range(m, self.slots))
+            self.rows = m
+
+    def rollout(self, prompts: list[list[int]]) -> Rollout:
+        """The results as the reference returns them (cloned out of inference mode)."""
+        n = self.n
+        lens = torch.tensor(self.resp_len, device=self.device)
+        used = int(lens.max())
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad)
+        mask = (torch.arange(used, device=self.device)[None] < lens[:, None]).long()
+        return Rollout(prompt_ids.to(self.device), prompt_mask.to(self.device),
+                       self.out_tok[:n, :used].clone(), mask,
+                       self.out_lp[:n, :used].clone(),
+                       torch.tensor(self.finished, device=self.device))

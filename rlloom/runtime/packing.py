@@ -1,0 +1,49 @@
+"""Training micro-batches by length: sort the rows of a mini-batch, cut them into groups whose
+padded size fits a token budget, and trim each group to its own widths.
+
+Rows of similar length share a micro-batch, so little compute goes to padding, and the
+budget bounds activation memory. The loss normalisers come from the whole mini-batch
+(`algos.aggregation.LossNorm`), so the summed micro-batch gradients equal the mini-batch
+gradient however the rows are split.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlloom.rollout.generate import Rollout
+
+# Padded prompt + response tokens per micro-batch: a few MiB of activations per layer at the
+# built-in model's width; one row longer than this still gets a micro-batch of its own.
+MICRO_BATCH_TOKENS = 8192
+
+
+def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int
+                  ) -> list[torch.Tensor]:
+    """Positions of rows [n] grouped into micro-batches, shortest rows first.
+
+    A group's cost is what its padded forward computes: rows x (longest prompt + longest
+    response). Groups are cut greedily along the length order when adding a row would
+    exceed `budget`.
+    """
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    order = torch.sort(prompt_lens + response_lens, stable=True).indices
+    p_lens, r_lens = prompt_lens[order].tolist(), response_lens[order].tolist()
+    groups, start, p_max, r_max = [], 0, 0, 0
+    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
+        p_new, r_new = max(p_max, p), max(r_max, r)
+        if i > start and (i - start + 1) * (p_new + r_new) > budget:
+            groups.append(order[start:i])
+            start, p_new, r_new = i, p, r
+        p_max, r_max = p_new, r_new
+    groups.append(order[start:])
+    return groups
+
+
+def trim(r: Rollout) -> Rollout:
+    """The rows without columns that are padding in every row (left of the prompts, right of
+    the responses). Positions come from the masks, so outputs do not change."""
+    p = max(int(r.prompt_mask.sum(1).max()), 1)
+    t = max(int(r.response_mask.sum(1).max()), 1)
+    return Rollout(r.prompt_ids[:, -p:], r.prompt_mask[:, -p:], r.response_ids[:, :t],
+                   r.response_mask[:, :t], r.logprobs[:, :t], r.finished)

@@ -1,0 +1,689 @@
+"""The multi-model runtime on Ray: roles as actor groups on placement groups, the driver runs
+the plan's schedule, and batches move through the Ray object store.
+
+Groups (named like the performance model's device groups, `perf.compose.group_of`):
+
+| placement     | group: roles it hosts                                                      |
+|---------------|----------------------------------------------------------------------------|
+| colocated     | all: generation, assessment, training (time-multiplexed in one process)    |
+| interleaved   | trainable: generation + training; frozen: assessment (reference, critic)   |
+| disaggregated | rollout: generation; actor: training (+ critic); reference: assessment     |
+
+Each group is a placement group of one bundle of `RayOptions.group_cpus` CPUs holding one
+`GroupWorker` (rank 0): layouts with more than one device inside a role are refused here.
+The reward model, if any, sits with generation (rewards are scored as samples finish, as in
+the single-process runtime); the critic trains with the actor, and its forward pass for
+assessment runs on a synced copy in the assessment group when that is another process.
+
+What is copied: each hop of a batch (generation -> assessment -> training) pickles its
+tensors once into the object store and once out (token ids, masks, log-probs, rewards,
+advantages: small next to the models), also when both ends are the same process. Weights move
+only from training to a generation or assessment copy in another process: pickled once by
+the trainer, read once by the receiver, copied into the receiver's free buffer
+(`weight_sync.DoubleBuffer`). Moving idle roles' weights or optimizer state to host memory
+is a no-op on CPU, where they already live.
+
+Schedules:
+- sync: generation -> assessment -> training with barriers (eta = 0 in the loop below).
+- fused: generation runs in `fused_chunks` requests of whole prompts; the driver submits
+  each chunk's assessment forward passes as the chunk arrives (`ray.wait`) while later chunks
+  generate, then advantages are computed over the whole batch and training follows.
+- async (staleness eta): generation and assessment for step i+eta are submitted when step
+  i-1's weights are synced, so they run while step i trains. A step whose samples come from
+  a version more than eta behind is dropped and generated again with the newest weights.
+  Stale samples are corrected as decoupled PPO (`ray_workers.decoupled`) when the loss is
+  ppo or decoupled_ppo; other losses use the behaviour log-probs as their importance base
+  (gspo, cispo) or none (reinforce) and are not corrected. Assessment of step i+eta uses the
+  KL coefficient of its submission time (adaptive KL lags by eta steps).
+  In a colocated or interleaved group generation and training share one process, so they
+  take turns: the staleness semantics hold (FIFO order makes generation read the version a
+  separate worker would have), but nothing overlaps.
+
+Faults: every wait has a timeout (`--worker-timeout`); a dead or silent worker is reported
+with its group, roles and rank; with `--max-restarts N` the driver recreates the groups,
+reloads the last checkpoint (the single-process trainer's format, so runs resume either way)
+and continues.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlloom.algos.kl import AdaptiveKLController, FixedKLController
+from rlloom.algos.presets import PRESETS
+from rlloom.config import ConfigError, RunConfig, dump_config
+from rlloom.data.prompts import DataError, load_prompt_sets
+from rlloom.models.hf_io import CheckpointError, load_tokenizer, save_checkpoint
+from rlloom.plan import Plan
+from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
+from rlloom.runtime.checkpoint import save_checkpoint as save_state
+from rlloom.runtime.metrics import MetricsLog
+from rlloom.runtime.plots import plot_run
+from rlloom.runtime.progress import progress_bar
+from rlloom.runtime.ray_workers import DECOUPLED_LOSSES, STAGE_ROLES, GroupWorker, _policy
+from rlloom.runtime.tracing import Tracer
+
+PROGRESS_KEYS = ("reward", "accuracy", "kl", "eval_accuracy", "step_s", "staleness")
+# Ray puts sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (62-64
+# characters after <temp>) and Unix socket paths stop at 107 bytes.
+MAX_TEMP_DIR_CHARS = 42
+PING_S = 5.0
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+@dataclass
+class RayOptions:
+    """How the Ray runtime runs (the plan says what runs where)."""
+    address: str | None = None      # join this cluster ("auto", "host:6379"); None: start one
+    worker_timeout_s: float = 600.0  # longest wait for any worker answer once started
+    startup_timeout_s: float = 600.0  # longest wait for a group's resources and models
+    max_restarts: int = 0           # times the driver may recreate the groups after a fault
+    group_cpus: dict[str, float] = field(default_factory=dict)  # group -> CPUs (default 1)
+    num_cpus: float | None = None   # CPUs of a started instance (default: cores or more)
+    fused_chunks: int = 2           # generation requests per step of a fused schedule
+    fault: str | None = None        # test hook "kill|stop:<group>:<step>", first attempt only
+
+    def cpus(self, group: str) -> float:
+        return float(self.group_cpus.get(group, 1.0))
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    roles: tuple[str, ...]  # stage roles hosted: generation, assessment, training
+
+
+def group_specs(plan: Plan) -> list[GroupSpec]:
+    if plan.placement == "colocated":
+        return [GroupSpec("all", STAGE_ROLES)]
+    if plan.placement == "interleaved":
+        return [GroupSpec("trainable", ("generation", "training")),
+                GroupSpec("frozen", ("assessment",))]
+    return [GroupSpec("rollout", ("generation",)), GroupSpec("actor", ("training",)),
+            GroupSpec("reference", ("assessment",))]
+
+
+def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
+    """Why the Ray runtime cannot run this configuration (empty when it can)."""
+    problems = []
+    if not PRESETS[cfg.algo.name].online:
+        problems.append(f"algo={cfg.algo.name} trains offline (no generation); run it with the "
+                        "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
+                        "no --ray)")
+    for role, layout in cfg.plan.layouts.items():
+        if layout.world_size != 1 or layout.ep != 1 or layout.zero:
+            problems.append(f"plan.layouts.{role} asks for {layout.world_size} devices "
+                            f"(ep={layout.ep}, zero={layout.zero}); the Ray runtime runs one "
+                            "process per role group: set the layout's degrees to 1 (parallel "
+                            "layouts inside a role run under torchrun)")
+    if cfg.plan.schedule == "fused" and cfg.algo.dynamic_sampling:
+        problems.append("plan.schedule=fused streams fixed chunks of prompts, but "
+                        "algo.dynamic_sampling refills the batch from whole-batch rewards; "
+                        "use plan.schedule=sync or async")
+    if opts.fused_chunks < 1:
+        problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
+    if opts.worker_timeout_s <= 0 or opts.max_restarts < 0:
+        problems.append("--worker-timeout must be > 0 and --max-restarts >= 0")
+    names = {g.name for g in group_specs(cfg.plan)}
+    unknown = set(opts.group_cpus) - names
+    if unknown:
+        problems.append(f"CPUs given for groups {sorted(unknown)}; this plan's groups are "
+                        f"{', '.join(sorted(names))}")
+    if any(c <= 0 for c in opts.group_cpus.values()):
+        problems.append("group CPUs must be > 0")
+    return problems
+
+
+def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
+    from rlloom.runtime.trainer import check_runnable
+    problems = ray_problems(cfg, opts)
+    if problems:
+        raise ConfigError("the Ray runtime cannot run this configuration: " + "; ".join(problems))
+    # the registry checks of the single-process runtime, for a plan it can run
+    check_runnable(cfg.model_copy(update={"plan": Plan(actor_critic=cfg.plan.actor_critic)}))
+
+
+def needs_ray(cfg: RunConfig) -> bool:
+    """Plans that only the Ray runtime executes."""
+    return cfg.plan.placement != "colocated" or cfg.plan.schedule != "sync"
+
+
+# -- cluster ---------------------------------------------------------------------------------
+
+def ray_temp_dir(run_dir: Path) -> tuple[Path, str | None]:
+    """<run_dir>/ray, or, when that path is too long for Ray's sockets, a short directory
+    under /tmp that <run_dir>/ray links to (and a note saying so)."""
+    temp = (run_dir / "ray").absolute()
+    if len(str(temp)) <= MAX_TEMP_DIR_CHARS:
+        return temp, None
+    short = Path(tempfile.mkdtemp(prefix="rlloom-ray-", dir="/tmp"))
+    if temp.is_symlink():  # a resumed run: point it at this session's files
+        temp.unlink()
+    if not temp.exists():
+        temp.symlink_to(short, target_is_directory=True)
+    return short, (f"Ray's files are in {short}: the run directory's path is too long for "
+                   f"Ray's socket paths ({MAX_TEMP_DIR_CHARS} characters at most); {temp} "
+                   "links there")
+
+
+class Cluster:
+    """A local Ray instance with its files under the run directory, or a connection to an
+    existing cluster; leaves an instance that was already running in this process alone."""
+
+    def __init__(self, opts: RayOptions, run_dir: Path, cpus: float) -> None:
+        import ray
+        self.owned = not ray.is_initialized()
+        self.note: str | None = None
+        if not self.owned:
+            return
+        if opts.address:
+            try:
+                ray.init(address=opts.address, log_to_driver=True)
+            except (ConnectionError, RuntimeError) as e:
+                raise ConfigError(
+                    f"cannot join the Ray cluster at {opts.address}: {_first_line(e)}. Check the "
+                    "address `ray start --head` printed; a cluster with token authentication "
+                    "(Ray >= 2.59 turns it on by default) also needs RAY_AUTH_MODE=token and its "
+                    "token (RAY_AUTH_TOKEN or ~/.ray/auth_token) here; see docs/ray.md") from None
+            return
+        temp, self.note = ray_temp_dir(run_dir)
+        ray.init(num_cpus=max(cpus, opts.num_cpus or 0, os.cpu_count() or 1),
+                 _temp_dir=str(temp), include_dashboard=False, log_to_driver=True)
+
+    def stop(self) -> None:
+        import ray
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+class WorkerFailure(RuntimeError):
+    """A worker died or stopped answering; names its group, roles and rank."""
+
+    def __init__(self, group: str, rank: int, roles: tuple[str, ...], state: str, what: str,
+                 step: int, cause: str, detected_after_s: float | None = None) -> None:
+        self.group, self.rank, self.roles, self.state = group, rank, roles, state
+        self.what, self.step, self.cause = what, step, cause
+        self.detected_after_s = detected_after_s
+        self.run_dir: Path | None = None  # set by train_ray
+        super().__init__(
+            f"worker rank {rank} of group {group!r} (roles: {', '.join(roles)}) {state} while "
+            f"the driver waited for {what} of step {step}: {cause}")
+
+    def record(self) -> dict[str, Any]:
+        return {"group": self.group, "rank": self.rank, "roles": list(self.roles),
+                "state": self.state, "what": self.what, "step": self.step,
+                "cause": self.cause[:500], "detected_after_s": self.detected_after_s}
+
+
+@dataclass
+class WorkerGroup:
+    spec: GroupSpec
+    pg: Any
+    actor: Any
+    info: dict[str, Any]  # pid, host
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class InFlight:
+    """A step's generation and assessment, submitted but not yet consumed."""
+    batch: Any        # ObjectRef[Batch]
+    ginfo: Any        # ObjectRef[dict] (version, seconds)
+    exp: Any          # ObjectRef[Experience]
+    ainfo: Any        # ObjectRef[dict]
+
+
+def _remote_class() -> Any:
+    import ray
+    global _REMOTE
+    if _REMOTE is None:
+        # stages run one at a time on the default thread; pings, spans and weight pushes get
+        # their own threads so they answer while a stage runs
+        _REMOTE = ray.remote(concurrency_groups={"control": 2})(GroupWorker)
+    return _REMOTE
+
+
+_REMOTE = None
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+class RayRun:
+    def __init__(self, cfg: RunConfig, run_dir: Path, opts: RayOptions, model_path: Path
+                 ) -> None:
+        self.cfg, self.run_dir, self.opts, self.model_path = cfg, run_dir, opts, model_path
+        self.specs = group_specs(cfg.plan)
+        self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
+        self.correct = self.eta > 0 and cfg.algo.policy_loss in DECOUPLED_LOSSES
+        self.has_critic = "critic" in PRESETS[cfg.algo.name].roles
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.tracer = Tracer(run_dir / "trace.json")
+        self.groups: dict[str, WorkerGroup] = {}
+        self.inflight: dict[int, InFlight] = {}
+        self.failures: list[dict[str, Any]] = []
+        self.attempt = 0
+        self._fault_at: float | None = None
+        self._stopped_pids: list[int] = []
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        a = self.cfg.algo
+        self.kl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+                   if a.kl_target is not None else FixedKLController(a.kl_coef))
+        self.step = 0
+        self.eval_history: list[tuple[int, float]] = []
+
+    def _host(self, stage: str) -> WorkerGroup:
+        return next(self.groups[s.name] for s in self.specs if stage in s.roles)
+
+    # -- waiting, with the culprit named ---------------------------------------------------
+    def _get(self, refs: Any, what: str, step: int, group: WorkerGroup | None = None,
+             timeout_s: float | None = None) -> Any:
+        import ray
+        from ray.exceptions import (
+            GetTimeoutError,
+            ObjectLostError,
+            OwnerDiedError,
+            RayActorError,
+            RayTaskError,
+        )
+        timeout_s = timeout_s or self.opts.worker_timeout_s
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            raise self._failure(what, step, f"no answer within {timeout_s:g}s", None,
+                                group) from None
+        except RayActorError as e:
+            if getattr(e, "actor_init_failed", False):
+                raise _start_error(e, group) from None  # deterministic: no restart helps
+            raise self._failure(what, step, _first_line(e), getattr(e, "actor_id", None),
+                                group) from None
+        except (ObjectLostError, OwnerDiedError) as e:
+            raise self._failure(what, step, _first_line(e), None, group) from None
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, USER_ERRORS):
+                raise cause from None
+            raise
+
+    def _failure(self, what: str, step: int, cause: str, actor_id: str | None,
+                 waited_on: WorkerGroup | None) -> WorkerFailure:
+        """Ping every worker to tell the dead or silent one from those merely waiting."""
+        import ray
+        from ray.exceptions import RayActorError
+        groups = list(self.groups.values())
+        pings = [g.actor.ping.options(concurrency_group="control").remote() for g in groups]
+        ray.wait(pings, num_returns=len(pings), timeout=min(PING_S, self.opts.worker_timeout_s))
+        states: dict[str, str] = {}
+        for g, ref in zip(groups, pings):
+            try:
+                ray.get(ref, timeout=0.01)
+                states[g.name] = "is alive"
+            except RayActorError:
+                states[g.name] = "died"
+            except Exception:
+                states[g.name] = f"did not answer a ping within {PING_S:g}s"
+        by_id = [g for g in groups if actor_id and g.actor._actor_id.hex() == actor_id]
+        dead = [g for g in groups if states[g.name] == "died"]
+        silent = [g for g in groups if states[g.name].startswith("did not")]
+        culprit = (by_id or dead or silent or [waited_on or groups[0]])[0]
+        detected = (time.perf_counter() - self._fault_at) if self._fault_at else None
+        return WorkerFailure(culprit.name, 0, culprit.spec.roles, states[culprit.name], what,
+                             step, cause, detected)
+
+    # -- groups ------------------------------------------------------------------------------
+    def _start_groups(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        worker = _remote_class()
+        pending = []
+        for spec in self.specs:
+            cpus = self.opts.cpus(spec.name)
+            pg = placement_group([{"CPU": cpus}], strategy="STRICT_PACK")
+            try:
+                ray.get(pg.ready(), timeout=self.opts.startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                ray.util.remove_placement_group(pg)
+                raise ConfigError(f"group {spec.name!r} asks for {cpus:g} CPUs in one node; "
+                                  f"the cluster has {ray.cluster_resources().get('CPU', 0):g} "
+                                  "in all, and they were not free within "
+                                  f"{self.opts.startup_timeout_s:g}s") from None
+            threads = self.cfg.train.threads or max(1, round(cpus))
+            actor = worker.options(
+                num_cpus=cpus, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+            ).remote(self.cfg, str(self.model_path), spec.name, 0, spec.roles, threads)
+            self.groups[spec.name] = WorkerGroup(spec, pg, actor, {})
+            pending.append(spec.name)
+        for name in pending:  # building the models happens here
+            g = self.groups[name]
+            g.info = self._get(g.actor.ping.options(concurrency_group="control").remote(),
+                               "start-up", self.step, g, self.opts.startup_timeout_s)
+
+    def _stop_groups(self) -> None:
+        import ray
+        for pid in self._stopped_pids:  # a stopped process ignores everything but SIGKILL
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._stopped_pids.clear()
+        closing = [g.actor.close.options(concurrency_group="control").remote()
+                   for g in self.groups.values()]
+        ray.wait(closing, num_returns=len(closing), timeout=PING_S)
+        for g in self.groups.values():
+            try:
+                ray.kill(g.actor, no_restart=True)
+            except Exception:
+                pass  # already gone
+            ray.util.remove_placement_group(g.pg)
+        self.groups.clear()
+        self.inflight.clear()
+
+    # -- state -------------------------------------------------------------------------------
+    def _restore(self, from_checkpoint: bool) -> None:
+        import ray
+        state = load_latest(self.run_dir) if from_checkpoint else None
+        if state is None:
+            self._reset_state()
+            self.metrics.truncate_after(0)
+            self.tracer.events = []
+            return
+        self.step = state["step"]
+        self.kl.value = state["kl_coef"]
+        self.eval_history = [tuple(e) for e in state["eval_history"]]
+        loads = [g.actor.load_state.remote({k: v for k, v in state.items()
+                                            if k in _state_keys(g.spec.roles)})
+                 for g in self.groups.values() if {"training", "generation"} & set(g.spec.roles)]
+        self._get(loads, "checkpoint loading", self.step)
+        self.metrics.truncate_after(self.step)
+        self.tracer.drop_after(self.step)
+        self._sync(self.step)
+        for item in state.get("ray", {}).get("buffered", []):
+            if self.step < item["step"] <= self.cfg.train.steps:
+                self._submit(item["step"], ray.put(item["batch"]), ray.put(item["info"]))
+
+    def _checkpoint(self) -> None:
+        buffered = []
+        gen = self._host("generation")
+        for j in sorted(self.inflight):
+            item = self.inflight[j]
+            batch, info = self._get([item.batch, item.ginfo], "generation", j, gen)
+            buffered.append({"step": j, "batch": batch, "info": info})
+        train = self._host("training")
+        tstate, gstate = self._get([train.actor.training_state.remote(),
+                                    gen.actor.generation_state.remote()], "checkpoint", self.step)
+        state = {"step": self.step, **tstate, "kl_coef": self.kl.value, **gstate,
+                 "eval_history": list(self.eval_history), "ray": {"buffered": buffered}}
+        save_state(self.run_dir, self.step, state, self.cfg.checkpoint.keep)
+        self.tracer.save()
+
+    # -- stages ------------------------------------------------------------------------------
+    def _submit(self, step: int, batch: Any = None, ginfo: Any = None) -> None:
+        """Generation (unless given) and assessment of `step`; nothing waits here."""
+        if batch is None:
+            batch, ginfo = self._host("generation").actor.generate.options(
+                num_returns=2).remote(step)
+        exp, ainfo = self._host("assessment").actor.assess.options(num_returns=2).remote(
+            step, batch, self.kl.value)
+        self.inflight[step] = InFlight(batch, ginfo, exp, ainfo)
+
+    def _generated(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
+        """Experience ref, generation info and assessment info ref of a sync or async step
+        (training is submitted before assessment ends: only the version check waits)."""
+        gen = self._host("generation")
+        for j in range(step, min(step + self.eta, self.cfg.train.steps) + 1):
+            if j not in self.inflight:
+                self._submit(j)
+        self._inject(step)
+        dropped = 0
+        while True:
+            item = self.inflight.pop(step)
+            ginfo = self._get(item.ginfo, "generation", step, gen)
+            if step - 1 - ginfo["version"] <= self.eta:
+                break
+            # generated by weights older than the staleness bound allows: regenerate
+            dropped += ginfo["rollouts"]
+            self._submit(step)
+        ginfo["dropped"] = dropped
+        return item.exp, ginfo, item.ainfo, [ginfo]
+
+    def _fused(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
+        """Chunks of prompts generate one after another; each is assessed as it arrives."""
+        import ray
+        gen, ass = self._host("generation"), self._host("assessment")
+        b = self.cfg.train.prompts_per_step
+        sizes = [len(c) for c in torch.arange(b).chunk(min(self.opts.fused_chunks, b))]
+        chunks = {}
+        for c, n in enumerate(sizes):
+            batch, info = gen.actor.generate.options(num_returns=2).remote(step, n)
+            chunks[info] = (c, batch)
+        self._inject(step)
+        pending, infos, assessed = list(chunks), [], []
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=self.opts.worker_timeout_s)
+            if not ready:
+                raise self._failure("a generated chunk", step, "no chunk within "
+                                    f"{self.opts.worker_timeout_s:g}s", None, gen)
+            for ref in ready:
+                c, batch = chunks[ref]
+                infos.append(self._get(ref, "generation", step, gen))
+                assessed.append(ass.actor.assess_chunk.remote(step, c, batch))
+        # the chunks' results as arguments: a failed chunk fails the merge with its error
+        exp, ainfo = ass.actor.finish_assessment.options(num_returns=2).remote(
+            step, self.kl.value, *assessed)
+        ginfo = {"gen_s": sum(i["gen_s"] for i in infos),
+                 "score_s": sum(i["score_s"] for i in infos), "dropped": 0,
+                 "version": min(i["version"] for i in infos)}
+        return exp, ginfo, ainfo, infos
+
+    def _sync(self, step: int) -> tuple[float, int]:
+        """Push the trainer's weights to copies in other processes; seconds and bytes."""
+        train = self._host("training")
+        pushes = []
+        gen, ass = self._host("generation"), self._host("assessment")
+        if gen is not train:
+            pushes.append((gen, "receive_weights", train.actor.policy_weights.remote()))
+        if self.has_critic and ass is not train:
+            pushes.append((ass, "receive_critic", train.actor.critic_weights.remote()))
+        if not pushes:
+            return 0.0, 0
+        t0 = time.perf_counter()
+        refs = [getattr(g.actor, method).options(concurrency_group="control").remote(
+            step, step, weights, self.opts.worker_timeout_s) for g, method, weights in pushes]
+        done = self._get(refs, "weight sync", step, pushes[0][0])
+        return time.perf_counter() - t0, sum(d["bytes"] for d in done)
+
+    def _inject(self, step: int) -> None:
+        """Test hook: kill (SIGKILL) or stop (SIGSTOP) a group's worker as step `step` runs."""
+        if not self.opts.fault or self.attempt > 0 or self._fault_at is not None:
+            return
+        kind, group, at = self.opts.fault.split(":")
+        if int(at) != step:
+            return
+        g = self.groups[group]
+        time.sleep(0.2)  # let the step's requests start
+        if g.info["host"] != socket.gethostname():
+            raise ConfigError("fault injection signals a local worker; this one runs on "
+                              f"{g.info['host']}")
+        os.kill(g.info["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        if kind == "stop":
+            self._stopped_pids.append(g.info["pid"])
+        self._fault_at = time.perf_counter()
+        print(f"fault injection: {kind} worker rank 0 of group {group!r} (pid "
+              f"{g.info['pid']}) during step {step}")
+
+    def _drain_spans(self) -> None:
+        groups = list(self.groups.values())
+        events = self._get([g.actor.drain_spans.options(concurrency_group="control").remote()
+                            for g in groups], "trace spans", self.step)
+        for evs in events:
+            self.tracer.events.extend(evs)
+
+    def _evaluate(self) -> float:
+        train = self._host("training")
+        acc = self._get(train.actor.evaluate.remote(self.step), "evaluation", self.step, train)
+        self.eval_history.append((self.step, acc))
+        return acc
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        step = self.step + 1
+        exp, ginfo, ainfo, infos = (self._fused(step) if self.cfg.plan.schedule == "fused"
+                                    else self._generated(step))
+        train = self._host("training")
+        stats = train.actor.train.remote(step, exp, self.kl.value, self.correct)
+        ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
+        stats = self._get(stats, "training", step, train)
+        self.step = step
+        sync_s, sync_bytes = self._sync(step)
+        s = ainfo["samples"]
+        lags: dict[str, int] = {}
+        for info in infos:
+            lag = str(step - 1 - info["version"])
+            lags[lag] = lags.get(lag, 0) + info.get("rollouts", 0)
+        kl_now = ainfo["behaviour_kl_ref"]
+        train_s = stats.pop("train_s")
+        stats.pop("version")
+        behaviour = stats.pop("behaviour_kl", 0.0)
+        row = {"reward": s["reward"], **{k: v for k, v in s.items() if k.startswith("reward/")},
+               "accuracy": s["accuracy"], "response_len": s["response_len"],
+               "truncated": s["truncated"], "kl": stats.pop("kl", kl_now),
+               "kl_coef": self.kl.value, "sample_rounds": s["sample_rounds"], **stats,
+               "gen_s": ginfo["gen_s"], "assess_s": ainfo["assess_s"] + ginfo["score_s"],
+               "train_s": train_s, "prompt_len": s["prompt_len"],
+               "response_lens": s["response_lens"],
+               # what the Ray runtime adds
+               "staleness": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
+               "staleness_hist": lags, "dropped": ginfo["dropped"], "behaviour_kl": behaviour,
+               "sync_s": sync_s, "sync_bytes": sync_bytes}
+        self.kl.update(kl_now, len(s["response_lens"]))
+        return {"step": step, **row, "step_s": time.perf_counter() - t0}
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        if self.step == 0 and not self.eval_history:
+            print(f"held-out greedy accuracy before RL: {self._evaluate():.3f}")
+        with progress_bar("rl (ray)", cfg.train.steps, done=self.step) as bar:
+            while self.step < cfg.train.steps:
+                row = self.train_step()
+                if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
+                    row["eval_accuracy"] = self._evaluate()
+                self.metrics.append(row)
+                self._drain_spans()
+                if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
+                    self._checkpoint()
+                bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS})
+
+    def _final(self) -> dict[str, float]:
+        train = self._host("training")
+        state = self._get(train.actor.training_state.remote(), "the final weights", self.step)
+        policy = _policy(self.cfg, self.model_path)
+        policy.load_state_dict(state["policy"])
+        save_checkpoint(policy, load_tokenizer(self.model_path), self.run_dir / "final")
+        self._drain_spans()
+        self.tracer.save()
+        plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
+        before, after = self.eval_history[0][1], self.eval_history[-1][1]
+        print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
+              f"({100 * (after - before):+.1f} points)")
+        return {"eval_before": before, "eval_after": after,
+                "restarts": float(self.attempt)}
+
+    def run(self, resume: bool = False) -> dict[str, float]:
+        """Train to `train.steps`, recreating the groups after a worker fault while
+        `max_restarts` allows."""
+        try:
+            while True:
+                try:
+                    self._start_groups()
+                    self._restore(from_checkpoint=resume or self.attempt > 0)
+                    self._loop()
+                    return self._final()
+                except WorkerFailure as f:
+                    self.failures.append(f.record())
+                    with (self.run_dir / "failures.jsonl").open("a") as out:
+                        out.write(json.dumps(f.record()) + "\n")
+                    self._stop_groups()
+                    if self.attempt >= self.opts.max_restarts:
+                        raise
+                    self.attempt += 1
+                    print(f"{f}\nrestart {self.attempt} of {self.opts.max_restarts}: "
+                          "recreating the groups from the last checkpoint")
+        finally:
+            self._stop_groups()
+
+
+def _state_keys(roles: tuple[str, ...]) -> set[str]:
+    """The checkpoint entries a group's roles restore."""
+    keys = {"step"}
+    if "training" in roles:
+        keys |= {"policy", "optimizer", "shuffle_gen", "critic", "critic_optimizer"}
+    if "generation" in roles:
+        keys |= {"sample_gen", "data_position"}
+    return keys
+
+
+def _start_error(e: BaseException, group: WorkerGroup | None) -> Exception:
+    """A worker's constructor raised: the user error it raised (a bad reward model, say),
+    else a RuntimeError with its last line."""
+    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    name, _, message = last.partition(": ")
+    for cls in USER_ERRORS:
+        if name.rsplit(".", 1)[-1] == cls.__name__:
+            return cls(message)
+    where = f"group {group.name!r}" if group else "a group"
+    return RuntimeError(f"the worker of {where} failed to start: {last}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
+              opts: RayOptions | None = None) -> dict[str, float]:
+    """`rlloom train` on Ray: validate, start or join a cluster, run, shut down."""
+    from rlloom.runtime.default_model import ensure_default_model
+    from rlloom.runtime.trainer import check_prompt_lengths, new_run_dir
+    opts = opts or RayOptions()
+    check_ray_runnable(cfg, opts)
+    run_dir = resume_dir or new_run_dir(cfg)
+    model_path = Path(cfg.model.path) if cfg.model.path else ensure_default_model(cfg)
+    d = cfg.data
+    sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
+                            d.prompt_file, d.eval_fraction, d.columns)
+    check_prompt_lengths(load_tokenizer(model_path), sets.train + sets.eval,
+                         d.max_prompt_tokens, d.prompt_file or f"built-in task {d.task}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) for g in group_specs(cfg.plan)))
+    if cluster.note:
+        print(cluster.note)
+    try:
+        run = RayRun(cfg, run_dir, opts, model_path)
+        resume = resume_dir is not None and bool(checkpoint_dirs(run_dir))
+        if resume:
+            print(f"resuming {run_dir} from its last checkpoint")
+        return run.run(resume)
+    except WorkerFailure as e:
+        e.run_dir = run_dir
+        raise
+    finally:
+        cluster.stop()

@@ -1,0 +1,133 @@
+"""Versioned weight synchronisation from the trainer to the copies that generate (and assess).
+
+A `DoubleBuffer` holds two slots of named tensors, each stamped with the weight version it
+holds. One publisher writes a new version into the slot that is not the latest, waiting until
+no reader still holds it, then flips `latest` under a lock; readers take the latest slot for
+the length of one request. So a reader never sees a slot while it is written (it only ever
+acquires the latest, complete one), and it switches versions only between requests.
+
+`ShadowModel` is the double buffer over two copies of a model (its slots are the copies'
+own parameter tensors, so publishing writes straight into the weights that generate, with no
+further copy). Asynchronous schedules need the second copy: generation keeps reading one
+version while the trainer's next one arrives.
+
+Moving idle roles' weights or optimizer state to host memory would be a no-op here: on CPU
+the weights already live in host memory, so nothing is offloaded.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+
+class SyncTimeout(TimeoutError):
+    pass
+
+
+@dataclass
+class SyncStats:
+    version: int
+    bytes: int        # bytes written into the buffer
+    seconds: float    # waiting for readers to let go of the slot plus writing it
+    wait_s: float     # of which waiting
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of distinct storages (tied weights, e.g. embedding and LM head, count once)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors.values()}
+    return sum(seen.values())
+
+
+class DoubleBuffer:
+    """Two versioned slots of named tensors: one publisher, any number of readers."""
+
+    def __init__(self, slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+                 version: int = 0) -> None:
+        if slots[0].keys() != slots[1].keys():
+            raise ValueError("the two slots must hold the same tensor names")
+        self._slots = slots
+        self._versions = [version, version]  # slot 1 starts as a copy of slot 0 (or unused)
+        self._readers = [0, 0]
+        self._latest = 0
+        self._cond = threading.Condition()
+        self._publishing = threading.Lock()  # one publisher at a time
+
+    @property
+    def version(self) -> int:
+        """The newest complete version."""
+        with self._cond:
+            return self._versions[self._latest]
+
+    @contextmanager
+    def read(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """The latest complete slot, held (not overwritten) until the block ends."""
+        with self._cond:
+            i = self._latest
+            self._readers[i] += 1
+            version = self._versions[i]
+        try:
+            yield version, self._slots[i]
+        finally:
+            with self._cond:
+                self._readers[i] -= 1
+                self._cond.notify_all()
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor],
+                timeout_s: float | None = None) -> SyncStats:
+        """Write `tensors` as `version` into the free slot and make it the latest."""
+        with self._publishing:
+            t0 = time.perf_counter()
+            with self._cond:
+                back = 1 - self._latest
+                # a reader that took this slot before the last flip may still be using it
+                if not self._cond.wait_for(lambda: self._readers[back] == 0, timeout_s):
+                    raise SyncTimeout(f"a reader held weight version {self._versions[back]} "
+                                      f"for more than {timeout_s}s; version {version} not "
+                                      "published")
+                self._versions[back] = -1  # being written: readers never take the back slot
+            waited = time.perf_counter() - t0
+            slot = self._slots[back]
+            missing = slot.keys() - tensors.keys()
+            if missing:
+                raise KeyError(f"published weights lack {sorted(missing)[:3]}")
+            with torch.no_grad():
+                for name, dst in slot.items():
+                    dst.copy_(tensors[name])
+            with self._cond:
+                self._versions[back] = version
+                self._latest = back
+                self._cond.notify_all()
+            return SyncStats(version, tensor_bytes(slot), time.perf_counter() - t0, waited)
+
+
+class ShadowModel:
+    """Two copies of a model behind a DoubleBuffer; `read()` lends the newest complete one."""
+
+    def __init__(self, model: torch.nn.Module, version: int = 0) -> None:
+        self.models = (model, copy.deepcopy(model))
+        for m in self.models:
+            m.eval().requires_grad_(False)
+        # state_dict() tensors share storage with the parameters and buffers
+        self.buffer = DoubleBuffer((self.models[0].state_dict(), self.models[1].state_dict()),
+                                   version)
+        self._index = {id(sd): i for i, sd in enumerate(self.buffer._slots)}
+
+    @property
+    def version(self) -> int:
+        return self.buffer.version
+
+    @contextmanager
+    def read(self) -> Iterator[tuple[int, torch.nn.Module]]:
+        with self.buffer.read() as (version, slot):
+            yield version, self.models[self._index[id(slot)]]
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor],
+                timeout_s: float | None = None) -> SyncStats:
+        return self.buffer.publish(version, state, timeout_s)

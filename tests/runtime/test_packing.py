@@ -1,0 +1,144 @@
+"""Length-bucketed training micro-batches give the mini-batch's gradient (float64)."""
+import pytest
+import torch
+
+from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
+from rlloom.algos.kl import KL_ESTIMATORS
+from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig
+from rlloom.algos.value import value_loss
+from rlloom.config import load_config
+from rlloom.models.config import ModelConfig
+from rlloom.models.heads import ActorCritic, ValueModel
+from rlloom.models.transformer import CausalLM
+from rlloom.rollout.generate import Rollout, left_pad, right_pad
+from rlloom.runtime.batch import response_logprobs, response_values
+from rlloom.runtime.online import Experience, Samples, critic_backward, policy_backward
+from rlloom.runtime.packing import micro_batches, trim
+
+N = 12
+CFG = ModelConfig(family="qwen3", vocab_size=30, hidden_size=16, intermediate_size=32,
+                  num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
+
+
+def experience(policy, seed=0) -> Experience:
+    g = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(2, 10, (N,), generator=g).tolist()
+    r_lens = torch.randint(1, 14, (N,), generator=g).tolist()
+    p_ids, p_mask = left_pad([torch.randint(3, 30, (n,), generator=g).tolist() for n in p_lens],
+                             0)
+    r_ids, r_mask = right_pad([torch.randint(3, 30, (n,), generator=g).tolist() for n in r_lens],
+                              0)
+    r = Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape, dtype=torch.float64),
+                torch.ones(N, dtype=torch.bool))
+    with torch.no_grad():
+        lp, _, _ = response_logprobs(policy, r, 0.8)
+    mask = r_mask.double()
+    # behaviour log-probs near the policy's, so some tokens clip and some do not
+    r.logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)) * mask
+    rand = lambda: torch.randn(r_ids.shape, generator=g, dtype=torch.float64) * mask  # noqa: E731
+    samples = Samples([], r, torch.arange(N), {}, torch.zeros(N))
+    return Experience(samples, mask, lp * mask + 0.1 * rand(), rand(), rand(), rand())
+
+
+def reference_policy_loss(policy, exp, idx, norm, kl_coef, cfg):
+    """The pre-packing computation: one forward over the whole, untrimmed mini-batch."""
+    a = cfg.algo
+    mb, mask = exp.samples.rollout.select(idx), exp.loss_mask[idx]
+    logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
+                                              with_entropy=True)
+    per_token, _ = POLICY_LOSSES.get(a.policy_loss)(
+        logp, mb.logprobs, exp.advantages[idx], mask,
+        PolicyLossConfig(a.clip_low, a.clip_high, a.dual_clip))
+    per_token = (per_token + kl_coef * KL_ESTIMATORS.get(a.kl_estimator)(logp, exp.ref_logp[idx])
+                 - a.entropy_coef * entropy)
+    aggregate = AGGREGATIONS.get(a.loss_agg)
+    loss = aggregate(per_token, mask, norm)
+    if isinstance(policy, ActorCritic):
+        loss = loss + a.vf_coef * aggregate(value_loss(values, exp.old_values[idx],
+                                                       exp.returns[idx], mask, a.value_clip),
+                                            mask, norm)
+    return loss
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS.names())
+@pytest.mark.parametrize("shared", [False, True])
+def test_micro_batched_gradient_equals_whole_mini_batch(agg, shared):
+    cfg = load_config(None, ["rollout.temperature=0.8", "algo.entropy_coef=0.01",
+                             "algo.kl_coef=0.1", f"algo.loss_agg={agg}"])
+    torch.manual_seed(0)
+    policy = CausalLM(CFG)
+    policy.init_weights(seed=1, std=0.2)
+    if shared:
+        policy = ActorCritic.from_policy(policy)
+        torch.nn.init.normal_(policy.score.weight, std=0.2)
+    policy = policy.double()
+    exp = experience(policy)
+    idx = torch.randperm(N, generator=torch.Generator().manual_seed(2))[:10]
+    norm = LossNorm.of(exp.loss_mask[idx], const=cfg.rollout.max_new_tokens)
+
+    reference_policy_loss(policy, exp, idx, norm, 0.1, cfg).backward()
+    whole = grads(policy)
+    policy.zero_grad(set_to_none=True)
+    r = exp.samples.rollout
+    parts = micro_batches(r.prompt_mask[idx].sum(1), r.response_mask[idx].sum(1), 60)
+    assert len(parts) >= 3
+    stats = policy_backward(policy, exp, idx, norm, 0.1, cfg, micro_batch_tokens=60)
+    split = grads(policy)
+    diff = max((a - b).abs().max().item() for a, b in zip(whole, split))
+    print(f"\n{agg} shared={shared}: {len(parts)} micro-batches, max |grad diff| {diff:.1e}")
+    assert len(whole) == len(split) and diff < 1e-6
+    with torch.no_grad():
+        assert abs(stats["loss"] - reference_policy_loss(policy, exp, idx, norm, 0.1,
+                                                         cfg).item()) < 1e-9
+
+
+def test_separate_critic_gradient():
+    cfg = load_config(None, ["algo=ppo"])
+    critic = ValueModel(CFG)
+    torch.manual_seed(0)
+    for p in critic.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    critic = critic.double()
+    exp = experience(CausalLM(CFG).double())
+    idx = torch.arange(N)
+    mask = exp.loss_mask
+    norm = LossNorm.of(mask)
+    aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
+    aggregate(value_loss(response_values(critic, exp.samples.rollout), exp.old_values,
+                         exp.returns, mask, cfg.algo.value_clip), mask, norm).backward()
+    whole = grads(critic)
+    critic.zero_grad(set_to_none=True)
+    critic_backward(critic, exp, idx, norm, cfg, micro_batch_tokens=50)
+    assert max((a - b).abs().max().item() for a, b in zip(whole, grads(critic))) < 1e-6
+
+
+def test_micro_batches_cover_rows_once_within_budget():
+    g = torch.Generator().manual_seed(0)
+    p, r = torch.randint(1, 20, (50,), generator=g), torch.randint(1, 60, (50,), generator=g)
+    parts = micro_batches(p, r, 300)
+    assert sorted(torch.cat(parts).tolist()) == list(range(50))
+    for part in parts:
+        cost = len(part) * (p[part].max() + r[part].max())
+        assert cost <= 300 or len(part) == 1
+    lengths = [(p + r)[part] for part in parts]
+    assert all(a.max() <= b.min() for a, b in zip(lengths, lengths[1:]))   # shortest first
+    assert len(micro_batches(p, r, 10**9)) == 1
+    with pytest.raises(ValueError):
+        micro_batches(p, r, 0)
+
+
+def test_trim_drops_only_all_padding_columns():
+    ids, mask = left_pad([[5, 6], [7, 8, 9]], 0)
+    ids = torch.cat([torch.zeros(2, 3, dtype=torch.long), ids], 1)      # extra left padding
+    mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), mask], 1)
+    r_ids, r_mask = right_pad([[1], [2, 3]], 0)
+    r_ids = torch.cat([r_ids, torch.zeros(2, 4, dtype=torch.long)], 1)   # extra right padding
+    r_mask = torch.cat([r_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
+    r = Rollout(ids, mask, r_ids, r_mask, torch.zeros(2, 6), torch.ones(2, dtype=bool))
+    t = trim(r)
+    assert t.prompt_ids.tolist() == [[0, 5, 6], [7, 8, 9]]
+    assert t.response_ids.tolist() == [[1, 0], [2, 3]]

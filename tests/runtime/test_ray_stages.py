@@ -1,0 +1,100 @@
+"""The Ray runtime's stage helpers against the single-process functions (no Ray needed)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig
+from rlloom.config import load_config
+from rlloom.data.synthetic import generate
+from rlloom.models.heads import ValueModel
+from rlloom.models.tokenizer import build_char_tokenizer
+from rlloom.models.transformer import CausalLM
+from rlloom.runtime.default_model import tiny_model_config
+from rlloom.runtime.online import Rewarder, assess, sample_groups
+from rlloom.runtime.ray_workers import (
+    assess_from,
+    decoupled,
+    merge_samples,
+    model_outputs,
+    pad_right,
+)
+from tests.conftest import TINY
+
+
+def _setup(*overrides):
+    cfg = load_config(None, [*TINY, "rollout.max_new_tokens=12", *overrides])
+    tok = build_char_tokenizer()
+    policy = CausalLM(tiny_model_config(cfg, len(tok)))
+    policy.init_weights(seed=0)
+    critic = ValueModel.from_policy(policy)
+    torch.nn.init.normal_(critic.score.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    return cfg, tok, policy, critic
+
+
+def _chunks(cfg, tok, policy, n_chunks):
+    """Scored chunks of groups with spread-out rewards (so advantages are not all zero)."""
+    rewarder = Rewarder(cfg, tok, None, None)
+    gen = torch.Generator().manual_seed(0)
+    problems = generate("arith", 6, seed=3, difficulty=1)
+    parts = [sample_groups(policy, tok, problems[i::n_chunks], cfg, rewarder, gen)
+             for i in range(n_chunks)]
+    return [replace(s, scores=torch.rand(len(s.scores), generator=gen)) for s in parts]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "reinforce_pp"])
+def test_fused_assessment_equals_assess_on_the_merged_batch(algo):
+    cfg, tok, policy, critic = _setup(f"algo={algo}", "algo.kl_coef=0.05")
+    reference = CausalLM(policy.config)
+    reference.init_weights(seed=5)
+    parts = _chunks(cfg, tok, policy, 3)
+    whole = merge_samples(parts, tok.pad_token_id)
+    assert whole.group_ids.tolist() == [g for g in range(6) for _ in range(4)]
+    uses_critic = critic if algo == "ppo" else None
+    expected = assess(whole, reference, uses_critic, 0.05, None, cfg)
+    width = whole.rollout.response_ids.shape[1]
+    outs = [model_outputs(s, reference, uses_critic, cfg) for s in parts]   # per chunk
+    ref = torch.cat([pad_right(r, width) for r, _ in outs])
+    values = torch.cat([pad_right(v, width) for _, v in outs]) if uses_critic else None
+    got = assess_from(whole, ref, values, 0.05, None, cfg)
+    mask = whole.rollout.response_mask.bool()
+    for name in ("advantages", "returns", "ref_logp", "old_values", "loss_mask"):
+        a, b = getattr(expected, name), getattr(got, name)
+        if a is None:
+            assert b is None
+            continue
+        # chunks pad prompts to another width, so forwards agree to float rounding only
+        assert torch.allclose(a[mask], b[mask], atol=1e-5), name
+    assert expected.advantages.abs().sum() > 0
+
+
+def test_decoupled_correction_equals_decoupled_ppo():
+    g = torch.Generator().manual_seed(0)
+    n, t = 6, 9
+    mask = (torch.rand(n, t, generator=g) > 0.2).float()
+    old = -torch.rand(n, t, generator=g) * 2          # behaviour log-probs
+    prox = old + 0.3 * torch.randn(n, t, generator=g)  # proximal (weights before the update)
+    adv = torch.randn(n, t, generator=g)
+    for cfg in (PolicyLossConfig(), PolicyLossConfig(dual_clip=3.0)):
+        logp_a = (prox + 0.4 * torch.randn(n, t, generator=g)).requires_grad_()
+        logp_b = logp_a.detach().clone().requires_grad_()
+        want, clip_a = POLICY_LOSSES.get("decoupled_ppo")(logp_a, old, adv, mask, cfg, prox)
+        weight = (prox - old).exp()
+        got, clip_b = POLICY_LOSSES.get("ppo")(logp_b, prox, adv * weight, mask, cfg)
+        assert torch.allclose(want, got, atol=1e-6) and torch.equal(clip_a, clip_b)
+        want.sum().backward()
+        got.sum().backward()
+        assert torch.allclose(logp_a.grad, logp_b.grad, atol=1e-6)
+
+
+def test_decoupled_uses_current_weights_as_proximal_policy():
+    cfg, tok, policy, _ = _setup()
+    samples = merge_samples(_chunks(cfg, tok, policy, 1), tok.pad_token_id)
+    exp = assess(samples, None, None, 0.0, None, cfg)
+    fixed, kl = decoupled(exp, policy, cfg.rollout.temperature, 2)
+    # the samples came from these very weights: proximal == behaviour up to float rounding
+    mask = samples.rollout.response_mask.bool()
+    assert abs(kl) < 1e-4
+    assert torch.allclose(fixed.samples.rollout.logprobs[mask], samples.rollout.logprobs[mask],
+                          atol=1e-4)
+    assert torch.allclose(fixed.advantages, exp.advantages, atol=1e-4)
