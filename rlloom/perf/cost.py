@@ -20,9 +20,10 @@ SPREAD_POINTS = 128  # quantile points that stand for a replica's rollouts in th
 # Operators dispatched by rlloom's runtime, per decoder layer and per call (counted with a
 # TorchDispatchMode on rlloom's own model; tests/perf/test_validate.py recounts them). They
 # price `Hardware.launch_s`, which only a CPU has non-zero.
-FORWARD_OPS = (87, 45)  # a forward (prefill, decode step or micro-batch): per layer, fixed
-DECODE_STEP_OPS = 20  # sampling and bookkeeping of one decode step
+FORWARD_OPS = (87, 45)  # a teacher-forced forward (prefill or micro-batch): per layer, fixed
+DECODE_OPS = (77, 123)  # one decode step of the generation engine, sampling included
 OPTIMIZER_OPS = (110, 42)  # gradient clipping + AdamW step + zero_grad: per layer, fixed
+TRAIN_ACTIVATION_PASSES = 3.5  # forward + backward activation traffic, in forwards (counted)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ class StageCost:
 
 def _ops(per: tuple[int, int], shape: ModelShape, layout: Layout) -> float:
     return per[0] * shape.layers / layout.pp + per[1]
+
+
+def _activation_s(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
+                  tokens: float) -> float:
+    """Memory time of the non-matmul operators over `tokens` forward tokens. These kernels
+    run between the matmuls, not under them, so the time adds to the matmul roofline."""
+    per_device = tokens * shape.activation_elems_per_token() / (layout.tp * layout.pp)
+    return per_device * wl.elem_bytes / (hw.mem_bw * hw.mem_eff)
 
 
 def _log2(x: float) -> float:
@@ -136,6 +145,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
     pre_flops = prompts * (s * shape.forward_flops(s, logits=False) + logits)
     pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout, wl) * layout.pp / bw)
     pre_s += hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+    pre_s += _activation_s(shape, layout, wl, hw, prompts * s)
     pre_s += (_tp_comm(hw, layout, shape, prompts * s, 2)
               + _ep_comm(hw, layout, shape, prompts * s, 2)
               + _pp_comm(hw, layout, shape, prompts * s, 1))
@@ -161,7 +171,7 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
     points = min(concurrent, SPREAD_POINTS)
     weight = concurrent / points
     totals = [0.0] * 6
-    launch = hw.launch_s * (_ops(FORWARD_OPS, shape, layout) + DECODE_STEP_OPS)
+    launch = hw.launch_s * _ops(DECODE_OPS, shape, layout)
     prev = 1.0  # the first token comes out of prefill
     for i, length in enumerate(wl.response.spread(points)):
         steps = length - prev
@@ -172,7 +182,8 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
         f = live * shape.decode_flops(pos)
         b = _decode_weight_bytes(shape, layout, wl, live) * layout.pp + live * pos * kv_tok
         c = (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
-             + _pp_comm(hw, layout, shape, live, 1) + launch)
+             + _pp_comm(hw, layout, shape, live, 1) + launch
+             + _activation_s(shape, layout, wl, hw, live))
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
         prev = length
@@ -203,17 +214,13 @@ def _infeasible(stage: str, role: str, need: float) -> StageCost:
                      "not even one rollout's KV cache fits")
 
 
-def _micro_batches(wl: Workload, layout: Layout, per_step: float) -> int:
-    return max(1, math.ceil(per_step / wl.micro_batch))
-
-
 def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
             logits: bool = True) -> StageCost:
     """Teacher-forced forward over all rollouts (reference log-probs, reward or value scores)."""
     seqs = math.ceil(wl.rollouts / layout.dp)
-    m = _micro_batches(wl, layout, seqs)
-    mb_tokens = wl.micro_batch * wl.mean_context
-    flops = seqs * wl.mean_context * shape.forward_flops(wl.mean_context, logits)
+    tokens, m = wl.teacher_forced(seqs)
+    mb_tokens, context = tokens / m, tokens / seqs
+    flops = tokens * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
     memory_s = m * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
@@ -222,7 +229,9 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
     comm_s += m * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens, m)
-    seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
+    act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
+    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout, m) + comm_s
+    memory_s += act_s
     transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
     return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      forward_depth(shape, wl.max_context), compute_s, memory_s, comm_s, seconds,
@@ -236,11 +245,12 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     ckpt = layout.activation_checkpointing
     seqs = math.ceil(wl.rollouts / layout.dp)
     steps = wl.ppo_epochs * wl.minibatches
-    m = _micro_batches(wl, layout, seqs / wl.minibatches)
-    mb_tokens = wl.micro_batch * wl.mean_context
+    mb_rows = math.ceil(seqs / wl.minibatches)
+    tokens, m = wl.teacher_forced(mb_rows)  # per mini-batch
+    mb_tokens, context = tokens / m, tokens / mb_rows
+    tokens *= wl.minibatches
     passes = (4 if ckpt else 3)
-    flops = wl.ppo_epochs * seqs * wl.mean_context * passes * shape.forward_flops(
-        wl.mean_context, logits)
+    flops = wl.ppo_epochs * tokens * passes * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
     memory_s = steps * m * passes * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
@@ -251,7 +261,10 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     comm_s += steps * _dp_comm(shape, layout, hw, m)
     comm_s += steps * hw.launch_s * (m * passes * _ops(FORWARD_OPS, shape, layout)
                                      + _ops(OPTIMIZER_OPS, shape, layout))
-    seconds = max(compute_s, memory_s) * _bubble(layout, m) + comm_s
+    act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
+        shape, layout, wl, hw, tokens / layout.cp)
+    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout, m) + comm_s
+    memory_s += act_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+ACT_PER_LAYER = (50, 5)  # non-matmul elements moved per token and layer: x hidden, x ffn
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -89,6 +91,15 @@ class ModelShape:
         attn = 4 * self.layers * position * self.q_width
         head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
         return 2 * self.active_matmul_params + attn + head
+
+    def activation_elems_per_token(self) -> float:
+        """Elements read and written by the non-matmul operators (norms, rotary, SwiGLU,
+        residuals, softmax) of one forward, per token: `ACT_PER_LAYER` counted on rlloom's
+        eager implementation (tests/perf/test_validate.py recounts them). Attention's scores
+        stay inside the fused SDPA kernel, so the context length barely matters."""
+        per_d, per_ffn = ACT_PER_LAYER
+        ffn = self.experts_per_token * self.moe_ffn if self.moe else self.ffn
+        return self.layers * (per_d * self.hidden + per_ffn * ffn)
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
         """K and V of every layer for one token: 2 L kv_width elements (bf16 by default)."""

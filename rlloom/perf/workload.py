@@ -92,6 +92,24 @@ class Workload:
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch: int = 4  # sequences per device per forward/backward
     dtype: Literal["bf16", "fp32"] = "bf16"  # of weights, activations and KV cache
+    # 0: teacher-forced passes compute exactly the real tokens (packed sequences) in
+    # micro-batches of `micro_batch` rows; > 0: rlloom's length buckets, which pad each
+    # micro-batch to its longest row and cut micro-batches at this many padded tokens
+    micro_batch_tokens: int = 0
+
+    def teacher_forced(self, rows: int) -> tuple[float, int]:
+        """(tokens computed, micro-batches) of one forward over `rows` rollouts."""
+        if self.micro_batch_tokens <= 0:
+            return rows * self.mean_context, max(1, math.ceil(rows / self.micro_batch))
+        lengths = self.response.spread(rows)  # ascending, as the buckets sort them
+        tokens, buckets, start = 0.0, 1, 0
+        for i in range(1, rows + 1):
+            if i == rows or (i - start + 1) * (self.prompt_len + lengths[i]) > \
+                    self.micro_batch_tokens:
+                tokens += (i - start) * (self.prompt_len + lengths[i - 1])
+                if i < rows:
+                    buckets, start = buckets + 1, i
+        return tokens, buckets
 
     @property
     def elem_bytes(self) -> int:

@@ -151,7 +151,8 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 
 @torch.no_grad()
 def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
-           kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig) -> Experience:
+           kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
+           micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> Experience:
     """Reference log-probs, critic values, shaped rewards and advantages."""
     a, r = cfg.algo, s.rollout
     mask = r.response_mask.float()
@@ -160,9 +161,11 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
         scores = scores + overlong_penalty(r.response_lengths, cfg.rollout.max_new_tokens,
                                            min(a.overlong_cache, cfg.rollout.max_new_tokens))
     loss_mask = mask * r.finished[:, None] if a.overlong == "filter" else mask
-    ref_logp = (response_logprobs(reference, r, cfg.rollout.temperature)[0]
+    ref_logp = (bucketed(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
+                         r, micro_batch_tokens)
                 if reference is not None else None)
-    old_values = response_values(critic, r) if critic is not None else None
+    old_values = (bucketed(lambda mb: response_values(critic, mb), r, micro_batch_tokens)
+                  if critic is not None else None)
     shaping = kl_coef if a.kl_in_reward and ref_logp is not None else 0.0
     token_rewards = kl_shaped_rewards(scores, mask, r.logprobs,
                                       ref_logp if ref_logp is not None else r.logprobs,
@@ -171,6 +174,17 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
     advantages, returns = ADVANTAGES.get(a.advantage)(AdvantageInputs(
         token_rewards, mask, s.group_ids, old_values, baseline, a.gamma, a.lam))
     return Experience(s, loss_mask, ref_logp, old_values, advantages * loss_mask, returns)
+
+
+def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int
+             ) -> torch.Tensor:
+    """`score` [rows, T] of every row, computed on length-bucketed micro-batches (no forward
+    over the batch's padding) and put back in the rollout's row order and width."""
+    out = torch.zeros(r.response_ids.shape)
+    for rows in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget):
+        part = score(trim(r.select(rows)))
+        out[rows, :part.shape[1]] = part.float()
+    return out
 
 
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,

@@ -292,10 +292,11 @@ class Trainer:
             mine, rows = coll.training_share(samples) if coll else (samples, slice(None))
             exp = assess(mine, self.reference, self.critic or
                          (self.policy if isinstance(self.policy, ActorCritic) else None),
-                         self.kl.value, baseline[rows] if baseline is not None else None, cfg)
+                         self.kl.value, baseline[rows] if baseline is not None else None, cfg,
+                         **({"micro_batch_tokens": ONE_MICRO_BATCH} if coll else {}))
         with self.tracer.span("training", step, "actor+critic") as tr:
-            # under torchrun every rank runs one micro-batch per mini-batch, so the ranks'
-            # collectives (gradient sync, ZeRO-3 gathers) pair up
+            # under torchrun every rank runs one micro-batch per mini-batch (and per
+            # assessment), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
                              **({"global_norm": coll.global_norm,

@@ -55,6 +55,70 @@ def test_operator_counts_match_the_runtime():
     assert (o3 - o1) / 2 == pytest.approx(cost.OPTIMIZER_OPS[0], rel=0.15)
 
 
+def test_engine_decode_operator_counts():
+    from rlloom.rollout.engine import EngineConfig, engine_generate
+    from rlloom.rollout.sampling import SamplingParams
+    counts = {}
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        model = CausalLM(ModelConfig("qwen3", 40, 32, 64, layers, 2, 1, 16, qk_norm=True))
+        for steps in (9, 17):  # 8 more decode steps, two KV growth chunks apart
+            with _Count() as c:
+                engine_generate(model, [[1, 2, 3, 4]] * 8, SamplingParams(steps, 1.0), 999, 0,
+                                torch.Generator().manual_seed(0), EngineConfig(n_samples=8))
+            counts[layers, steps] = c.ops
+    step = {n: (counts[n, 17] - counts[n, 9]) / 8 for n in (1, 3)}
+    per_layer = (step[3] - step[1]) / 2
+    assert per_layer == pytest.approx(cost.DECODE_OPS[0], rel=0.15)
+    assert step[1] - per_layer == pytest.approx(cost.DECODE_OPS[1], rel=0.15)
+
+
+def test_activation_traffic_matches_the_runtime():
+    """Elements read + written by non-matmul, non-view operators per token of a forward
+    grow by ACT_PER_LAYER = (50 x hidden + 5 x ffn) per layer, within 20%."""
+    from rlloom.perf.shapes import ACT_PER_LAYER
+    skip = {"mm", "addmm", "bmm", "view", "_unsafe_view", "transpose", "slice", "expand",
+            "as_strided", "t", "unsqueeze", "squeeze", "select", "permute", "detach", "alias",
+            "split", "split_with_sizes", "unbind", "empty", "lift_fresh", "_to_copy"}
+
+    class Traffic(TorchDispatchMode):
+        elems = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] not in skip:
+                ts = [*(out if isinstance(out, (tuple, list)) else [out]), *args]
+                Traffic.elems += sum(t.numel() for t in ts if isinstance(t, torch.Tensor))
+            return out
+
+    def per_token(hidden: int, ffn: int, layers: int) -> float:
+        Traffic.elems = 0
+        model = CausalLM(ModelConfig("qwen3", 98, hidden, ffn, layers, 4, 2, hidden // 4,
+                                     qk_norm=True))
+        ids = torch.randint(0, 98, (16, 40))
+        with torch.no_grad(), Traffic():
+            model(ids, torch.ones_like(ids))
+        return Traffic.elems / ids.numel()
+
+    per_layer = per_token(128, 384, 3) - per_token(128, 384, 2)
+    assert per_layer == pytest.approx(ACT_PER_LAYER[0] * 128 + ACT_PER_LAYER[1] * 384, rel=0.2)
+    wider = per_token(128, 768, 3) - per_token(128, 768, 2)
+    assert (wider - per_layer) / 384 == pytest.approx(ACT_PER_LAYER[1], rel=0.2)
+
+
+def test_length_buckets_pad_like_the_runtime():
+    """4 rows of prompt 10 and responses 2, 2, 10, 30 with a 60-token budget: the greedy cut
+    keeps [12, 12, 20] (3 x 20 = 60) and puts the 40-token row alone: 60 + 40 tokens."""
+    from rlloom.perf.validate import RUNTIME_MICRO_BATCH_TOKENS
+    from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches
+    wl = Workload(4, 1, 10, Lengths.empirical([2, 2, 10, 30]), micro_batch_tokens=60)
+    assert wl.teacher_forced(4) == (100, 2)
+    groups = micro_batches(torch.tensor([10] * 4), torch.tensor([2, 2, 10, 30]), 60)
+    assert [len(g) for g in groups] == [3, 1]
+    assert Workload(4, 1, 10, Lengths("fixed", 5)).teacher_forced(4) == (60, 1)
+    assert RUNTIME_MICRO_BATCH_TOKENS == MICRO_BATCH_TOKENS
+
+
 def test_empirical_lengths():
     lengths = Lengths.empirical([5, 1, 3, 3])
     assert lengths.values == (1, 3, 3, 5)
@@ -101,11 +165,11 @@ def test_validate_predicts_dispatch_bound_stages_by_hand(tmp_path):
     points = validate_run(run, FREE, skip=1)
     assert [p.step for p in points] == [2, 2, 2]
     by = {p.stage: p.predicted_s for p in points}
-    fwd = 87 * 2 + 45  # FORWARD_OPS for 2 layers
+    fwd, dec = 87 * 2 + 45, 77 * 2 + 123  # FORWARD_OPS and DECODE_OPS for 2 layers
     # generation: one prefill, then 4 decode steps (token 1 comes out of prefill)
-    assert by["generation"] == pytest.approx(LAUNCH * (fwd + 4 * (fwd + 20)))
-    # assessment: the reference forwards 2 micro-batches (one per mini-batch)
-    assert by["assessment"] == pytest.approx(LAUNCH * 2 * fwd)
+    assert by["generation"] == pytest.approx(LAUNCH * (fwd + 4 * dec))
+    # assessment: the reference forwards the 4 rows (7 + 5 tokens each) in one length bucket
+    assert by["assessment"] == pytest.approx(LAUNCH * fwd)
     # training: 2 epochs x 2 mini-batches, each forward+backward (3 passes) and an optimizer step
     assert by["training"] == pytest.approx(LAUNCH * 4 * (3 * fwd + 110 * 2 + 42))
     assert points[0].error == pytest.approx(by["generation"] - 1.0)
