@@ -154,6 +154,20 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
            kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
            micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> Experience:
     """Reference log-probs, critic values, shaped rewards and advantages."""
+    r, budget = s.rollout, micro_batch_tokens
+    ref_logp = (bucketed(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
+                         r, budget) if reference is not None else None)
+    old_values = (bucketed(lambda mb: response_values(critic, mb), r, budget)
+                  if critic is not None else None)
+    return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
+
+
+@torch.no_grad()
+def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Tensor | None,
+                kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig) -> Experience:
+    """Shaped rewards and advantages from the forward passes' outputs; a fused schedule runs
+    those passes per chunk as chunks arrive and calls this once over the whole batch (GAE and
+    REINFORCE++ whiten over it)."""
     a, r = cfg.algo, s.rollout
     mask = r.response_mask.float()
     scores = s.scores
@@ -161,11 +175,6 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
         scores = scores + overlong_penalty(r.response_lengths, cfg.rollout.max_new_tokens,
                                            min(a.overlong_cache, cfg.rollout.max_new_tokens))
     loss_mask = mask * r.finished[:, None] if a.overlong == "filter" else mask
-    ref_logp = (bucketed(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
-                         r, micro_batch_tokens)
-                if reference is not None else None)
-    old_values = (bucketed(lambda mb: response_values(critic, mb), r, micro_batch_tokens)
-                  if critic is not None else None)
     shaping = kl_coef if a.kl_in_reward and ref_logp is not None else 0.0
     token_rewards = kl_shaped_rewards(scores, mask, r.logprobs,
                                       ref_logp if ref_logp is not None else r.logprobs,

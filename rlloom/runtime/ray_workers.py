@@ -32,9 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from rlloom.algos.advantages import ADVANTAGES, AdvantageInputs
-from rlloom.algos.dapo import overlong_penalty
-from rlloom.algos.kl import LOG_RATIO_CLAMP, kl_shaped_rewards
+from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream, load_prompt_sets
@@ -49,15 +47,16 @@ from rlloom.runtime.online import (
     Rewarder,
     Samples,
     assess,
+    assess_from,
     behaviour_kl,
     collect,
     greedy_baseline,
     optimise,
     sample_groups,
 )
+from rlloom.runtime.trainer import DTYPES
 from rlloom.runtime.weight_sync import ShadowModel, SyncStats
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STAGE_ROLES = ("generation", "assessment", "training")
 # losses whose stale samples the trainer corrects as decoupled PPO (see `decoupled`)
 DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
@@ -103,28 +102,6 @@ def model_outputs(s: Samples, reference: torch.nn.Module | None,
     ref_logp = (response_logprobs(reference, r, cfg.rollout.temperature)[0]
                 if reference is not None else None)
     return ref_logp, response_values(critic, r) if critic is not None else None
-
-
-@torch.no_grad()
-def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Tensor | None,
-                kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig) -> Experience:
-    """`online.assess` given its forward passes' outputs, so a fused schedule can run those
-    per chunk as chunks arrive and still compute advantages over the whole batch (GAE and
-    REINFORCE++ whiten over it). tests/runtime/test_ray_stages.py checks it equals `assess`."""
-    a, r = cfg.algo, s.rollout
-    mask = r.response_mask.float()
-    scores = s.scores
-    if a.overlong == "penalty":
-        scores = scores + overlong_penalty(r.response_lengths, cfg.rollout.max_new_tokens,
-                                           min(a.overlong_cache, cfg.rollout.max_new_tokens))
-    loss_mask = mask * r.finished[:, None] if a.overlong == "filter" else mask
-    shaping = kl_coef if a.kl_in_reward and ref_logp is not None else 0.0
-    token_rewards = kl_shaped_rewards(scores, mask, r.logprobs,
-                                      ref_logp if ref_logp is not None else r.logprobs,
-                                      shaping, a.kl_estimator)
-    advantages, returns = ADVANTAGES.get(a.advantage)(AdvantageInputs(
-        token_rewards, mask, s.group_ids, old_values, baseline, a.gamma, a.lam))
-    return Experience(s, loss_mask, ref_logp, old_values, advantages * loss_mask, returns)
 
 
 @torch.no_grad()

@@ -139,3 +139,9 @@ def max_errors(model: torch.nn.Module, ref: dict[str, torch.Tensor], grads: bool
         t = full(p.grad if grads else p.detach())
         worst = max(worst, (t - ref[plain_name(name)]).abs().max().item())
     return worst
+
+
+def loss_of(logits, labels, n_tokens):
+    """Summed next-token cross-entropy over a global token count (labels -100 are skipped)."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             ignore_index=-100, reduction="sum") / n_tokens

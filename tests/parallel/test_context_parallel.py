@@ -4,8 +4,7 @@ Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from harness import spawn
+from harness import loss_of, spawn
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM, positions_and_mask
@@ -37,9 +36,6 @@ def batch():
     return ids, mask, labels
 
 
-def loss_of(logits, labels, n_tokens):
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                           reduction="sum") / n_tokens
 
 
 def test_shard_mask_rows_equal_full_mask_rows():

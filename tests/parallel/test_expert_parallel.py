@@ -5,8 +5,7 @@ Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from harness import spawn
+from harness import loss_of, spawn
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
@@ -40,9 +39,6 @@ def batch():
     return ids, mask, labels
 
 
-def loss_of(logits, labels, n_tokens):
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                           reduction="sum") / n_tokens
 
 
 def _ep_body():

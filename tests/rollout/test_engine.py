@@ -2,9 +2,7 @@
 import pytest
 import torch
 
-from rlloom.models.config import ModelConfig
 from rlloom.models.heads import ActorCritic
-from rlloom.models.transformer import CausalLM
 from rlloom.rollout.engine import (
     Engine,
     EngineConfig,
@@ -23,14 +21,6 @@ BASE = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3, 4, 5, 6, 7, 8, 9, 1
 PROMPTS = [p for p in BASE for _ in range(K)]     # as the trainer passes them: K in a row
 
 
-@pytest.fixture(params=["llama", "qwen2", "qwen3"])
-def model(request):
-    cfg = ModelConfig(family=request.param, vocab_size=40, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      qkv_bias=request.param == "qwen2", qk_norm=request.param == "qwen3")
-    m = CausalLM(cfg)
-    m.init_weights(seed=3, std=0.3)  # large weights: varied, non-constant greedy outputs
-    return m.eval()
 
 
 def eos_mid_response(model) -> int:

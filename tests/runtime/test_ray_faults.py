@@ -3,7 +3,6 @@ roles and rank named; with restarts allowed the run resumes from its last checkp
 import json
 import math
 import shutil
-import tempfile
 
 import pytest
 
@@ -16,13 +15,7 @@ RAY_ONLY = {"staleness", "staleness_hist", "dropped", "behaviour_kl", "sync_s", 
 SIGNAL = ["algo.overlong=penalty"]  # spread the tiny model's rewards so the runs train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    temp = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")
-    ray.init(num_cpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def _rows(run):

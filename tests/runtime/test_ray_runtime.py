@@ -22,13 +22,7 @@ GROUPS = {"colocated": {"all"}, "interleaved": {"trainable", "frozen"},
 SIGNAL = ["algo.overlong=penalty"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    temp = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")
-    ray.init(num_cpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def _rows(run):

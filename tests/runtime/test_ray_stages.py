@@ -11,9 +11,8 @@ from rlloom.models.heads import ValueModel
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.online import Rewarder, assess, sample_groups
+from rlloom.runtime.online import Rewarder, assess, assess_from, sample_groups
 from rlloom.runtime.ray_workers import (
-    assess_from,
     decoupled,
     merge_samples,
     model_outputs,
