@@ -152,7 +152,7 @@ def train(model: CausalLM, shape: ModelShape, a: argparse.Namespace, hw, device,
     peak = hw.peak_flops["bf16" if dtype_name == "bfloat16" else "fp32"]
     six_n = 6 * shape.params * tokens
     model_flops = 3 * shape.forward_flops(a.train_len) * tokens
-    print(f"\ntraining: {shape.name} ({shape.params / 1e6:.0f}M params), {rows} x "
+    print(f"\ntraining: {shape.name} ({shape.params / 1e6:.1f}M params), {rows} x "
           f"{a.train_len} tokens, forward + backward + AdamW in {seconds * 1e3:.1f} ms = "
           f"{tokens / seconds:.0f} tok/s")
     print(f"  MFU (6 N tokens) {six_n / seconds / peak:.1%}, (perf model FLOPs) "

@@ -114,7 +114,7 @@ class TRLTimer:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (B)")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (B)")
     ap.add_argument("--k", type=int, default=8, help="samples per prompt (group size)")
     ap.add_argument("--new", type=int, default=64, help="max new tokens per sample")
     ap.add_argument("--epochs", type=int, default=2, help="passes over each step's samples")
@@ -135,6 +135,7 @@ def main() -> None:
     except ImportError as e:
         sys.exit(f"{e}: this benchmark needs TRL; pip install -e '.[bench]'")
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     warnings.filterwarnings("ignore")
 
