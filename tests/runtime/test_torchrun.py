@@ -48,3 +48,21 @@ def test_wrong_world_size_is_a_clear_error(tmp_path, tiny):
     done = _torchrun([*tiny, "plan.layouts.actor.dp=4", f"run_dir={tmp_path / 'r'}"], tmp_path)
     assert done.returncode != 0
     assert "plan.layouts.actor uses 4 processes but torchrun started 2" in done.stderr
+
+
+def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, tiny):
+    """2 steps with FSDP over 2 ranks, then `--resume` with TP over 2 ranks: the sharded
+    checkpoint is read into the new layout and the run continues at step 3."""
+    tiny = [*tiny, "model.kv_heads=2"]
+    main(["sft", *tiny, "--out", str(tmp_path / "warm")])
+    run = tmp_path / "run"
+    args = [*tiny, f"model.path={tmp_path / 'warm'}", "train.prompts_per_step=4"]
+    first = _torchrun([*args, "train.steps=2", *LAYOUTS["fsdp"], f"run_dir={run}"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _torchrun(["--resume", str(run), "train.steps=3", "plan.layouts.actor.dp=1",
+                       "plan.layouts.actor.zero=0", *LAYOUTS["tp"]], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming {run} at step 2" in again.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (run / "checkpoints" / "step_000003" / "actor").is_dir()
