@@ -32,7 +32,8 @@ from rlloom.perf.shapes import ModelShape
 from rlloom.perf.validate import run_roles
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import Layout, Plan
-from rlloom.runtime.ray_runtime import RayOptions, train_ray
+from rlloom.runtime.ray_plan import RayOptions
+from rlloom.runtime.ray_runtime import train_ray
 
 WARMUP = 2
 CONFIGS = {  # name -> (placement, schedule, staleness)

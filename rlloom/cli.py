@@ -63,8 +63,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     import os
 
-    from rlloom.runtime import ray_runtime as rr
-    if args.ray or args.ray_address or rr.needs_ray(cfg):
+    from rlloom.runtime import ray_plan
+    if args.ray or args.ray_address or ray_plan.needs_ray(cfg):
+        from rlloom.runtime import ray_runtime as rr
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -73,9 +74,9 @@ def cmd_train(args: argparse.Namespace) -> None:
                               "install it with pip install 'rlloom[ray]'") from None
         cpus = _group_cpus(args.group_cpus)
         if "*" in cpus:
-            cpus = {g.name: cpus["*"] for g in rr.group_specs(cfg.plan)}
+            cpus = {g.name: cpus["*"] for g in ray_plan.group_specs(cfg.plan)}
         try:
-            rr.train_ray(cfg, resume, rr.RayOptions(
+            rr.train_ray(cfg, resume, ray_plan.RayOptions(
                 address=args.ray_address, worker_timeout_s=args.worker_timeout,
                 max_restarts=args.max_restarts, group_cpus=cpus,
                 fused_chunks=args.fused_chunks,

@@ -27,7 +27,8 @@ from torch import nn
 
 from rlloom.models.transformer import MLP, CausalLM, apply_rotary, rotary_cos_sin
 from rlloom.rollout.generate import Rollout, generate, left_pad
-from rlloom.rollout.sampling import SamplingParams, sample_with_uniforms
+from rlloom.rollout.sampling import SamplingParams, sample_with_uniforms, uniforms
+from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
 
 try:
     from torch.distributed.tensor import DTensor
@@ -54,97 +55,12 @@ class EngineConfig:
             raise ValueError(f"prefill_tokens and kv_chunk must be >= 1, got {self}")
 
 
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for x [..] int64 in [0, 2**32), in halves so int64 never overflows."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A well-mixed 32-bit integer hash (Wellons' lowbias32) of x in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def uniforms(seed: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """u [rows] in [0, 1), 24 bits like float32 `torch.rand`, for sequences seq [rows] at
-    steps step [rows]: a hash of (seed, sequence, step), so each is drawn once and for all
-    whatever slot or batch the sequence runs in, without a table of n x max_new_tokens."""
-    h = _hash32(_mul32(seq & _M32, 0x9E3779B1) ^ (seed & _M32))
-    h = _hash32((h + _mul32(step & _M32, 0x85EBCA77)) & _M32)
-    return (h >> 8).float() * 2.0 ** -24
-
-
 def is_plain(model: nn.Module) -> bool:
     """Whether the model's modules run as written: no DTensor parameters and no module hooks
     (tensor parallelism, FSDP and `replicate` add both)."""
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return False
     return not any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
-    """Bytes of keys and values one slot holds for `max_len` positions (a capacity step
-    briefly holds the old and the new cache together)."""
-    c = model.config
-    elem = next(model.parameters()).element_size()
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * max_len * elem
-
-
-class SlotKVCache:
-    """Keys and values [slots, kv_heads, capacity, head_dim] per layer, one sequence per slot,
-    left-aligned: slot i holds its sequence at positions [0, length_i).
-
-    The capacity grows in steps of `chunk` positions (reallocating), instead of being sized
-    for the longest possible sequence up front, so that decode attention can read a
-    contiguous [rows * kv_heads, capacity, head_dim] block: a strided window of a larger
-    buffer makes CPU batched matmuls copy it, about twice as slow.
-    """
-
-    def __init__(self, model: CausalLM, slots: int, max_len: int, chunk: int) -> None:
-        c = model.config
-        p = next(model.parameters())
-        self.slots, self.kv_heads, self.head_dim = slots, c.num_kv_heads, c.head_dim
-        self.layers, self.dtype, self.device = c.num_layers, p.dtype, p.device
-        self.max_len, self.chunk, self.cap = max_len, chunk, 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.ensure(1)
-
-    def ensure(self, width: int) -> None:
-        """Make room for positions [0, width)."""
-        if width <= self.cap:
-            return
-        cap = min(self.max_len, -(-width // self.chunk) * self.chunk)
-        shape = (self.slots, self.kv_heads, cap, self.head_dim)
-        fresh = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                 for _ in range(2 * self.layers)]
-        for j, new in enumerate(fresh):
-            if self.cap:
-                new[:, :, :self.cap] = (self.k + self.v)[j]
-            # zeros, not garbage: a NaN in an unused position would leak through 0 * NaN in P @ V
-            new[:, :, self.cap:] = 0
-        self.k, self.v, self.cap = fresh[:self.layers], fresh[self.layers:], cap
-
-    def place(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """Copy prefilled keys/values [n, kv_heads, width, hd] per layer into `slots` [n]."""
-        width = k[0].shape[2]
-        self.ensure(width)
-        for layer, (kl, vl) in enumerate(zip(k, v)):
-            self.k[layer][slots, :, :width] = kl
-            self.v[layer][slots, :, :width] = vl
-
-    def compact(self, keep: torch.Tensor) -> None:
-        """Move slots `keep` [m] to the front."""
-        m = keep.shape[0]
-        for kl, vl in zip(self.k, self.v):
-            kl[:m] = kl[keep]
-            vl[:m] = vl[keep]
 
 
 class _Capture:

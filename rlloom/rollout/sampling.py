@@ -106,3 +106,29 @@ def _invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(u[:, None].to(cdf.dtype) * total,
                            torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x [..] int64 in [0, 2**32), in halves so int64 never overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixed 32-bit integer hash (Wellons' lowbias32) of x in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seed: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """u [rows] in [0, 1), 24 bits like float32 `torch.rand`, for sequences seq [rows] at
+    steps step [rows]: a hash of (seed, sequence, step), so each is drawn once and for all
+    whatever slot or batch the sequence runs in, without a table of n x max_new_tokens."""
+    h = _hash32(_mul32(seq & _M32, 0x9E3779B1) ^ (seed & _M32))
+    h = _hash32((h + _mul32(step & _M32, 0x85EBCA77)) & _M32)
+    return (h >> 8).float() * 2.0 ** -24

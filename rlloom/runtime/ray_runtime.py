@@ -52,7 +52,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,18 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.prompts import DataError, load_prompt_sets
 from rlloom.models.hf_io import CheckpointError, load_tokenizer, save_checkpoint
-from rlloom.plan import Plan
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.metrics import MetricsLog
 from rlloom.runtime.plots import plot_run
 from rlloom.runtime.progress import progress_bar
-from rlloom.runtime.ray_workers import DECOUPLED_LOSSES, STAGE_ROLES, GroupWorker, _policy
+from rlloom.runtime.ray_plan import (
+    GroupSpec,
+    RayOptions,
+    check_ray_runnable,
+    group_specs,
+)
+from rlloom.runtime.ray_workers import DECOUPLED_LOSSES, GroupWorker, _policy
 from rlloom.runtime.tracing import Tracer
 
 PROGRESS_KEYS = ("reward", "accuracy", "kl", "eval_accuracy", "step_s", "staleness")
@@ -78,83 +83,6 @@ PROGRESS_KEYS = ("reward", "accuracy", "kl", "eval_accuracy", "step_s", "stalene
 MAX_TEMP_DIR_CHARS = 42
 PING_S = 5.0
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
-
-
-@dataclass
-class RayOptions:
-    """How the Ray runtime runs (the plan says what runs where)."""
-    address: str | None = None      # join this cluster ("auto", "host:6379"); None: start one
-    worker_timeout_s: float = 600.0  # longest wait for any worker answer once started
-    startup_timeout_s: float = 600.0  # longest wait for a group's resources and models
-    max_restarts: int = 0           # times the driver may recreate the groups after a fault
-    group_cpus: dict[str, float] = field(default_factory=dict)  # group -> CPUs (default 1)
-    num_cpus: float | None = None   # CPUs of a started instance (default: cores or more)
-    fused_chunks: int = 2           # generation requests per step of a fused schedule
-    fault: str | None = None        # test hook "kill|stop:<group>:<step>", first attempt only
-
-    def cpus(self, group: str) -> float:
-        return float(self.group_cpus.get(group, 1.0))
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    name: str
-    roles: tuple[str, ...]  # stage roles hosted: generation, assessment, training
-
-
-def group_specs(plan: Plan) -> list[GroupSpec]:
-    if plan.placement == "colocated":
-        return [GroupSpec("all", STAGE_ROLES)]
-    if plan.placement == "interleaved":
-        return [GroupSpec("trainable", ("generation", "training")),
-                GroupSpec("frozen", ("assessment",))]
-    return [GroupSpec("rollout", ("generation",)), GroupSpec("actor", ("training",)),
-            GroupSpec("reference", ("assessment",))]
-
-
-def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
-    """Why the Ray runtime cannot run this configuration (empty when it can)."""
-    problems = []
-    if not PRESETS[cfg.algo.name].online:
-        problems.append(f"algo={cfg.algo.name} trains offline (no generation); run it with the "
-                        "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
-                        "no --ray)")
-    for role, layout in cfg.plan.layouts.items():
-        if layout.world_size != 1 or layout.ep != 1 or layout.zero:
-            problems.append(f"plan.layouts.{role} asks for {layout.world_size} devices "
-                            f"(ep={layout.ep}, zero={layout.zero}); the Ray runtime runs one "
-                            "process per role group: set the layout's degrees to 1 (parallel "
-                            "layouts inside a role run under torchrun)")
-    if cfg.plan.schedule == "fused" and cfg.algo.dynamic_sampling:
-        problems.append("plan.schedule=fused streams fixed chunks of prompts, but "
-                        "algo.dynamic_sampling refills the batch from whole-batch rewards; "
-                        "use plan.schedule=sync or async")
-    if opts.fused_chunks < 1:
-        problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
-    if opts.worker_timeout_s <= 0 or opts.max_restarts < 0:
-        problems.append("--worker-timeout must be > 0 and --max-restarts >= 0")
-    names = {g.name for g in group_specs(cfg.plan)}
-    unknown = set(opts.group_cpus) - names
-    if unknown:
-        problems.append(f"CPUs given for groups {sorted(unknown)}; this plan's groups are "
-                        f"{', '.join(sorted(names))}")
-    if any(c <= 0 for c in opts.group_cpus.values()):
-        problems.append("group CPUs must be > 0")
-    return problems
-
-
-def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
-    from rlloom.runtime.trainer import check_runnable
-    problems = ray_problems(cfg, opts)
-    if problems:
-        raise ConfigError("the Ray runtime cannot run this configuration: " + "; ".join(problems))
-    # the registry checks of the single-process runtime, for a plan it can run
-    check_runnable(cfg.model_copy(update={"plan": Plan(actor_critic=cfg.plan.actor_critic)}))
-
-
-def needs_ray(cfg: RunConfig) -> bool:
-    """Plans that only the Ray runtime executes."""
-    return cfg.plan.placement != "colocated" or cfg.plan.schedule != "sync"
 
 
 # -- cluster ---------------------------------------------------------------------------------

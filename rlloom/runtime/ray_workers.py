@@ -54,10 +54,10 @@ from rlloom.runtime.online import (
     optimise,
     sample_groups,
 )
+from rlloom.runtime.ray_plan import STAGE_ROLES
 from rlloom.runtime.trainer import DTYPES
 from rlloom.runtime.weight_sync import ShadowModel, SyncStats
 
-STAGE_ROLES = ("generation", "assessment", "training")
 # losses whose stale samples the trainer corrects as decoupled PPO (see `decoupled`)
 DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
 

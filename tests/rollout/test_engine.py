@@ -3,16 +3,10 @@ import pytest
 import torch
 
 from rlloom.models.heads import ActorCritic
-from rlloom.rollout.engine import (
-    Engine,
-    EngineConfig,
-    engine_generate,
-    kv_bytes_per_slot,
-    prompt_groups,
-    uniforms,
-)
+from rlloom.rollout.engine import Engine, EngineConfig, engine_generate, prompt_groups
 from rlloom.rollout.generate import generate
-from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms
+from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms, uniforms
+from rlloom.rollout.slot_cache import kv_bytes_per_slot
 from rlloom.runtime.batch import response_logprobs
 
 K = 4

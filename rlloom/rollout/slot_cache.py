@@ -1,0 +1,65 @@
+"""The generation engine's KV cache: one sequence per slot, left-aligned, growing in chunks."""
+from __future__ import annotations
+
+import torch
+
+from rlloom.models.transformer import CausalLM
+
+
+def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
+    """Bytes of keys and values one slot holds for `max_len` positions (a capacity step
+    briefly holds the old and the new cache together)."""
+    c = model.config
+    elem = next(model.parameters()).element_size()
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * max_len * elem
+
+
+class SlotKVCache:
+    """Keys and values [slots, kv_heads, capacity, head_dim] per layer, one sequence per slot,
+    left-aligned: slot i holds its sequence at positions [0, length_i).
+
+    The capacity grows in steps of `chunk` positions (reallocating), instead of being sized
+    for the longest possible sequence up front, so that decode attention can read a
+    contiguous [rows * kv_heads, capacity, head_dim] block: a strided window of a larger
+    buffer makes CPU batched matmuls copy it, about twice as slow.
+    """
+
+    def __init__(self, model: CausalLM, slots: int, max_len: int, chunk: int) -> None:
+        c = model.config
+        p = next(model.parameters())
+        self.slots, self.kv_heads, self.head_dim = slots, c.num_kv_heads, c.head_dim
+        self.layers, self.dtype, self.device = c.num_layers, p.dtype, p.device
+        self.max_len, self.chunk, self.cap = max_len, chunk, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(1)
+
+    def ensure(self, width: int) -> None:
+        """Make room for positions [0, width)."""
+        if width <= self.cap:
+            return
+        cap = min(self.max_len, -(-width // self.chunk) * self.chunk)
+        shape = (self.slots, self.kv_heads, cap, self.head_dim)
+        fresh = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                 for _ in range(2 * self.layers)]
+        for j, new in enumerate(fresh):
+            if self.cap:
+                new[:, :, :self.cap] = (self.k + self.v)[j]
+            # zeros, not garbage: a NaN in an unused position would leak through 0 * NaN in P @ V
+            new[:, :, self.cap:] = 0
+        self.k, self.v, self.cap = fresh[:self.layers], fresh[self.layers:], cap
+
+    def place(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Copy prefilled keys/values [n, kv_heads, width, hd] per layer into `slots` [n]."""
+        width = k[0].shape[2]
+        self.ensure(width)
+        for layer, (kl, vl) in enumerate(zip(k, v)):
+            self.k[layer][slots, :, :width] = kl
+            self.v[layer][slots, :, :width] = vl
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move slots `keep` [m] to the front."""
+        m = keep.shape[0]
+        for kl, vl in zip(self.k, self.v):
+            kl[:m] = kl[keep]
+            vl[:m] = vl[keep]
