@@ -66,6 +66,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from rlloom.runtime import ray_plan
     if args.ray or args.ray_address or ray_plan.needs_ray(cfg):
         from rlloom.runtime import ray_runtime as rr
+        from rlloom.runtime.ray_cluster import WorkerFailure
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -81,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                 max_restarts=args.max_restarts, group_cpus=cpus,
                 fused_chunks=args.fused_chunks,
                 fault=os.environ.get("RLLOOM_RAY_FAULT") or None))  # a test hook
-        except rr.WorkerFailure as e:  # restarts used up: say who failed, no traceback
+        except WorkerFailure as e:  # restarts used up: say who failed, no traceback
             print(f"error: {e}\nthe run can continue from its last checkpoint with "
                   f"rlloom train --resume {e.run_dir}", file=sys.stderr)
             sys.exit(1)

@@ -50,7 +50,6 @@ import json
 import os
 import signal
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,15 +60,22 @@ import torch
 from rlloom.algos.kl import AdaptiveKLController, FixedKLController
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
-from rlloom.data.prompts import DataError, load_prompt_sets
-from rlloom.models.hf_io import CheckpointError, load_tokenizer, save_checkpoint
+from rlloom.data.prompts import load_prompt_sets
+from rlloom.models.hf_io import load_tokenizer, save_checkpoint
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.metrics import MetricsLog
 from rlloom.runtime.plots import plot_run
 from rlloom.runtime.progress import progress_bar
+from rlloom.runtime.ray_cluster import (
+    USER_ERRORS,
+    Cluster,
+    WorkerFailure,
+    WorkerGroup,
+    first_line,
+    start_error,
+)
 from rlloom.runtime.ray_plan import (
-    GroupSpec,
     RayOptions,
     check_ray_runnable,
     group_specs,
@@ -80,90 +86,7 @@ from rlloom.runtime.tracing import Tracer
 PROGRESS_KEYS = ("reward", "accuracy", "kl", "eval_accuracy", "step_s", "staleness")
 # Ray puts sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (62-64
 # characters after <temp>) and Unix socket paths stop at 107 bytes.
-MAX_TEMP_DIR_CHARS = 42
 PING_S = 5.0
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
-
-
-# -- cluster ---------------------------------------------------------------------------------
-
-def ray_temp_dir(run_dir: Path) -> tuple[Path, str | None]:
-    """<run_dir>/ray, or, when that path is too long for Ray's sockets, a short directory
-    under /tmp that <run_dir>/ray links to (and a note saying so)."""
-    temp = (run_dir / "ray").absolute()
-    if len(str(temp)) <= MAX_TEMP_DIR_CHARS:
-        return temp, None
-    short = Path(tempfile.mkdtemp(prefix="rlloom-ray-", dir="/tmp"))
-    if temp.is_symlink():  # a resumed run: point it at this session's files
-        temp.unlink()
-    if not temp.exists():
-        temp.symlink_to(short, target_is_directory=True)
-    return short, (f"Ray's files are in {short}: the run directory's path is too long for "
-                   f"Ray's socket paths ({MAX_TEMP_DIR_CHARS} characters at most); {temp} "
-                   "links there")
-
-
-class Cluster:
-    """A local Ray instance with its files under the run directory, or a connection to an
-    existing cluster; leaves an instance that was already running in this process alone."""
-
-    def __init__(self, opts: RayOptions, run_dir: Path, cpus: float) -> None:
-        import ray
-        self.owned = not ray.is_initialized()
-        self.note: str | None = None
-        if not self.owned:
-            return
-        if opts.address:
-            try:
-                ray.init(address=opts.address, log_to_driver=True)
-            except (ConnectionError, RuntimeError) as e:
-                raise ConfigError(
-                    f"cannot join the Ray cluster at {opts.address}: {_first_line(e)}. Check the "
-                    "address `ray start --head` printed; a cluster with token authentication "
-                    "(Ray >= 2.59 turns it on by default) also needs RAY_AUTH_MODE=token and its "
-                    "token (RAY_AUTH_TOKEN or ~/.ray/auth_token) here; see docs/ray.md") from None
-            return
-        temp, self.note = ray_temp_dir(run_dir)
-        ray.init(num_cpus=max(cpus, opts.num_cpus or 0, os.cpu_count() or 1),
-                 _temp_dir=str(temp), include_dashboard=False, log_to_driver=True)
-
-    def stop(self) -> None:
-        import ray
-        if self.owned and ray.is_initialized():
-            ray.shutdown()
-
-
-# -- faults ----------------------------------------------------------------------------------
-
-class WorkerFailure(RuntimeError):
-    """A worker died or stopped answering; names its group, roles and rank."""
-
-    def __init__(self, group: str, rank: int, roles: tuple[str, ...], state: str, what: str,
-                 step: int, cause: str, detected_after_s: float | None = None) -> None:
-        self.group, self.rank, self.roles, self.state = group, rank, roles, state
-        self.what, self.step, self.cause = what, step, cause
-        self.detected_after_s = detected_after_s
-        self.run_dir: Path | None = None  # set by train_ray
-        super().__init__(
-            f"worker rank {rank} of group {group!r} (roles: {', '.join(roles)}) {state} while "
-            f"the driver waited for {what} of step {step}: {cause}")
-
-    def record(self) -> dict[str, Any]:
-        return {"group": self.group, "rank": self.rank, "roles": list(self.roles),
-                "state": self.state, "what": self.what, "step": self.step,
-                "cause": self.cause[:500], "detected_after_s": self.detected_after_s}
-
-
-@dataclass
-class WorkerGroup:
-    spec: GroupSpec
-    pg: Any
-    actor: Any
-    info: dict[str, Any]  # pid, host
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
 
 @dataclass
@@ -237,11 +160,11 @@ class RayRun:
                                 group) from None
         except RayActorError as e:
             if getattr(e, "actor_init_failed", False):
-                raise _start_error(e, group) from None  # deterministic: no restart helps
-            raise self._failure(what, step, _first_line(e), getattr(e, "actor_id", None),
+                raise start_error(e, group) from None  # deterministic: no restart helps
+            raise self._failure(what, step, first_line(e), getattr(e, "actor_id", None),
                                 group) from None
         except (ObjectLostError, OwnerDiedError) as e:
-            raise self._failure(what, step, _first_line(e), None, group) from None
+            raise self._failure(what, step, first_line(e), None, group) from None
         except RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, USER_ERRORS):
@@ -566,23 +489,6 @@ def _state_keys(roles: tuple[str, ...]) -> set[str]:
     if "generation" in roles:
         keys |= {"sample_gen", "data_position"}
     return keys
-
-
-def _start_error(e: BaseException, group: WorkerGroup | None) -> Exception:
-    """A worker's constructor raised: the user error it raised (a bad reward model, say),
-    else a RuntimeError with its last line."""
-    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-    name, _, message = last.partition(": ")
-    for cls in USER_ERRORS:
-        if name.rsplit(".", 1)[-1] == cls.__name__:
-            return cls(message)
-    where = f"group {group.name!r}" if group else "a group"
-    return RuntimeError(f"the worker of {where} failed to start: {last}")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def train_ray(cfg: RunConfig, resume_dir: Path | None = None,

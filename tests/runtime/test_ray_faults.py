@@ -91,10 +91,10 @@ def test_a_worker_that_cannot_start_is_not_restarted():
     from ray.exceptions import RayActorError
 
     from rlloom.models.hf_io import CheckpointError
-    from rlloom.runtime.ray_runtime import _start_error
+    from rlloom.runtime.ray_cluster import start_error
     text = ("The actor died because of an error raised in its creation task\n  File x\n"
             "rlloom.models.config.CheckpointError: reward model r has a vocabulary of 5")
-    err = _start_error(RayActorError(None, text, actor_init_failed=True), None)
+    err = start_error(RayActorError(None, text, actor_init_failed=True), None)
     assert isinstance(err, CheckpointError) and str(err) == "reward model r has a vocabulary of 5"
-    other = _start_error(RayActorError(None, "died\nOSError: disk full", True), None)
+    other = start_error(RayActorError(None, "died\nOSError: disk full", True), None)
     assert isinstance(other, RuntimeError) and "failed to start: OSError: disk full" in str(other)
