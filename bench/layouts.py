@@ -210,21 +210,6 @@ def rank_hardware(hw: Hardware, ranks: int, threads: int) -> Hardware:
                    mem_bw=hw.mem_bw * share, launch_s=hw.launch_s / min(1.0, cores))
 
 
-def fp32_state_bytes(shape: ModelShape, layout: Layout) -> float:
-    """`memory.model_state_bytes` for plain fp32 training: fp32 parameters (4 B) and gradients
-    (4 B) and two fp32 Adam moments (8 B), no separate master copy. Same 16 B per parameter as
-    mixed precision in total, but more of it is left unsharded by ZeRO-1/2."""
-    p, dz, zero = mem.params_per_device(shape, layout), layout.dp, layout.zero
-    param, grad, optim = 4, 4, 8
-    if zero == 0:
-        return (param + grad + optim) * p
-    if zero == 1:
-        return (param + grad) * p + optim * p / dz
-    if zero == 2:
-        return param * p + (grad + optim) * p / dz
-    return (param + grad + optim) * p / dz
-
-
 def predict(a: argparse.Namespace, layout: Layout, hw: Hardware) -> dict[str, float]:
     shape = model_shape(a)
     wl = Workload(prompts=a.batch, samples=1, prompt_len=0, response=Lengths("fixed", p50=a.seq),
@@ -232,7 +217,7 @@ def predict(a: argparse.Namespace, layout: Layout, hw: Hardware) -> dict[str, fl
     stage = cost.training(shape, layout, wl, rank_hardware(hw, layout.world_size, a.threads),
                           "actor")
     return {"step_s": stage.seconds, "transient": stage.transient_bytes,
-            "state_fp32": fp32_state_bytes(shape, layout),
+            "state_fp32": mem.model_state_bytes(shape, layout, True, mem.FP32_ADAM),
             "state_mixed": mem.model_state_bytes(shape, layout, trainable=True)}
 
 

@@ -180,6 +180,12 @@ class RunConfig(Strict):
     sft: SFTSection = Field(default_factory=SFTSection, description="supervised warm start")
     plan: Plan = Field(default_factory=Plan, description="placement, layouts and schedule")
 
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model exists for a KL term, or to score DPO's pairs."""
+        a = self.algo
+        return a.kl_coef > 0 or a.kl_target is not None or not PRESETS[a.name].online
+
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         grouped = self.algo.advantage in GROUP_ESTIMATORS

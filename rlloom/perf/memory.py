@@ -26,19 +26,27 @@ def params_per_device(shape: ModelShape, layout: Layout) -> float:
     return p
 
 
-def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool) -> float:
+MIXED_ADAM = (PARAM_B, GRAD_B, OPTIM_B)
+# plain fp32 training: fp32 parameters and gradients, two fp32 moments, no master copy
+FP32_ADAM = (4, 4, 8)
+
+
+def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
+                      precision: tuple[int, int, int] = MIXED_ADAM) -> float:
     """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (PERF_MODEL.md's
-    4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz in elements, here in bytes with the precisions above)."""
+    4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz in elements, here in bytes with the precisions above).
+    `precision` is bytes per parameter of (parameters, gradients, optimizer state)."""
     p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
+    param, grad, optim = precision
     if not trainable:
-        return PARAM_B * p / (dz if zero == 3 else 1)
+        return param * p / (dz if zero == 3 else 1)
     if zero == 0:
-        return (PARAM_B + GRAD_B + OPTIM_B) * p
+        return (param + grad + optim) * p
     if zero == 1:
-        return (PARAM_B + GRAD_B) * p + OPTIM_B * p / dz
+        return (param + grad) * p + optim * p / dz
     if zero == 2:
-        return PARAM_B * p + (GRAD_B + OPTIM_B) * p / dz
-    return (PARAM_B + GRAD_B + OPTIM_B) * p / dz
+        return param * p + (grad + optim) * p / dz
+    return (param + grad + optim) * p / dz
 
 
 def zero3_buffer_bytes(shape: ModelShape, layout: Layout) -> float:

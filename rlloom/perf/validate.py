@@ -66,7 +66,7 @@ def run_roles(cfg: RunConfig) -> tuple[str, ...]:
     """Roles the trainer builds: no reference without a KL term; the reward is a rule verifier
     (not priced) unless a reward model is configured."""
     roles = PRESETS[cfg.algo.name].roles
-    return tuple(r for r in roles if not (r == "reference" and cfg.algo.kl_coef == 0))
+    return tuple(r for r in roles if r != "reference" or cfg.needs_reference)
 
 
 def validate_run(run_dir: Path, hw: Hardware, skip: int = 1) -> list[StagePoint]:

@@ -114,3 +114,28 @@ def start_error(e: BaseException, group: WorkerGroup | None) -> Exception:
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def diagnose(groups: list[WorkerGroup], what: str, step: int, cause: str,
+             actor_id: str | None, waited_on: WorkerGroup | None, ping_s: float,
+             detected_after_s: float | None) -> WorkerFailure:
+    """Ping every worker to tell the dead or silent one from those merely waiting."""
+    import ray
+    from ray.exceptions import RayActorError
+    pings = [g.actor.ping.options(concurrency_group="control").remote() for g in groups]
+    ray.wait(pings, num_returns=len(pings), timeout=ping_s)
+    states: dict[str, str] = {}
+    for g, ref in zip(groups, pings):
+        try:
+            ray.get(ref, timeout=0.01)
+            states[g.name] = "is alive"
+        except RayActorError:
+            states[g.name] = "died"
+        except Exception:
+            states[g.name] = f"did not answer a ping within {ping_s:g}s"
+    by_id = [g for g in groups if actor_id and g.actor._actor_id.hex() == actor_id]
+    dead = [g for g in groups if states[g.name] == "died"]
+    silent = [g for g in groups if states[g.name].startswith("did not")]
+    culprit = (by_id or dead or silent or [waited_on or groups[0]])[0]
+    return WorkerFailure(culprit.name, 0, culprit.spec.roles, states[culprit.name], what,
+                         step, cause, detected_after_s)

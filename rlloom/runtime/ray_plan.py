@@ -86,3 +86,13 @@ def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
 def needs_ray(cfg: RunConfig) -> bool:
     """Plans that only the Ray runtime executes."""
     return cfg.plan.placement != "colocated" or cfg.plan.schedule != "sync"
+
+
+def state_keys(roles: tuple[str, ...]) -> set[str]:
+    """The checkpoint entries a group's roles restore."""
+    keys = {"step"}
+    if "training" in roles:
+        keys |= {"policy", "optimizer", "shuffle_gen", "critic", "critic_optimizer"}
+    if "generation" in roles:
+        keys |= {"sample_gen", "data_position"}
+    return keys

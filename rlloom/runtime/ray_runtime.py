@@ -72,6 +72,7 @@ from rlloom.runtime.ray_cluster import (
     Cluster,
     WorkerFailure,
     WorkerGroup,
+    diagnose,
     first_line,
     start_error,
 )
@@ -79,6 +80,7 @@ from rlloom.runtime.ray_plan import (
     RayOptions,
     check_ray_runnable,
     group_specs,
+    state_keys,
 )
 from rlloom.runtime.ray_workers import DECOUPLED_LOSSES, GroupWorker, _policy
 from rlloom.runtime.tracing import Tracer
@@ -173,28 +175,9 @@ class RayRun:
 
     def _failure(self, what: str, step: int, cause: str, actor_id: str | None,
                  waited_on: WorkerGroup | None) -> WorkerFailure:
-        """Ping every worker to tell the dead or silent one from those merely waiting."""
-        import ray
-        from ray.exceptions import RayActorError
-        groups = list(self.groups.values())
-        pings = [g.actor.ping.options(concurrency_group="control").remote() for g in groups]
-        ray.wait(pings, num_returns=len(pings), timeout=min(PING_S, self.opts.worker_timeout_s))
-        states: dict[str, str] = {}
-        for g, ref in zip(groups, pings):
-            try:
-                ray.get(ref, timeout=0.01)
-                states[g.name] = "is alive"
-            except RayActorError:
-                states[g.name] = "died"
-            except Exception:
-                states[g.name] = f"did not answer a ping within {PING_S:g}s"
-        by_id = [g for g in groups if actor_id and g.actor._actor_id.hex() == actor_id]
-        dead = [g for g in groups if states[g.name] == "died"]
-        silent = [g for g in groups if states[g.name].startswith("did not")]
-        culprit = (by_id or dead or silent or [waited_on or groups[0]])[0]
         detected = (time.perf_counter() - self._fault_at) if self._fault_at else None
-        return WorkerFailure(culprit.name, 0, culprit.spec.roles, states[culprit.name], what,
-                             step, cause, detected)
+        return diagnose(list(self.groups.values()), what, step, cause, actor_id, waited_on,
+                        min(PING_S, self.opts.worker_timeout_s), detected)
 
     # -- groups ------------------------------------------------------------------------------
     def _start_groups(self) -> None:
@@ -259,7 +242,7 @@ class RayRun:
         self.kl.value = state["kl_coef"]
         self.eval_history = [tuple(e) for e in state["eval_history"]]
         loads = [g.actor.load_state.remote({k: v for k, v in state.items()
-                                            if k in _state_keys(g.spec.roles)})
+                                            if k in state_keys(g.spec.roles)})
                  for g in self.groups.values() if {"training", "generation"} & set(g.spec.roles)]
         self._get(loads, "checkpoint loading", self.step)
         self.metrics.truncate_after(self.step)
@@ -479,16 +462,6 @@ class RayRun:
                           "recreating the groups from the last checkpoint")
         finally:
             self._stop_groups()
-
-
-def _state_keys(roles: tuple[str, ...]) -> set[str]:
-    """The checkpoint entries a group's roles restore."""
-    keys = {"step"}
-    if "training" in roles:
-        keys |= {"policy", "optimizer", "shuffle_gen", "critic", "critic_optimizer"}
-    if "generation" in roles:
-        keys |= {"sample_gen", "data_position"}
-    return keys
 
 
 def train_ray(cfg: RunConfig, resume_dir: Path | None = None,

@@ -308,7 +308,7 @@ class AssessmentRole:
         a = cfg.algo
         dtype = DTYPES[cfg.model.dtype]
         self.reference = (load_model(model_path, dtype).eval().requires_grad_(False)
-                          if a.kl_coef > 0 or a.kl_target is not None else None)
+                          if cfg.needs_reference else None)
         self.critic: LiveModel | ShadowModel | None = None
         if "critic" in PRESETS[a.name].roles:
             if training is not None:

@@ -137,9 +137,8 @@ class Trainer:
                 self.critic = ValueModel.from_policy(self.policy)
                 self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(),
                                                           lr=a.critic_lr)
-        needs_reference = a.kl_coef > 0 or a.kl_target is not None or not self.preset.online
         self.reference = (load_model(model_path, dtype).eval().requires_grad_(False)
-                          if needs_reference else None)
+                          if cfg.needs_reference else None)
         reward_model = (load_value_model(cfg.reward.model_path, dtype).eval()
                         .requires_grad_(False) if cfg.reward.model_path else None)
         if reward_model is not None and reward_model.config.vocab_size != len(self.tokenizer):
