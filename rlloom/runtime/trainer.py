@@ -252,7 +252,8 @@ class Trainer:
         if state is None:
             return False
         self.load_state_dict(state)
-        self.metrics.truncate_after(self.step)
+        if self.main:  # one writer: two ranks racing on the same rename lose the log
+            self.metrics.truncate_after(self.step)
         self.tracer.drop_after(self.step)
         return True
 
