@@ -10,6 +10,8 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Literal
 
+from rlloom.perf.buckets import padded_tokens, split_sorted
+
 Z99 = NormalDist().inv_cdf(0.99)
 
 
@@ -101,15 +103,10 @@ class Workload:
         """(tokens computed, micro-batches) of one forward over `rows` rollouts."""
         if self.micro_batch_tokens <= 0:
             return rows * self.mean_context, max(1, math.ceil(rows / self.micro_batch))
-        lengths = self.response.spread(rows)  # ascending, as the buckets sort them
-        tokens, buckets, start = 0.0, 1, 0
-        for i in range(1, rows + 1):
-            if i == rows or (i - start + 1) * (self.prompt_len + lengths[i]) > \
-                    self.micro_batch_tokens:
-                tokens += (i - start) * (self.prompt_len + lengths[i - 1])
-                if i < rows:
-                    buckets, start = buckets + 1, i
-        return tokens, buckets
+        lengths = self.response.spread(rows)  # ascending, as the runtime sorts rows
+        prompts = [float(self.prompt_len)] * rows
+        bounds = split_sorted(prompts, lengths, self.micro_batch_tokens)
+        return float(padded_tokens(prompts, lengths, bounds)), len(bounds)
 
     @property
     def elem_bytes(self) -> int:

@@ -1,5 +1,5 @@
-"""Training micro-batches by length: sort the rows of a mini-batch, cut them into groups whose
-padded size fits a token budget, and trim each group to its own widths.
+"""Training micro-batches by length: sort the rows of a mini-batch, cut them into groups of
+similar length under a token budget, and trim each group to its own widths.
 
 Rows of similar length share a micro-batch, so little compute goes to padding, and the
 budget bounds activation memory. The loss normalisers come from the whole mini-batch
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rlloom.perf.buckets import split_sorted
 from rlloom.rollout.generate import Rollout
 
 # Padded prompt + response tokens per micro-batch: a few MiB of activations per layer at the
@@ -19,25 +20,11 @@ MICRO_BATCH_TOKENS = 8192
 
 def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int
                   ) -> list[torch.Tensor]:
-    """Positions of rows [n] grouped into micro-batches, shortest rows first.
-
-    A group's cost is what its padded forward computes: rows x (longest prompt + longest
-    response). Groups are cut greedily along the length order when adding a row would
-    exceed `budget`.
-    """
-    if budget < 1:
-        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    """Positions of rows [n] grouped into micro-batches, shortest rows first, cut where
+    `perf.buckets.split_sorted` says (least padding plus per-micro-batch overhead)."""
     order = torch.sort(prompt_lens + response_lens, stable=True).indices
-    p_lens, r_lens = prompt_lens[order].tolist(), response_lens[order].tolist()
-    groups, start, p_max, r_max = [], 0, 0, 0
-    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
-        p_new, r_new = max(p_max, p), max(r_max, r)
-        if i > start and (i - start + 1) * (p_new + r_new) > budget:
-            groups.append(order[start:i])
-            start, p_new, r_new = i, p, r
-        p_max, r_max = p_new, r_new
-    groups.append(order[start:])
-    return groups
+    bounds = split_sorted(prompt_lens[order].tolist(), response_lens[order].tolist(), budget)
+    return [order[s:e] for s, e in bounds]
 
 
 def trim(r: Rollout) -> Rollout:

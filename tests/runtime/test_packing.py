@@ -10,6 +10,7 @@ from rlloom.config import load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
+from rlloom.perf.buckets import padded_tokens, split_sorted
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.batch import response_logprobs, response_values
 from rlloom.runtime.online import Experience, Samples, critic_backward, policy_backward
@@ -126,9 +127,40 @@ def test_micro_batches_cover_rows_once_within_budget():
         assert cost <= 300 or len(part) == 1
     lengths = [(p + r)[part] for part in parts]
     assert all(a.max() <= b.min() for a, b in zip(lengths, lengths[1:]))   # shortest first
-    assert len(micro_batches(p, r, 10**9)) == 1
     with pytest.raises(ValueError):
         micro_batches(p, r, 0)
+
+
+def test_split_pays_for_a_long_row_only_when_padding_costs_more_than_a_launch():
+    """Four rows of width 2 + 1 and one of 2 + 10: together 5 x 12 = 60 padded tokens, apart
+    4 x 3 + 12 = 24 and a second micro-batch's overhead."""
+    p, r = [2] * 5, [1, 1, 1, 1, 10]
+    assert split_sorted(p, r, 1000, overhead=10) == [(0, 4), (4, 5)]   # 24 + 20 < 60 + 10
+    assert split_sorted(p, r, 1000, overhead=50) == [(0, 5)]           # 60 + 50 < 24 + 100
+    assert split_sorted(p, r, 59, overhead=50) == [(0, 4), (4, 5)]     # 60 exceeds the budget
+    assert padded_tokens(p, r, [(0, 4), (4, 5)]) == 24
+
+
+def test_split_is_the_cheapest_of_all_contiguous_splits():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        r = sorted(torch.randint(1, 40, (8,), generator=g).tolist())
+        p = torch.randint(1, 10, (8,), generator=g).tolist()
+        budget, overhead = 150, 16
+
+        def cost(bounds):
+            return padded_tokens(p, r, bounds) + overhead * len(bounds)
+
+        def fits(bounds):
+            return all(padded_tokens(p, r, [b]) <= budget or b[1] - b[0] == 1 for b in bounds)
+
+        every = []
+        for mask in range(2 ** 7):   # a cut after row i when bit i is set
+            ends = [i + 1 for i in range(7) if mask >> i & 1] + [8]
+            every.append(list(zip([0] + ends[:-1], ends)))
+        best = min(cost(b) for b in every if fits(b))
+        chosen = split_sorted(p, r, budget, overhead)
+        assert fits(chosen) and cost(chosen) == best
 
 
 def test_trim_drops_only_all_padding_columns():

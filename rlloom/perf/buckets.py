@@ -1,0 +1,49 @@
+"""How rlloom cuts a batch of sequences into length-bucketed micro-batches: the runtime's split
+(runtime/packing.py) and the cost model's padding estimate (workload.py) both call this, so
+the model prices exactly what runs. Pure Python: the perf package must not import torch.
+
+Rows come sorted by length. A micro-batch is a contiguous run of them, padded to its longest
+prompt plus its longest response, so it computes rows x (max prompt + max response) tokens.
+Every micro-batch also costs a fixed number of operator launches, whatever its size; we price
+that as `overhead` tokens. A dynamic programme picks the cuts that minimise padded tokens plus
+overhead, with no micro-batch above `budget` padded tokens (the activation-memory cap) unless
+it is a single row. Few long rows among many short ones get their own micro-batch instead of
+making every short row pay their width.
+"""
+from __future__ import annotations
+
+# One forward+backward of the built-in model launches ~300 operators (a few ms on a CPU);
+# a token of it costs ~25 us, so a micro-batch's fixed cost is ~128 tokens' worth. On bigger
+# models a token costs more and the overhead matters less; the cuts barely change.
+MICRO_BATCH_OVERHEAD_TOKENS = 128
+
+
+def split_sorted(prompt_lens: list[float], response_lens: list[float], budget: float,
+                 overhead: int = MICRO_BATCH_OVERHEAD_TOKENS) -> list[tuple[int, int]]:
+    """[start, end) bounds of the micro-batches of rows already sorted by length."""
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    n = len(prompt_lens)
+    best = [0.0] + [float("inf")] * n  # best[i]: cheapest split of the first i rows
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        p_max = r_max = 0.0
+        for start in range(end - 1, -1, -1):
+            p_max, r_max = max(p_max, prompt_lens[start]), max(r_max, response_lens[start])
+            padded = (end - start) * (p_max + r_max)
+            if padded > budget and end - start > 1:
+                break  # widths only grow as the run extends left: no longer run fits
+            cost = best[start] + padded + overhead
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    bounds, end = [], n
+    while end > 0:
+        bounds.append((cut[end], end))
+        end = cut[end]
+    return bounds[::-1]
+
+
+def padded_tokens(prompt_lens: list[float], response_lens: list[float],
+                  bounds: list[tuple[int, int]]) -> float:
+    """Tokens the micro-batches compute, padding included."""
+    return sum((e - s) * (max(prompt_lens[s:e]) + max(response_lens[s:e])) for s, e in bounds)
