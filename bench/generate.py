@@ -1,11 +1,12 @@
 """Generation throughput, rlloom's engine against transformers' `generate` on the same weights:
-``python bench/generate.py [--batches 16 64] [--k 8] [--new 128] [--big]``.
+``python bench/generate.py [--batches 16 64] [--k 8] [--new 128] [--big] [--device cuda]``.
 
 Both sample B prompts x K samples at temperature 1 (no top-k / top-p) for exactly `--new`
 tokens: EOS stopping is off in both, so they do the same work. transformers gets the K
 samples through `num_return_sequences` (its usual way); rlloom gets the prompts repeated K
 times, as the trainer passes them. tok/s counts generated tokens over wall time including
-prefill. The reference `rlloom.rollout.generate` is timed too (`--reference`).
+prefill. The reference `rlloom.rollout.generate` is timed too (`--reference`). On a GPU
+(`--device cuda`, default dtype bfloat16 there) timings wait for the device to finish.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from rlloom.rollout.generate import generate, left_pad
 from rlloom.rollout.sampling import SamplingParams
 
 VOCAB = 98  # the built-in char tokenizer's size
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 NO_EOS = -1
 
 
@@ -44,8 +46,13 @@ def prompts_for(b: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def time_best(fns: dict[str, Callable[[], object]], repeats: int
-              ) -> dict[str, tuple[float, float]]:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_best(fns: dict[str, Callable[[], object]], repeats: int,
+              device: torch.device = torch.device("cpu")) -> dict[str, tuple[float, float]]:
     """Fastest wall and CPU seconds of each function over `repeats` rounds, after a warm-up.
 
     The functions take turns within each round, so a burst of load from other jobs on a
@@ -57,8 +64,10 @@ def time_best(fns: dict[str, Callable[[], object]], repeats: int
     best = {name: (float("inf"), float("inf")) for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            sync(device)
             w0, c0 = time.perf_counter(), time.process_time()
             fn()
+            sync(device)
             wall, cpu = time.perf_counter() - w0, time.process_time() - c0
             best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
     return best
@@ -78,7 +87,7 @@ def run_reference(model: CausalLM, prompts: list[list[int]], k: int, new: int) -
 
 
 def run_hf(hf: torch.nn.Module, prompts: list[list[int]], k: int, new: int) -> None:
-    ids, mask = left_pad(prompts, 0)
+    ids, mask = (t.to(hf.device) for t in left_pad(prompts, 0))
     torch.manual_seed(0)
     out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                       top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
@@ -95,8 +104,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")
     ap.add_argument("--reference", action="store_true", help="also rlloom's reference")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="weights and KV cache; default float32 on cpu, bfloat16 on cuda")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    dtype = DTYPES[a.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
     shapes = [(128, 2)] + ([(512, 4)] if a.big else [])
     rows = []
     for hidden, layers in shapes:
@@ -105,7 +119,8 @@ def main() -> None:
         model.eval()
         with tempfile.TemporaryDirectory() as d:
             save_checkpoint(model, None, d)
-            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval().to(device)
+        model.to(device=device, dtype=dtype)
         for b in a.batches:
             prompts = prompts_for(b)
             tokens = b * a.k * a.new
@@ -113,7 +128,7 @@ def main() -> None:
                    "rlloom": lambda: run_rlloom(model, prompts, a.k, a.new)}
             if a.reference:
                 fns["reference"] = lambda: run_reference(model, prompts, a.k, a.new)
-            times = time_best(fns, a.repeats)
+            times = time_best(fns, a.repeats, device)
             hf_s, ours_s = times["hf"], times["rlloom"]
             ref_s = times.get("reference", (float("nan"), float("nan")))
             for clock in (0, 1):
@@ -121,8 +136,9 @@ def main() -> None:
                              tokens / ours_s[clock], tokens / hf_s[clock],
                              tokens / ref_s[clock], hf_s[clock] / ours_s[clock]))
             print(f"  done h={hidden} L={layers} B={b}", flush=True)
-    print(f"\ngeneration, K={a.k}, {a.new} new tokens, temperature 1, "
-          f"{a.threads} CPU thread(s), best of {a.repeats}; tok/s = generated tokens / seconds")
+    where = f"{a.threads} CPU thread(s)" if device.type == "cpu" else str(device)
+    print(f"\ngeneration, K={a.k}, {a.new} new tokens, temperature 1, {dtype}, {where}, "
+          f"best of {a.repeats}; tok/s = generated tokens / seconds")
     print(f"{'model':>10} {'B':>4} {'clock':>5} {'rlloom tok/s':>13} {'HF tok/s':>10} "
           f"{'reference':>10} {'rlloom/HF':>10}")
     for name, b, clock, ours, hf_tps, ref, ratio in rows:

@@ -20,18 +20,15 @@ fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-# generate.py, train_step.py and grpo_step.py have no --device flag: they build their models on
-# the CPU and never move them (rlloom's single-process trainer has no device setting, and the
-# TRL side is pinned to use_cpu), so here they measure the host CPU, as a baseline next to the
-# GPU numbers below. --threads 0 is not accepted, so give them the machine's cores.
-THREADS=$(nproc)
-echo "== bench/generate.py (CPU, $THREADS threads)"
-"$PY" bench/generate.py --threads "$THREADS"
-echo "== bench/train_step.py (CPU, $THREADS threads)"
-"$PY" bench/train_step.py --threads "$THREADS"
-echo "== bench/grpo_step.py (CPU, $THREADS threads)"
+# The side-by-side benchmarks on the GPU in bf16, the built-in model's shape and a wider one
+# (--big: hidden 512, 4 layers), since the tiny one only measures kernel-launch overhead there.
+echo "== bench/generate.py (GPU)"
+"$PY" bench/generate.py --device cuda --big
+echo "== bench/train_step.py (GPU)"
+"$PY" bench/train_step.py --device cuda --big
+echo "== bench/grpo_step.py (GPU, fp32 both sides)"
 if "$PY" -c "import trl" 2>/dev/null; then
-    "$PY" bench/grpo_step.py --threads "$THREADS"
+    "$PY" bench/grpo_step.py --device cuda
 else
     echo "skipped: TRL is not installed (pip install -e '.[bench]')"
 fi

@@ -1,5 +1,6 @@
 """Training forward+backward throughput, rlloom against the transformers model with the same
-weights on the same batch and the same loss: ``python bench/train_step.py [--big]``.
+weights on the same batch and the same loss:
+``python bench/train_step.py [--big] [--device cuda]``.
 
 The batch is what a step trains on: B prompts x K samples, prompts of 16-47 tokens and
 long-tailed response lengths (exponential, mean `--mean-len`, capped at `--max-len`), in
@@ -12,13 +13,16 @@ log-prob of the response tokens at temperature 1, the core of every policy loss.
 - rlloom, bucketed: rows sorted by length and cut into micro-batches of at most
   `--budget` padded tokens, each trimmed to its own widths, gradients accumulated (what
   `runtime.online.optimise` does).
-tok/s counts real (unpadded) prompt + response tokens.
+tok/s counts real (unpadded) prompt + response tokens. On a GPU (`--device cuda`, default
+dtype bfloat16 there) timings wait for the device, and the three losses agree to bf16
+rounding instead of 1e-4.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -31,7 +35,7 @@ from rlloom.runtime.batch import response_logprobs
 from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches, trim
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate import VOCAB, prompts_for, shape, time_best  # noqa: E402
+from generate import DTYPES, VOCAB, prompts_for, shape, time_best  # noqa: E402
 
 
 def batch(b: int, k: int, mean_len: float, max_len: int, seed: int = 0) -> Rollout:
@@ -86,9 +90,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="weights and activations; default float32 on cpu, bfloat16 on cuda")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    dtype = DTYPES[a.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
     r = batch(a.b, a.k, a.mean_len, a.max_len)
+    r = Rollout(*(getattr(r, f.name).to(device) for f in fields(r)))
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     real = int(r.prompt_mask.sum() + r.response_mask.sum())
     padded = r.prompt_ids.numel() + r.response_ids.numel()
     rows = []
@@ -97,22 +108,25 @@ def main() -> None:
         model.init_weights(seed=0)
         with tempfile.TemporaryDirectory() as d:
             save_checkpoint(model, None, d)
-            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device)
+        model.to(device=device, dtype=dtype)
         hf.train()
         losses = {"hf": hf_step(hf, r), "padded": rlloom_step(model, r, None),
                   "bucketed": rlloom_step(model, r, a.budget)}
         spread = max(losses.values()) - min(losses.values())
-        assert spread < 1e-4, f"the three runs must compute the same loss: {losses}"
+        assert spread < tolerance, f"the three runs must compute the same loss: {losses}"
         times = time_best({"hf": lambda: hf_step(hf, r),
                            "padded": lambda: rlloom_step(model, r, None),
-                           "bucketed": lambda: rlloom_step(model, r, a.budget)}, a.repeats)
+                           "bucketed": lambda: rlloom_step(model, r, a.budget)}, a.repeats,
+                          device)
         print(f"h{hidden}xL{layers} loss: " +
               ", ".join(f"{k} {v:.9f}" for k, v in losses.items()), flush=True)
         for clock in (0, 1):
             tps = {k: real / v[clock] for k, v in times.items()}
             rows.append((f"h{hidden}xL{layers}", ("wall", "cpu")[clock], tps, spread))
+    where = f"{a.threads} CPU thread(s)" if device.type == "cpu" else str(device)
     print(f"\ntrain step (forward+backward), {a.b}x{a.k} rows, {real} real tokens in a "
-          f"{padded}-token padded batch, budget {a.budget}, {a.threads} CPU thread(s), "
+          f"{padded}-token padded batch, budget {a.budget}, {dtype}, {where}, "
           f"best of {a.repeats}")
     print(f"{'model':>10} {'clock':>5} {'HF tok/s':>9} {'padded':>9} {'bucketed':>9} "
           f"{'padded/HF':>10} {'bucketed/HF':>12} {'loss diff':>10}")
