@@ -11,8 +11,8 @@ no top-k / top-p for at most `--new` tokens (stopping at EOS), score them with r
 verifier (`task_terms`, weighted by `reward.weights`, as `Rewarder` does), and take
 `algo.epochs` x `algo.minibatches` AdamW steps on mini-batches of B*K/minibatches samples:
 group-normalised advantages, PPO clip, k3 KL to a frozen reference in the loss with the same
-coefficient, sequence-mean of token-means, the same lr, grad clip and weight decay, fp32, CPU,
-no vLLM, the same number of torch threads.
+coefficient, sequence-mean of token-means, the same lr, grad clip and weight decay, fp32, the
+same device (`--device`, CPU by default), no vLLM, the same number of torch threads.
 
 Mapping of the step onto TRL: generation_batch_size = B*K through steps_per_generation =
 minibatches with per_device_train_batch_size = B*K/minibatches and no gradient accumulation,
@@ -62,7 +62,7 @@ def rlloom_config(a: argparse.Namespace, run_dir: str) -> RunConfig:
                  f"rollout.max_new_tokens={a.new}", "rollout.temperature=1.0",
                  "rollout.top_p=1.0", "rollout.top_k=0", f"algo.epochs={a.epochs}",
                  f"algo.minibatches={a.minibatches}", f"train.threads={a.threads}",
-                 f"seed={a.seed}", f"run_dir={run_dir}"]
+                 f"seed={a.seed}", f"run_dir={run_dir}", f"train.device={a.device}"]
     if a.model:
         overrides.append(f"model.path={a.model}")
     if a.lr is not None:
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads, both")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides, fp32)")
     ap.add_argument("--model", default=None, help="HF checkpoint dir; default: the built-in "
                     "tiny model (built and cached on first use)")
     a = ap.parse_args()
@@ -158,7 +159,8 @@ def main() -> None:
 
     n, mb = b * k, cfg.algo.minibatches
     targs = GRPOConfig(
-        output_dir=str(Path(tmp.name) / "trl"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=str(Path(tmp.name) / "trl"), use_cpu=a.device == "cpu", bf16=False,
+        fp16=False,
         gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
         per_device_train_batch_size=n // mb, gradient_accumulation_steps=1,
         steps_per_generation=mb, num_iterations=cfg.algo.epochs, num_generations=k,
@@ -210,7 +212,7 @@ def main() -> None:
           f"x K={k}, <= {cfg.rollout.max_new_tokens} new tokens, temperature 1, "
           f"{cfg.algo.epochs} epochs x {mb} minibatches = {cfg.algo.epochs * mb} optimizer "
           f"steps of {n // mb} samples, lr {cfg.train.lr:g}, KL coef {cfg.algo.kl_coef:g}, "
-          f"{a.threads} CPU thread(s)")
+          + (f"{a.threads} CPU thread(s)" if a.device == "cpu" else a.device))
     print("versions: " + ", ".join(f"{m} {version(m)}" for m in
                                    ("torch", "transformers", "trl", "accelerate")))
     side = (f"{'step s':>7} {'gen':>6} {'assess':>6} {'train':>6} {'cpu s':>6} {'len':>5} "

@@ -6,11 +6,12 @@ name the key and suggest the closest valid one.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rlloom.algos.presets import PRESETS
 from rlloom.plan import Plan, Strict
@@ -145,6 +146,17 @@ class TrainSection(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
+    device: str = Field("auto", description="where models and tensors live: auto (cuda when "
+                        "torch.cuda.is_available(), else cpu), cpu, cuda or cuda:N; under "
+                        "torchrun cuda means cuda:LOCAL_RANK")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        # only the spelling here: whether this machine has the device is the runtime's check
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError("use auto, cpu, cuda or cuda:N")
+        return v
 
 
 class EvalSection(Strict):
@@ -243,7 +255,8 @@ def _explain(err: ValidationError, source: str) -> ConfigError:
             hint = _closest(key, list(section.model_fields)) if section else ""
             lines.append(f"unknown key {key!r}{hint}")
         elif key:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} "
+                         f"(got {e.get('input')!r})")
         else:
             lines.append(e["msg"].removeprefix("Value error, "))
     return ConfigError(f"invalid configuration from {source}:\n  " + "\n  ".join(lines))

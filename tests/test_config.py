@@ -63,3 +63,12 @@ def test_override_syntax_error():
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_device_spellings():
+    assert load_config().train.device == "auto"
+    for name in ("cpu", "cuda", "cuda:1"):
+        assert load_config(None, [f"train.device={name}"]).train.device == name
+    with pytest.raises(ConfigError, match=r"train.device: use auto, cpu, cuda or cuda:N "
+                                          r"\(got 'gpu'\)"):
+        load_config(None, ["train.device=gpu"])

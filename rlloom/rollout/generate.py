@@ -7,7 +7,7 @@ import torch
 
 from rlloom.models.cache import KVCache
 from rlloom.models.transformer import CausalLM
-from rlloom.rollout.sampling import SamplingParams, sample
+from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms
 
 
 @dataclass
@@ -25,6 +25,9 @@ class Rollout:
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
@@ -72,15 +75,18 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     """Sample up to `max_new_tokens` for each prompt, stopping rows at EOS.
 
     Without the cache every step re-runs the whole prefix; it exists to check the cache.
+    The rollout is on the model's device.
     """
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    p = next(model.parameters())
+    dev = p.device
+    prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
     n, t_max = len(prompts), params.max_new_tokens
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(model.config, n, prompt_ids.shape[1] + t_max, dtype) if use_cache else None
-    out_ids = torch.full((n, t_max), pad_id, dtype=torch.long)
-    out_mask = torch.zeros(n, t_max, dtype=torch.long)
-    out_lp = torch.zeros(n, t_max)
-    live = torch.ones(n, dtype=torch.bool)
+    cache = (KVCache(model.config, n, prompt_ids.shape[1] + t_max, p.dtype, dev) if use_cache
+             else None)
+    out_ids = torch.full((n, t_max), pad_id, dtype=torch.long, device=dev)
+    out_mask = torch.zeros(n, t_max, dtype=torch.long, device=dev)
+    out_lp = torch.zeros(n, t_max, device=dev)
+    live = torch.ones(n, dtype=torch.bool, device=dev)
     step_ids, step_mask = prompt_ids, prompt_mask
     for t in range(t_max):
         if use_cache:
@@ -89,7 +95,7 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
             full_ids = torch.cat([prompt_ids, out_ids[:, :t]], 1)
             full_mask = torch.cat([prompt_mask, out_mask[:, :t]], 1)
             logits = model(full_ids, full_mask)[:, -1]
-        tokens, lp = sample(logits, params, generator)
+        tokens, lp = _sample(logits, params, generator)
         tokens = torch.where(live, tokens, pad_id)
         out_ids[:, t] = tokens
         out_mask[:, t] = live.long()
@@ -101,3 +107,13 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     used = int(out_mask.sum(0).nonzero().max()) + 1
     return Rollout(prompt_ids, prompt_mask, out_ids[:, :used], out_mask[:, :used],
                    out_lp[:, :used], ~live)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`; a generator on another device than the logits (the trainer's CPU generator
+    with a model on a GPU) draws the uniforms on its own device, which then move."""
+    if generator is None or params.greedy or generator.device == logits.device:
+        return sample(logits, params, generator)
+    u = torch.rand(logits.shape[0], generator=generator, device=generator.device)
+    return sample_with_uniforms(logits, params, u.to(logits.device))

@@ -23,13 +23,16 @@ def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
-    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-            for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
+    # one copy to the host instead of one per row
+    ids, mask = rollout.response_ids.cpu(), rollout.response_mask.cpu()
+    return [tokenizer.decode(row[keep.bool()].tolist(), skip_special_tokens=True)
+            for row, keep in zip(ids, mask)]
 
 
 def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
                    responses: list[str]) -> Rollout:
-    """Prompt + given response (+ EOS) rows in generation's layout, for SFT and DPO."""
+    """Prompt + given response (+ EOS) rows in generation's layout, for SFT and DPO (on the
+    CPU: move them to the model's device)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     p_ids, p_mask = left_pad(encode(tokenizer, prompts), pad)
     r_ids, r_mask = right_pad([tokenizer(r, add_special_tokens=False)["input_ids"] + [eos]

@@ -39,7 +39,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
 
 
 def load_latest(run_dir: Path) -> dict[str, Any] | None:
+    """The newest checkpoint's state, on the CPU whatever device saved it (RNG states must be
+    CPU tensors; `load_state_dict` copies weights and optimizer state to the model's device)."""
     dirs = checkpoint_dirs(run_dir)
     if not dirs:
         return None
-    return torch.load(dirs[-1] / "state.pt", weights_only=False)
+    return torch.load(dirs[-1] / "state.pt", map_location="cpu", weights_only=False)

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from rlloom.config import RunConfig
 from rlloom.data.prompts import read_prompt_file
 from rlloom.data.synthetic import generate
@@ -14,6 +16,7 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
+from rlloom.runtime.device import resolve_device
 from rlloom.runtime.sft import mix_direct_answers, supervised_finetune
 
 # SFT problems come from their own seed so they do not overlap the RL prompt stream by design.
@@ -44,9 +47,12 @@ def default_model_key(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def warm_start(cfg: RunConfig, out: Path) -> Path:
+def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) -> Path:
     """SFT `model.path` (or a freshly initialised tiny model when it is null) on worked
-    solutions (the prompt file's `solution` fields, else the built-in task), save to `out`."""
+    solutions (the prompt file's `solution` fields, else the built-in task), save to `out`.
+    Trains on `device` (default: `train.device` resolved here); the weights initialise on
+    the CPU, so they are the same whichever device trains them."""
+    device = device or resolve_device(cfg.train.device)
     if cfg.model.path:
         tokenizer, model = load_tokenizer(cfg.model.path), load_model(cfg.model.path)
     else:
@@ -59,16 +65,17 @@ def warm_start(cfg: RunConfig, out: Path) -> Path:
         problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
                             difficulty=cfg.data.difficulty)
     problems = mix_direct_answers(problems, cfg.sft.direct_fraction, seed=cfg.seed)
-    supervised_finetune(model, tokenizer, problems, cfg.sft.steps, cfg.sft.batch_size,
+    supervised_finetune(model.to(device), tokenizer, problems, cfg.sft.steps, cfg.sft.batch_size,
                         cfg.sft.lr, seed=cfg.seed)
     save_checkpoint(model, tokenizer, out)
     return out
 
 
-def ensure_default_model(cfg: RunConfig) -> Path:
+def ensure_default_model(cfg: RunConfig, device: torch.device | None = None) -> Path:
+    """The built-in model's checkpoint, built on `device` (see `warm_start`) unless cached."""
     path = cache_root() / "models" / f"tiny-{cfg.data.task}-{default_model_key(cfg)}"
     if not (path / "config.json").is_file():
         print(f"building the built-in model (cached at {path})")
         warm_start(cfg.model_copy(update={"data": cfg.data.model_copy(
-            update={"prompt_file": None})}), path)
+            update={"prompt_file": None})}), path, device)
     return path

@@ -37,6 +37,7 @@ from rlloom.parallel.mesh import build_mesh
 from rlloom.plan import Layout
 from rlloom.rollout.generate import cat_rollouts
 from rlloom.runtime.checkpoint import checkpoint_dirs
+from rlloom.runtime.device import torchrun_device
 from rlloom.runtime.online import Samples
 
 
@@ -76,10 +77,16 @@ def distributed_problems(cfg: RunConfig, world: int) -> list[str]:
     return problems
 
 
-def join_process_group() -> None:
-    """Join the process group torchrun set up (gloo on CPU, NCCL on GPUs)."""
+def join_process_group(requested: str) -> torch.device:
+    """Join the process group torchrun set up and return this process's device (for
+    `train.device=requested`): NCCL on cuda:LOCAL_RANK, made the current CUDA device because
+    NCCL collectives (and object collectives) run on it, or gloo on the CPU."""
+    device = torchrun_device(requested)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
 
 
 @dataclass
@@ -91,6 +98,7 @@ class Collective:
     gen: Layout
     train_mesh: DeviceMesh
     gen_mesh: DeviceMesh
+    device: torch.device  # this rank's: cuda:LOCAL_RANK under NCCL, else the CPU
     # Generation runs on its own copy of the actor (TP only, never a DP wrapper) when the
     # plan gives a "rollout" layout or the actor trains data-parallel: data-parallel replicas
     # generate different prompts for different numbers of steps, so their forward passes must
@@ -103,13 +111,14 @@ class Collective:
         problems = distributed_problems(cfg, world_size())
         if problems:
             raise ConfigError("this plan cannot run under torchrun: " + "; ".join(problems))
-        join_process_group()
+        device = join_process_group(cfg.train.device)
         train = cfg.plan.layout("actor")
         hybrid = "rollout" in cfg.plan.layouts
         gen = cfg.plan.layouts["rollout"] if hybrid else train
-        train_mesh = build_mesh(train)
+        train_mesh = build_mesh(train, device.type)
         return cls(dist.get_rank(), dist.get_world_size(), train, gen, train_mesh,
-                   build_mesh(gen) if hybrid else train_mesh, hybrid or train.dp > 1)
+                   build_mesh(gen, device.type) if hybrid else train_mesh, device,
+                   hybrid or train.dp > 1)
 
     @property
     def main(self) -> bool:
@@ -125,10 +134,12 @@ class Collective:
         return slice(part * size, (part + 1) * size)
 
     def gather(self, samples: Samples, pad_id: int) -> Samples:
-        """Every generation replica's Samples, concatenated in replica order, on every rank."""
+        """Every generation replica's Samples, concatenated in replica order, on every rank
+        (on its device)."""
         parts: list[Samples | None] = [None] * self.world
         leader = self.gen_mesh["tp"].get_local_rank() == 0  # TP ranks hold copies
-        dist.all_gather_object(parts, samples if leader else None)
+        # pickled CUDA tensors would unpickle on the sender's GPU index, not the receiver's
+        dist.all_gather_object(parts, samples.to("cpu") if leader else None)
         got = [s for s in parts if s is not None]
         offsets, problems = [], []
         for s in got:
@@ -138,7 +149,7 @@ class Collective:
                        torch.cat([s.group_ids + o for s, o in zip(got, offsets)]),
                        {k: torch.cat([s.terms[k] for s in got]) for k in got[0].terms},
                        torch.cat([s.scores for s in got]), 1,
-                       max(s.score_s for s in got))
+                       max(s.score_s for s in got)).to(self.device)
 
     def training_share(self, samples: Samples) -> tuple[Samples, torch.Tensor]:
         """The whole groups this rank's training dp replica assesses and trains on, and their
@@ -158,7 +169,7 @@ class Collective:
         makes the averaged gradient the one-process gradient of the whole mini-batch."""
         if self.train.dp == 1:
             return norm
-        counts = torch.tensor([norm.tokens, norm.seqs], dtype=torch.float64)
+        counts = torch.tensor([norm.tokens, norm.seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.train_mesh["dp"].get_group())
         dp = self.train.dp
         return replace(norm, tokens=float(counts[0]) / dp, seqs=float(counts[1]) / dp)
@@ -166,7 +177,8 @@ class Collective:
     def mean(self, stats: dict[str, float]) -> dict[str, float]:
         """Scalar metrics averaged over ranks (equal-sized shares, so the mean of means)."""
         keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)))
-        values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
+        values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(values)
         return {**stats, **{k: v / self.world for k, v in zip(keys, values.tolist())}}
 
@@ -220,4 +232,4 @@ def load_sharded_checkpoint(run_dir: Path,
                           "torchrun (sharded and single-process checkpoints do not mix yet)")
     for name, (model, optim) in parts.items():
         load_sharded(model, optim, latest / name)
-    return torch.load(latest / "state.pt", weights_only=False)
+    return torch.load(latest / "state.pt", map_location="cpu", weights_only=False)

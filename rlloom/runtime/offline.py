@@ -10,6 +10,7 @@ from rlloom.data.preferences import PreferencePair
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.batch import response_logprobs, teacher_forced
+from rlloom.runtime.device import model_device
 
 
 def pair_batch(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair]) -> Rollout:
@@ -26,7 +27,7 @@ def sequence_logprobs(model: CausalLM, batch: Rollout) -> torch.Tensor:
 def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.optim.Optimizer,
                     tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair],
                     algo: AlgoSection, grad_clip: float) -> dict[str, float]:
-    batch = pair_batch(tokenizer, pairs)
+    batch = pair_batch(tokenizer, pairs).to(model_device(policy))
     n = len(pairs)
     with torch.no_grad():
         ref = sequence_logprobs(reference, batch)

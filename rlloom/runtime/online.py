@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -53,6 +53,12 @@ class Samples:
         """[n] bool: the verifier's full marks."""
         return self.terms["correct"] >= 1.0
 
+    def to(self, device: torch.device | str) -> "Samples":
+        return replace(self, rollout=self.rollout.to(device),
+                       group_ids=self.group_ids.to(device),
+                       terms={k: v.to(device) for k, v in self.terms.items()},
+                       scores=self.scores.to(device))
+
 
 class Rewarder:
     """Reward terms of responses: the task's verifier (with a sandbox pool for code) and an
@@ -65,9 +71,11 @@ class Rewarder:
 
     def terms(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
               ) -> dict[str, torch.Tensor]:
+        """Each term [n], on the rollout's device (the verifiers run on the host)."""
         texts = decode_responses(self.tokenizer, rollout)
         per_sample = [problems[g] for g in group_ids.tolist()]
-        terms = {k: torch.tensor(v) for k, v in
+        device = rollout.response_ids.device
+        terms = {k: torch.tensor(v, device=device) for k, v in
                  task_terms(per_sample, texts, self.cfg.data.task, self.pool).items()}
         if self.reward_model is not None:
             with torch.no_grad():
@@ -99,7 +107,7 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
                                                               r.top_p, r.top_k),
                               tokenizer.eos_token_id, tokenizer.pad_token_id, generator,
                               EngineConfig(n_samples=k))
-    group_ids = torch.arange(len(problems)).repeat_interleave(k)
+    group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)
     return Samples(problems, rollout, group_ids, terms, scores,
@@ -128,14 +136,16 @@ def collect(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: Prompt
     kept = kept[:b] or [_group(first, g) for g in range(b)]  # nothing learnable: keep round 1
     return Samples([s.problems[0] for s in kept],
                    cat_rollouts([s.rollout for s in kept], tokenizer.pad_token_id),
-                   torch.arange(len(kept)).repeat_interleave(cfg.rollout.n_samples),
+                   torch.arange(len(kept), device=first.group_ids.device).repeat_interleave(
+                       cfg.rollout.n_samples),
                    {k: torch.cat([s.terms[k] for s in kept]) for k in first.terms},
                    torch.cat([s.scores for s in kept]), rounds, score_s)
 
 
 def _group(s: Samples, g: int) -> Samples:
     idx = (s.group_ids == g).nonzero().squeeze(1)
-    return Samples([s.problems[g]], s.rollout.select(idx), torch.zeros(len(idx), dtype=torch.long),
+    return Samples([s.problems[g]], s.rollout.select(idx),
+                   torch.zeros(len(idx), dtype=torch.long, device=idx.device),
                    {k: v[idx] for k, v in s.terms.items()}, s.scores[idx])
 
 
@@ -145,7 +155,8 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
     rollout = engine_generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
                               SamplingParams(cfg.rollout.max_new_tokens, 0.0),
                               tokenizer.eos_token_id, tokenizer.pad_token_id)
-    _, scores = rewarder.score(s.problems, torch.arange(len(s.problems)), rollout)
+    _, scores = rewarder.score(s.problems, torch.arange(len(s.problems),
+                                                        device=rollout.finished.device), rollout)
     return scores[s.group_ids]
 
 
@@ -189,7 +200,7 @@ def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int
              ) -> torch.Tensor:
     """`score` [rows, T] of every row, computed on length-bucketed micro-batches (no forward
     over the batch's padding) and put back in the rollout's row order and width."""
-    out = torch.zeros(r.response_ids.shape)
+    out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
     for rows in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget):
         part = score(trim(r.select(rows)))
         out[rows, :part.shape[1]] = part.float()
@@ -210,8 +221,9 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.algo.epochs):
-        for idx in torch.randperm(len(r.finished), generator=generator).chunk(
-                cfg.algo.minibatches):
+        # the CPU generator keeps shuffles reproducible on any device
+        order = torch.randperm(len(r.finished), generator=generator).to(r.finished.device)
+        for idx in order.chunk(cfg.algo.minibatches):
             mask = exp.loss_mask[idx]
             if mask.sum() == 0:
                 continue  # every sample here was filtered out (overlong)

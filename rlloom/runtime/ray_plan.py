@@ -56,6 +56,10 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
                             f"(ep={layout.ep}, zero={layout.zero}); the Ray runtime runs one "
                             "process per role group: set the layout's degrees to 1 (parallel "
                             "layouts inside a role run under torchrun)")
+    if cfg.train.device not in ("auto", "cpu"):
+        problems.append(f"train.device={cfg.train.device}: the Ray runtime runs every role on "
+                        "the CPU for now (GPUs are used in one process or under torchrun); "
+                        "set train.device=cpu or auto")
     if cfg.plan.schedule == "fused" and cfg.algo.dynamic_sampling:
         problems.append("plan.schedule=fused streams fixed chunks of prompts, but "
                         "algo.dynamic_sampling refills the batch from whole-batch rewards; "

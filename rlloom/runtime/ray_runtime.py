@@ -472,7 +472,8 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     opts = opts or RayOptions()
     check_ray_runnable(cfg, opts)
     run_dir = resume_dir or new_run_dir(cfg)
-    model_path = Path(cfg.model.path) if cfg.model.path else ensure_default_model(cfg)
+    model_path = (Path(cfg.model.path) if cfg.model.path
+                  else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU
     d = cfg.data
     sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                             d.prompt_file, d.eval_fraction, d.columns)

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.batch import response_logprobs, teacher_forced
+from rlloom.runtime.device import model_device
 from rlloom.runtime.progress import progress_bar
 
 
@@ -27,7 +28,8 @@ def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
                         seed: int) -> list[float]:
     """Minimise the NLL of `solution + EOS` given the prompt; returns the loss per step.
 
-    Warm-up then cosine decay: a short run must still end at a small learning rate.
+    Warm-up then cosine decay: a short run must still end at a small learning rate. Trains
+    on the model's device.
     """
     if any(not p.solution for p in problems):
         raise ValueError("supervised fine-tuning needs a 'solution' for every problem")
@@ -37,11 +39,12 @@ def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     losses = []
+    device = model_device(model)
     with progress_bar("sft", steps) as bar:
         for _ in range(steps):
             batch = rng.sample(problems, batch_size)
             seqs = teacher_forced(tokenizer, [p.prompt for p in batch],
-                                  [p.solution for p in batch])
+                                  [p.solution for p in batch]).to(device)
             logp, _, _ = response_logprobs(model, seqs, temperature=1.0)
             loss = -(logp * seqs.response_mask).sum() / seqs.response_mask.sum()
             optimizer.zero_grad(set_to_none=True)

@@ -36,6 +36,7 @@ from rlloom.runtime.batch import encode
 from rlloom.runtime.checkpoint import load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
+from rlloom.runtime.device import resolve_device
 from rlloom.runtime.distributed import (
     Collective,
     distributed_problems,
@@ -105,7 +106,7 @@ def new_run_dir(cfg: RunConfig) -> Path:
         return Path(cfg.run_dir)
     name = [time.strftime("%Y%m%d-%H%M%S")]
     if world_size() > 1:  # every process must write where rank 0 does
-        join_process_group()
+        join_process_group(cfg.train.device)
         torch.distributed.broadcast_object_list(name, src=0)
     return Path("runs") / name[0]
 
@@ -116,14 +117,15 @@ class Trainer:
         check_runnable(cfg, world)
         self.cfg, self.run_dir = cfg, run_dir
         self.preset = PRESETS[cfg.algo.name]
+        # every model lives here, and every tensor that meets their outputs
+        self.device = (join_process_group(cfg.train.device) if world > 1
+                       else resolve_device(cfg.train.device))
         # processes on one machine share its cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
-        if world > 1:
-            join_process_group()
         model_path = Path(cfg.model.path) if cfg.model.path else self._default_model()
         dtype = DTYPES[cfg.model.dtype]
-        self.policy = load_model(model_path, dtype)
+        self.policy = load_model(model_path, dtype).to(self.device)
         self.tokenizer = load_tokenizer(model_path)
         if self.tokenizer.eos_token_id is None or self.tokenizer.pad_token_id is None:
             raise DataError(f"the tokenizer in {model_path} needs an EOS and a pad token")
@@ -132,14 +134,14 @@ class Trainer:
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if "critic" in self.preset.roles:
             if cfg.plan.actor_critic == "shared":
-                self.policy = ActorCritic.from_policy(self.policy)
+                self.policy = ActorCritic.from_policy(self.policy).to(self.device)
             else:
-                self.critic = ValueModel.from_policy(self.policy)
+                self.critic = ValueModel.from_policy(self.policy).to(self.device)
                 self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(),
                                                           lr=a.critic_lr)
-        self.reference = (load_model(model_path, dtype).eval().requires_grad_(False)
-                          if cfg.needs_reference else None)
-        reward_model = (load_value_model(cfg.reward.model_path, dtype).eval()
+        self.reference = (load_model(model_path, dtype).to(self.device).eval()
+                          .requires_grad_(False) if cfg.needs_reference else None)
+        reward_model = (load_value_model(cfg.reward.model_path, dtype).to(self.device).eval()
                         .requires_grad_(False) if cfg.reward.model_path else None)
         if reward_model is not None and reward_model.config.vocab_size != len(self.tokenizer):
             raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary of "
@@ -186,12 +188,15 @@ class Trainer:
             self.generator = copy.deepcopy(self.policy)
             if coll.gen.tp > 1:
                 apply_tensor_parallel(self.generator, coll.gen_mesh["tp"])
-        parallelize(self.policy, coll.train, coll.train_mesh)
+        # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would change
+        # the log-probs PPO compares with the sampled ones, and greedy evaluation's fp32 KV
+        # cache would meet bf16 queries
+        parallelize(self.policy, coll.train, coll.train_mesh, mixed_precision=False)
         self.optimizer = make_optimizer(self.policy, coll.train, coll.train_mesh,
                                         self.cfg.train.lr,
                                         weight_decay=self.cfg.train.weight_decay)
         if self.critic is not None:
-            parallelize(self.critic, coll.train, coll.train_mesh)
+            parallelize(self.critic, coll.train, coll.train_mesh, mixed_precision=False)
             self.critic_optimizer = make_optimizer(self.critic, coll.train, coll.train_mesh,
                                                    self.cfg.algo.critic_lr)
         if self.reference is not None and coll.train.tp > 1:
@@ -200,11 +205,11 @@ class Trainer:
     def _default_model(self) -> Path:
         """The built-in model, built (and cached) by one process while the others wait."""
         if world_size() == 1:
-            return ensure_default_model(self.cfg)
+            return ensure_default_model(self.cfg, self.device)
         if torch.distributed.get_rank() == 0:
-            ensure_default_model(self.cfg)
+            ensure_default_model(self.cfg, self.device)
         torch.distributed.barrier()
-        return ensure_default_model(self.cfg)
+        return ensure_default_model(self.cfg, self.device)
 
     @property
     def main(self) -> bool:

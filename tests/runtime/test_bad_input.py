@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from rlloom.cli import main
 
@@ -29,6 +30,14 @@ def test_missing_model_directory(tmp_path, tiny, capsys):
     run = tmp_path / "run"
     _fails(["train", *tiny, f"model.path={tmp_path / 'nope'}", f"run_dir={run}"], capsys,
            "nope' does not exist")
+    assert not run.exists()
+
+
+def test_cuda_requested_without_cuda(tmp_path, tiny, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = tmp_path / "run"
+    _fails(["train", *tiny, "train.device=cuda", f"run_dir={run}"], capsys,
+           "train.device=cuda but torch.cuda.is_available() is False")
     assert not run.exists()
 
 

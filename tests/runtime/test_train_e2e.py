@@ -7,8 +7,12 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from rlloom.cli import main
+from rlloom.config import load_config
 from rlloom.models.hf_io import load_model
+from rlloom.runtime.trainer import Trainer, train
 
 TIMING = {"gen_s", "assess_s", "train_s", "step_s"}
 
@@ -31,7 +35,6 @@ def test_short_run_writes_everything(tmp_path, tiny, capsys):
     assert (run / "config.yaml").is_file()
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000003"]
     final = load_model(run / "final")                 # checkpoint round trip
-    import torch
     state = torch.load(run / "checkpoints/step_000003/state.pt", weights_only=False)
     for name, tensor in final.state_dict().items():
         assert torch.equal(tensor, state["policy"][name]), name
@@ -66,3 +69,23 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, tiny):
 
     assert _rlloom("train", "--resume", str(killed), env=env).wait() == 0
     assert _rows(killed) == _rows(whole)
+
+
+def test_explicit_cpu_device_runs_and_resumes(tmp_path, tiny):
+    """train.device=cpu end to end: every model on the CPU, a checkpoint resumed, and the
+    trained weights exported."""
+    run = tmp_path / "run"
+    cfg = load_config(None, [*tiny, "train.device=cpu", "train.steps=1", f"run_dir={run}"])
+    train(cfg)
+    cfg = load_config(run / "config.yaml", ["train.steps=2"])
+    assert cfg.train.device == "cpu"
+    trainer = Trainer(cfg, run)
+    assert trainer.resume() and trainer.step == 1
+    assert trainer.device == torch.device("cpu")
+    models = [trainer.policy, trainer.reference]
+    assert {p.device for m in models for p in m.parameters()} == {torch.device("cpu")}
+    trainer.run()
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").open())] == [1, 2]
+    trained = trainer.policy.state_dict()
+    for name, tensor in load_model(run / "final").state_dict().items():
+        assert torch.equal(tensor, trained[name]), name

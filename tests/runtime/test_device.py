@@ -1,0 +1,43 @@
+"""`train.device` resolved against the machine, with CUDA reported missing (these tests run
+the same on a machine with a GPU)."""
+import pytest
+import torch
+
+from rlloom.config import ConfigError, load_config
+from rlloom.runtime.device import resolve_device, torchrun_device
+from rlloom.runtime.ray_plan import RayOptions, ray_problems
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_auto_and_cpu_resolve_to_the_cpu(no_cuda):
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert torchrun_device("auto") == torch.device("cpu")
+    assert torchrun_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_cuda_without_cuda_names_key_and_fix(no_cuda, name):
+    fix = (rf"train.device={name} but torch.cuda.is_available\(\) is False \(torch .*\): "
+           "install a CUDA build of torch or set train.device=cpu")
+    with pytest.raises(ConfigError, match=fix):
+        resolve_device(name)
+    if name == "cuda":
+        with pytest.raises(ConfigError, match=fix):
+            torchrun_device(name)
+
+
+def test_torchrun_picks_the_gpu_itself():
+    with pytest.raises(ConfigError, match="under torchrun each process uses cuda:LOCAL_RANK"):
+        torchrun_device("cuda:1")
+
+
+def test_ray_runtime_refuses_cuda():
+    cfg = load_config(None, ["train.device=cuda"])
+    assert any("train.device=cuda: the Ray runtime runs every role on the CPU" in p
+               for p in ray_problems(cfg, RayOptions()))
+    assert ray_problems(load_config(None, ["train.device=auto"]), RayOptions()) == []
