@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlloom.config import load_config
 from rlloom.models.hf_io import save_checkpoint
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.batch import response_logprobs
-from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches, trim
+from rlloom.runtime.packing import micro_batches, trim
 
 sys.path.insert(0, str(Path(__file__).parent))
 from generate import DTYPES, VOCAB, prompts_for, shape, time_best  # noqa: E402
@@ -85,8 +86,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="samples per prompt")
     ap.add_argument("--mean-len", type=float, default=48.0, help="mean response length")
     ap.add_argument("--max-len", type=int, default=256, help="response length cap")
-    ap.add_argument("--budget", type=int, default=MICRO_BATCH_TOKENS,
-                    help="padded tokens per micro-batch (bucketed run)")
+    ap.add_argument("--budget", type=int, default=load_config(None, []).train.micro_batch_tokens,
+                    help="padded tokens per micro-batch (bucketed run; train.micro_batch_tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")

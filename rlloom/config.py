@@ -62,6 +62,10 @@ class RolloutSection(Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     max_new_tokens: int = Field(64, ge=1, description="response length limit")
+    min_p: float = Field(0.0, ge=0, lt=1, description="drop tokens below min_p x the most "
+                         "likely token's probability; 0 = off")
+    stop: list[str] = Field([], description="strings that end a response like EOS (they stay "
+                            "in it, and the response counts as finished)")
 
 
 class AlgoSection(Strict):
@@ -146,6 +150,10 @@ class TrainSection(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
+    micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward/"
+                                    "backward micro-batch (bounds activation memory); rows of "
+                                    "similar length share one. Under torchrun each rank runs "
+                                    "one micro-batch per mini-batch instead")
     device: str = Field("auto", description="where models and tensors live: auto (cuda when "
                         "torch.cuda.is_available(), else cpu), cpu, cuda or cuda:N; under "
                         "torchrun cuda means cuda:LOCAL_RANK")

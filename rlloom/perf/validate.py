@@ -23,8 +23,6 @@ from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import Plan
 
-# runtime/packing.MICRO_BATCH_TOKENS (that module imports torch; a test checks they agree)
-RUNTIME_MICRO_BATCH_TOKENS = 8192
 STAGES = (("generation", "gen_s"), ("assessment", "assess_s"), ("training", "train_s"))
 
 
@@ -59,7 +57,7 @@ def step_workload(row: dict, cfg: RunConfig) -> Workload:
                     prompt_len=round(row["prompt_len"]), response=Lengths.empirical(lengths),
                     ppo_epochs=cfg.algo.epochs, minibatches=cfg.algo.minibatches,
                     dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
-                    micro_batch_tokens=RUNTIME_MICRO_BATCH_TOKENS)
+                    micro_batch_tokens=cfg.train.micro_batch_tokens)
 
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from rlloom.runtime.batch import (
     response_values,
     sequence_scores,
 )
-from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches, trim
+from rlloom.runtime.packing import micro_batches, trim
 
 
 @dataclass
@@ -103,10 +103,11 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
                   cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
     r, k = cfg.rollout, cfg.rollout.n_samples
     prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
-    rollout = engine_generate(policy, prompts, SamplingParams(r.max_new_tokens, r.temperature,
-                                                              r.top_p, r.top_k),
-                              tokenizer.eos_token_id, tokenizer.pad_token_id, generator,
-                              EngineConfig(n_samples=k))
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
+                            stop=tuple(r.stop))
+    rollout = engine_generate(policy, prompts, params, tokenizer.eos_token_id,
+                              tokenizer.pad_token_id, generator, EngineConfig(n_samples=k),
+                              tokenizer.decode)
     group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)
@@ -163,9 +164,10 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 @torch.no_grad()
 def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
            kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
-           micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> Experience:
-    """Reference log-probs, critic values, shaped rewards and advantages."""
-    r, budget = s.rollout, micro_batch_tokens
+           one_micro_batch: bool = False) -> Experience:
+    """Reference log-probs, critic values, shaped rewards and advantages. The forwards run in
+    length-bucketed micro-batches, or in one (torchrun: every rank must run as many)."""
+    r, budget = s.rollout, None if one_micro_batch else cfg.train.micro_batch_tokens
     ref_logp = (bucketed(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
                          r, budget) if reference is not None else None)
     old_values = (bucketed(lambda mb: response_values(critic, mb), r, budget)
@@ -196,7 +198,7 @@ def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Ten
     return Experience(s, loss_mask, ref_logp, old_values, advantages * loss_mask, returns)
 
 
-def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int
+def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int | None
              ) -> torch.Tensor:
     """`score` [rows, T] of every row, computed on length-bucketed micro-batches (no forward
     over the batch's padding) and put back in the rollout's row order and width."""
@@ -210,14 +212,16 @@ def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
              kl_coef: float, cfg: RunConfig, generator: torch.Generator,
-             micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+             one_micro_batch: bool = False,
              global_norm: Callable[[LossNorm], LossNorm] = lambda n: n) -> dict[str, float]:
     """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
     bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
-    mini-batch runs as length-bucketed micro-batches of at most `micro_batch_tokens` padded
-    tokens, accumulating the mini-batch's gradient. Under data parallelism `global_norm`
-    turns a replica's normalisers into the whole mini-batch's (runtime/distributed.py)."""
+    mini-batch runs as length-bucketed micro-batches of at most `train.micro_batch_tokens`
+    padded tokens (or as one, under torchrun), accumulating the mini-batch's gradient. Under
+    data parallelism `global_norm` turns a replica's normalisers into the whole mini-batch's
+    (runtime/distributed.py)."""
     r = exp.samples.rollout
+    budget = None if one_micro_batch else cfg.train.micro_batch_tokens
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.algo.epochs):
@@ -229,14 +233,14 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
                 continue  # every sample here was filtered out (overlong)
             norm = global_norm(LossNorm.of(mask, const=cfg.rollout.max_new_tokens))
             optimizer.zero_grad(set_to_none=True)
-            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, micro_batch_tokens)
+            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget)
             stats["grad_norm"] = clip_grad_norm(
                 policy.parameters(), cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
                 stats["value_loss"] = critic_backward(critic, exp, idx, norm, cfg,
-                                                      micro_batch_tokens)
+                                                      budget)
                 clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
@@ -245,7 +249,7 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     return {k: v / max(updates, 1) for k, v in totals.items()}
 
 
-def _micro(exp: Experience, idx: torch.Tensor, budget: int
+def _micro(exp: Experience, idx: torch.Tensor, budget: int | None
            ) -> Iterator[tuple[torch.Tensor, Rollout, int]]:
     """(rows, trimmed rollout of those rows, its response width) per micro-batch of `idx`."""
     r = exp.samples.rollout
@@ -256,7 +260,7 @@ def _micro(exp: Experience, idx: torch.Tensor, budget: int
 
 
 def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: LossNorm,
-                    kl_coef: float, cfg: RunConfig, micro_batch_tokens: int = MICRO_BATCH_TOKENS
+                    kl_coef: float, cfg: RunConfig, micro_batch_tokens: int | None
                     ) -> dict[str, float]:
     """Accumulate into `.grad` the gradient of mini-batch `idx`'s loss, one micro-batch at a
     time, and return its statistics (token means over the whole mini-batch)."""
@@ -300,7 +304,7 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
 
 
 def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm: LossNorm,
-                    cfg: RunConfig, micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> float:
+                    cfg: RunConfig, micro_batch_tokens: int | None) -> float:
     """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
     aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
     total = 0.0

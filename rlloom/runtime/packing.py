@@ -13,16 +13,15 @@ import torch
 from rlloom.perf.buckets import split_sorted
 from rlloom.rollout.generate import Rollout
 
-# Padded prompt + response tokens per micro-batch: a few MiB of activations per layer at the
-# built-in model's width; one row longer than this still gets a micro-batch of its own.
-MICRO_BATCH_TOKENS = 8192
 
-
-def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int
+def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int | None
                   ) -> list[torch.Tensor]:
     """Positions of rows [n] grouped into micro-batches, shortest rows first, cut where
-    `perf.buckets.split_sorted` says (least padding plus per-micro-batch overhead)."""
+    `perf.buckets.split_sorted` says (least padding plus per-micro-batch overhead) under a
+    `budget` of padded tokens (`train.micro_batch_tokens`); None: all rows in one."""
     order = torch.sort(prompt_lens + response_lens, stable=True).indices
+    if budget is None:
+        return [order]
     bounds = split_sorted(prompt_lens[order].tolist(), response_lens[order].tolist(), budget)
     return [order[s:e] for s, e in bounds]
 

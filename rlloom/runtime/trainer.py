@@ -63,7 +63,6 @@ from rlloom.runtime.progress import progress_bar
 from rlloom.runtime.tracing import Tracer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ONE_MICRO_BATCH = 2**62  # a token budget no mini-batch reaches
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")
 
 
@@ -298,14 +297,14 @@ class Trainer:
             exp = assess(mine, self.reference, self.critic or
                          (self.policy if isinstance(self.policy, ActorCritic) else None),
                          self.kl.value, baseline[rows] if baseline is not None else None, cfg,
-                         **({"micro_batch_tokens": ONE_MICRO_BATCH} if coll else {}))
+                         one_micro_batch=coll is not None)
         with self.tracer.span("training", step, "actor+critic") as tr:
             # under torchrun every rank runs one micro-batch per mini-batch (and per
             # assessment), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
-                             **({"global_norm": coll.global_norm,
-                                 "micro_batch_tokens": ONE_MICRO_BATCH} if coll else {}))
+                             one_micro_batch=coll is not None,
+                             **({"global_norm": coll.global_norm} if coll else {}))
         stats["behaviour_kl"] = behaviour_kl(exp)
         if coll is not None:
             stats = coll.mean(stats)

@@ -110,14 +110,12 @@ def test_length_buckets_pad_like_the_runtime():
     """4 rows of prompt 10 and responses 2, 2, 10, 30 with a 60-token budget: the cheapest cut
     keeps [12, 12, 20] (3 x 20 = 60) and puts the 40-token row alone: 60 + 40 tokens (the
     other feasible cut, [12, 12] + [20, 40], pads to 24 + 80)."""
-    from rlloom.perf.validate import RUNTIME_MICRO_BATCH_TOKENS
-    from rlloom.runtime.packing import MICRO_BATCH_TOKENS, micro_batches
+    from rlloom.runtime.packing import micro_batches
     wl = Workload(4, 1, 10, Lengths.empirical([2, 2, 10, 30]), micro_batch_tokens=60)
     assert wl.teacher_forced(4) == (100, 2)
     groups = micro_batches(torch.tensor([10] * 4), torch.tensor([2, 2, 10, 30]), 60)
     assert [len(g) for g in groups] == [3, 1]
     assert Workload(4, 1, 10, Lengths("fixed", 5)).teacher_forced(4) == (60, 1)
-    assert RUNTIME_MICRO_BATCH_TOKENS == MICRO_BATCH_TOKENS
 
 
 def test_empirical_lengths():

@@ -174,3 +174,10 @@ def test_trim_drops_only_all_padding_columns():
     t = trim(r)
     assert t.prompt_ids.tolist() == [[0, 5, 6], [7, 8, 9]]
     assert t.response_ids.tolist() == [[1, 0], [2, 3]]
+
+
+def test_no_budget_means_one_micro_batch_in_length_order():
+    """Under torchrun every rank must run as many micro-batches: budget None keeps them whole."""
+    p, r = torch.tensor([3, 1, 2]), torch.tensor([1, 9, 4])
+    [only] = micro_batches(p, r, None)
+    assert only.tolist() == [0, 2, 1]

@@ -12,6 +12,8 @@ import torch
 from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.models.hf_io import load_model
+from rlloom.runtime.batch import decode_responses
+from rlloom.runtime.online import sample_groups
 from rlloom.runtime.trainer import Trainer, train
 
 TIMING = {"gen_s", "assess_s", "train_s", "step_s"}
@@ -89,3 +91,29 @@ def test_explicit_cpu_device_runs_and_resumes(tmp_path, tiny):
     trained = trainer.policy.state_dict()
     for name, tensor in load_model(run / "final").state_dict().items():
         assert torch.equal(tensor, trained[name]), name
+
+
+def test_rollout_stop_strings_and_min_p_reach_generation(tmp_path, tiny):
+    """rollout.stop ends a response at its first stop string (kept, counted as finished);
+    rollout.min_p=0.99 keeps only the most likely token (or near-ties of it), so a group's K
+    samples mostly agree, where plain sampling makes nearly all of them differ."""
+    def sampled(*overrides: str):
+        cfg = load_config(None, [*tiny, *overrides, f"run_dir={tmp_path / 'r'}"])
+        trainer = Trainer(cfg, tmp_path / "r")
+        problems = trainer.stream.next(8)
+        s = sample_groups(trainer.policy, trainer.tokenizer, problems, cfg, trainer.rewarder,
+                          trainer.sample_gen)
+        return s, decode_responses(trainer.tokenizer, s.rollout)
+
+    s, texts = sampled("rollout.stop=['1']", "rollout.max_new_tokens=24")
+    hits = [i for i, t in enumerate(texts) if "1" in t]
+    assert len(hits) >= 4, texts       # the tiny arithmetic model writes digits
+    for i in hits:
+        assert texts[i].index("1") == len(texts[i]) - 1 and s.rollout.finished[i], texts[i]
+
+    def distinct(min_p: str) -> int:
+        s, texts = sampled(f"rollout.min_p={min_p}", "rollout.temperature=1.0")
+        k = s.rollout.response_ids.shape[0] // 8
+        return sum(len(set(texts[g * k:(g + 1) * k])) for g in range(8))
+
+    assert distinct("0.99") <= 16 < 28 <= distinct("0.0")   # of 8 groups x K=4 samples
