@@ -46,6 +46,24 @@ def prompts_for(b: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
+def add_machine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="of weights, activations and KV cache; default float32 on cpu, "
+                    "bfloat16 on cuda")
+
+
+def machine(a: argparse.Namespace) -> tuple[torch.device, torch.dtype, str]:
+    """Device, dtype and a label for the report, with the thread count applied."""
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    dtype = DTYPES[a.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
+    where = f"{a.threads} CPU thread(s)" if device.type == "cpu" else str(device)
+    return device, dtype, f"{dtype}, {where}"
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -101,16 +119,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="samples per prompt")
     ap.add_argument("--new", type=int, default=128, help="new tokens per sample")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")
     ap.add_argument("--reference", action="store_true", help="also rlloom's reference")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="weights and KV cache; default float32 on cpu, bfloat16 on cuda")
+    add_machine_args(ap)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
-    dtype = DTYPES[a.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
+    device, dtype, label = machine(a)
     shapes = [(128, 2)] + ([(512, 4)] if a.big else [])
     rows = []
     for hidden, layers in shapes:
@@ -136,8 +148,7 @@ def main() -> None:
                              tokens / ours_s[clock], tokens / hf_s[clock],
                              tokens / ref_s[clock], hf_s[clock] / ours_s[clock]))
             print(f"  done h={hidden} L={layers} B={b}", flush=True)
-    where = f"{a.threads} CPU thread(s)" if device.type == "cpu" else str(device)
-    print(f"\ngeneration, K={a.k}, {a.new} new tokens, temperature 1, {dtype}, {where}, "
+    print(f"\ngeneration, K={a.k}, {a.new} new tokens, temperature 1, {label}, "
           f"best of {a.repeats}; tok/s = generated tokens / seconds")
     print(f"{'model':>10} {'B':>4} {'clock':>5} {'rlloom tok/s':>13} {'HF tok/s':>10} "
           f"{'reference':>10} {'rlloom/HF':>10}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -36,7 +35,14 @@ from rlloom.runtime.batch import response_logprobs
 from rlloom.runtime.packing import micro_batches, trim
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate import DTYPES, VOCAB, prompts_for, shape, time_best  # noqa: E402
+from generate import (  # noqa: E402
+    VOCAB,
+    add_machine_args,
+    machine,
+    prompts_for,
+    shape,
+    time_best,
+)
 
 
 def batch(b: int, k: int, mean_len: float, max_len: int, seed: int = 0) -> Rollout:
@@ -89,17 +95,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=load_config(None, []).train.micro_batch_tokens,
                     help="padded tokens per micro-batch (bucketed run; train.micro_batch_tokens)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--big", action="store_true", help="also hidden 512, 4 layers")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="weights and activations; default float32 on cpu, bfloat16 on cuda")
+    add_machine_args(ap)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
-    dtype = DTYPES[a.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
-    r = batch(a.b, a.k, a.mean_len, a.max_len)
-    r = Rollout(*(getattr(r, f.name).to(device) for f in fields(r)))
+    device, dtype, label = machine(a)
+    r = batch(a.b, a.k, a.mean_len, a.max_len).to(device)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     real = int(r.prompt_mask.sum() + r.response_mask.sum())
     padded = r.prompt_ids.numel() + r.response_ids.numel()
@@ -125,9 +124,8 @@ def main() -> None:
         for clock in (0, 1):
             tps = {k: real / v[clock] for k, v in times.items()}
             rows.append((f"h{hidden}xL{layers}", ("wall", "cpu")[clock], tps, spread))
-    where = f"{a.threads} CPU thread(s)" if device.type == "cpu" else str(device)
     print(f"\ntrain step (forward+backward), {a.b}x{a.k} rows, {real} real tokens in a "
-          f"{padded}-token padded batch, budget {a.budget}, {dtype}, {where}, "
+          f"{padded}-token padded batch, budget {a.budget}, {label}, "
           f"best of {a.repeats}")
     print(f"{'model':>10} {'clock':>5} {'HF tok/s':>9} {'padded':>9} {'bucketed':>9} "
           f"{'padded/HF':>10} {'bucketed/HF':>12} {'loss diff':>10}")
