@@ -9,6 +9,7 @@ from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.rollout.sampling import policy_logprobs
+from rlloom.runtime.shared_prompt import SharedPrompts
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
@@ -53,18 +54,26 @@ def _joined(r: Rollout) -> tuple[torch.Tensor, torch.Tensor, slice]:
 
 
 def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
-                      with_entropy: bool = False
+                      with_entropy: bool = False, prompts: SharedPrompts | None = None,
+                      rows: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs [n, T] of the response tokens, entropies [n, T] (when asked; with gradient)
-    and, for a shared actor-critic, values [n, T] of the state before each token."""
-    ids, mask, span = _joined(r)
+    and, for a shared actor-critic, values [n, T] of the state before each token.
+
+    With `prompts` (the prompt pass of a batch, see shared_prompt.py) `r` holds that batch's
+    rows `rows` and only their responses are run."""
     values = None
-    if isinstance(model, ActorCritic):
-        logits, values = model.logits_and_values(ids, mask)
-        values = values[:, span]
+    if prompts is not None:
+        logits = prompts.logits(rows, r)
     else:
-        logits = model(ids, mask)
-    logits = logits[:, span].float() / (temperature or 1.0)
+        ids, mask, span = _joined(r)
+        if isinstance(model, ActorCritic):
+            logits, values = model.logits_and_values(ids, mask)
+            values = values[:, span]
+        else:
+            logits = model(ids, mask)
+        logits = logits[:, span]
+    logits = logits.float() / (temperature or 1.0)
     logp = policy_logprobs(logits, 1.0).gather(-1, r.response_ids[..., None]).squeeze(-1)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logp, entropy, values

@@ -35,6 +35,7 @@ from rlloom.runtime.batch import (
     sequence_scores,
 )
 from rlloom.runtime.packing import micro_batches, trim
+from rlloom.runtime.shared_prompt import SharedPrompts
 
 
 @dataclass
@@ -164,13 +165,21 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 @torch.no_grad()
 def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
            kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
-           one_micro_batch: bool = False) -> Experience:
+           lockstep: bool = False) -> Experience:
     """Reference log-probs, critic values, shaped rewards and advantages. The forwards run in
-    length-bucketed micro-batches, or in one (torchrun: every rank must run as many)."""
-    r, budget = s.rollout, None if one_micro_batch else cfg.train.micro_batch_tokens
-    ref_logp = (bucketed(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
-                         r, budget) if reference is not None else None)
-    old_values = (bucketed(lambda mb: response_values(critic, mb), r, budget)
+    length-bucketed micro-batches after one prompt pass per distinct prompt, or, in
+    `lockstep` (torchrun: every rank must run the same passes), in one plain forward."""
+    r, budget = s.rollout, None if lockstep else cfg.train.micro_batch_tokens
+    ref_logp = None
+    if reference is not None and lockstep:
+        ref_logp = bucketed(lambda mb, _: response_logprobs(
+            reference, mb, cfg.rollout.temperature)[0], r, budget)
+    elif reference is not None:
+        prompts = SharedPrompts(reference, r, train=False)
+        ref_logp = bucketed(lambda mb, rows: response_logprobs(
+            reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], r, budget,
+            prompts_done=True)
+    old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget)
                   if critic is not None else None)
     return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
 
@@ -198,13 +207,14 @@ def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Ten
     return Experience(s, loss_mask, ref_logp, old_values, advantages * loss_mask, returns)
 
 
-def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int | None
-             ) -> torch.Tensor:
-    """`score` [rows, T] of every row, computed on length-bucketed micro-batches (no forward
-    over the batch's padding) and put back in the rollout's row order and width."""
+def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
+             budget: int | None, prompts_done: bool = False) -> torch.Tensor:
+    """`score(micro-batch, its rows)` [rows, T] of every row, computed on length-bucketed
+    micro-batches (no forward over the batch's padding) and put back in the rollout's row
+    order and width. `prompts_done`: the score runs responses only, so only they are cut."""
     out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
-    for rows in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget):
-        part = score(trim(r.select(rows)))
+    for rows in micro_batches(_prompt_cost(r, prompts_done), r.response_mask.sum(1), budget):
+        part = score(trim(r.select(rows)), rows)
         out[rows, :part.shape[1]] = part.float()
     return out
 
@@ -212,16 +222,18 @@ def bucketed(score: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int |
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
              kl_coef: float, cfg: RunConfig, generator: torch.Generator,
-             one_micro_batch: bool = False,
+             lockstep: bool = False,
              global_norm: Callable[[LossNorm], LossNorm] = lambda n: n) -> dict[str, float]:
     """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
     bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
     mini-batch runs as length-bucketed micro-batches of at most `train.micro_batch_tokens`
-    padded tokens (or as one, under torchrun), accumulating the mini-batch's gradient. Under
+    padded tokens after one prompt pass per distinct prompt (in `lockstep`, under torchrun:
+    one plain forward), accumulating the mini-batch's gradient. Under
     data parallelism `global_norm` turns a replica's normalisers into the whole mini-batch's
     (runtime/distributed.py)."""
     r = exp.samples.rollout
-    budget = None if one_micro_batch else cfg.train.micro_batch_tokens
+    budget = None if lockstep else cfg.train.micro_batch_tokens
+    share = not lockstep and not isinstance(policy, ActorCritic)
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.algo.epochs):
@@ -233,7 +245,7 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
                 continue  # every sample here was filtered out (overlong)
             norm = global_norm(LossNorm.of(mask, const=cfg.rollout.max_new_tokens))
             optimizer.zero_grad(set_to_none=True)
-            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget)
+            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget, share)
             stats["grad_norm"] = clip_grad_norm(
                 policy.parameters(), cfg.train.grad_clip).item()
             optimizer.step()
@@ -249,18 +261,24 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     return {k: v / max(updates, 1) for k, v in totals.items()}
 
 
-def _micro(exp: Experience, idx: torch.Tensor, budget: int | None
-           ) -> Iterator[tuple[torch.Tensor, Rollout, int]]:
-    """(rows, trimmed rollout of those rows, its response width) per micro-batch of `idx`."""
-    r = exp.samples.rollout
-    for part in micro_batches(r.prompt_mask[idx].sum(1), r.response_mask[idx].sum(1), budget):
-        rows = idx[part]
-        mb = trim(r.select(rows))
-        yield rows, mb, mb.response_ids.shape[1]
+def _prompt_cost(r: Rollout, prompts_done: bool) -> torch.Tensor:
+    """Prompt tokens a micro-batch forward runs per row: none after a shared prompt pass."""
+    return r.prompt_mask.sum(1) * (not prompts_done)
+
+
+def _micro(exp: Experience, idx: torch.Tensor, budget: int | None, prompts_done: bool = False
+           ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Rollout, int]]:
+    """(positions in `idx`, rows, trimmed rollout of those rows, its response width) per
+    micro-batch of `idx`."""
+    r = exp.samples.rollout.select(idx)
+    for part in micro_batches(_prompt_cost(r, prompts_done), r.response_mask.sum(1), budget):
+        mb = trim(r.select(part))
+        yield part, idx[part], mb, mb.response_ids.shape[1]
 
 
 def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: LossNorm,
-                    kl_coef: float, cfg: RunConfig, micro_batch_tokens: int | None
+                    kl_coef: float, cfg: RunConfig, micro_batch_tokens: int | None,
+                    share_prompts: bool = False
                     ) -> dict[str, float]:
     """Accumulate into `.grad` the gradient of mini-batch `idx`'s loss, one micro-batch at a
     time, and return its statistics (token means over the whole mini-batch)."""
@@ -275,10 +293,12 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
         sums["kl"] = 0.0
     if shared:
         sums["value_loss"] = 0.0
-    for rows, mb, t in _micro(exp, idx, micro_batch_tokens):
+    prompts = (SharedPrompts(policy, exp.samples.rollout.select(idx), train=True)
+               if share_prompts else None)
+    for part, rows, mb, t in _micro(exp, idx, micro_batch_tokens, share_prompts):
         mask = exp.loss_mask[rows, :t]
         logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
-                                                  with_entropy=True)
+                                                  with_entropy=True, prompts=prompts, rows=part)
         per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask, pl_cfg)
         sums["clip_frac"] += _masked_sum(clipped.float(), mask)
         sums["entropy"] += _masked_sum(entropy, mask)
@@ -296,6 +316,8 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
             sums["value_loss"] += vloss.item()
         loss.backward()
         sums["loss"] += loss.item()
+    if prompts is not None:
+        prompts.backward()
     tokens = exp.loss_mask[idx].sum().clamp(min=1).item()
     for k in ("clip_frac", "entropy", "kl"):
         if k in sums:
@@ -308,7 +330,7 @@ def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm
     """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
     aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
     total = 0.0
-    for rows, mb, t in _micro(exp, idx, micro_batch_tokens):
+    for _, rows, mb, t in _micro(exp, idx, micro_batch_tokens):
         mask = exp.loss_mask[rows, :t]
         vloss = aggregate(value_loss(response_values(critic, mb), exp.old_values[rows, :t],
                                      exp.returns[rows, :t], mask, cfg.algo.value_clip),

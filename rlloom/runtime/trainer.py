@@ -297,13 +297,13 @@ class Trainer:
             exp = assess(mine, self.reference, self.critic or
                          (self.policy if isinstance(self.policy, ActorCritic) else None),
                          self.kl.value, baseline[rows] if baseline is not None else None, cfg,
-                         one_micro_batch=coll is not None)
+                         lockstep=coll is not None)
         with self.tracer.span("training", step, "actor+critic") as tr:
             # under torchrun every rank runs one micro-batch per mini-batch (and per
             # assessment), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
-                             one_micro_batch=coll is not None,
+                             lockstep=coll is not None,
                              **({"global_norm": coll.global_norm} if coll else {}))
         stats["behaviour_kl"] = behaviour_kl(exp)
         if coll is not None:

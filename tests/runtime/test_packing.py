@@ -15,18 +15,20 @@ from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.batch import response_logprobs, response_values
 from rlloom.runtime.online import Experience, Samples, critic_backward, policy_backward
 from rlloom.runtime.packing import micro_batches, trim
+from rlloom.runtime.shared_prompt import SharedPrompts
 
 N = 12
 CFG = ModelConfig(family="qwen3", vocab_size=30, hidden_size=16, intermediate_size=32,
                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
 
 
-def experience(policy, seed=0) -> Experience:
+def experience(policy, seed=0, group=1) -> Experience:
+    """N rows; `group` consecutive rows share a prompt, as a GRPO group's samples do."""
     g = torch.Generator().manual_seed(seed)
-    p_lens = torch.randint(2, 10, (N,), generator=g).tolist()
+    p_lens = torch.randint(2, 10, (N // group,), generator=g).tolist()
     r_lens = torch.randint(1, 14, (N,), generator=g).tolist()
-    p_ids, p_mask = left_pad([torch.randint(3, 30, (n,), generator=g).tolist() for n in p_lens],
-                             0)
+    prompts = [torch.randint(3, 30, (n,), generator=g).tolist() for n in p_lens]
+    p_ids, p_mask = left_pad([p for p in prompts for _ in range(group)], 0)
     r_ids, r_mask = right_pad([torch.randint(3, 30, (n,), generator=g).tolist() for n in r_lens],
                               0)
     r = Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(r_ids.shape, dtype=torch.float64),
@@ -92,6 +94,32 @@ def test_micro_batched_gradient_equals_whole_mini_batch(agg, shared):
     diff = max((a - b).abs().max().item() for a, b in zip(whole, split))
     print(f"\n{agg} shared={shared}: {len(parts)} micro-batches, max |grad diff| {diff:.1e}")
     assert len(whole) == len(split) and diff < 1e-6
+    with torch.no_grad():
+        assert abs(stats["loss"] - reference_policy_loss(policy, exp, idx, norm, 0.1,
+                                                         cfg).item()) < 1e-9
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS.names())
+def test_shared_prompt_pass_gives_the_whole_mini_batch_gradient(agg):
+    """Groups of 4 rows share a prompt: one prompt pass per distinct prompt, responses in
+    micro-batches cut by response length, then one backward through the prompt pass."""
+    cfg = load_config(None, ["rollout.temperature=0.8", "algo.entropy_coef=0.01",
+                             "algo.kl_coef=0.1", f"algo.loss_agg={agg}"])
+    policy = CausalLM(CFG)
+    policy.init_weights(seed=1, std=0.2)
+    policy = policy.double()
+    exp = experience(policy, group=4)
+    idx = torch.randperm(N, generator=torch.Generator().manual_seed(2))[:10]
+    norm = LossNorm.of(exp.loss_mask[idx], const=cfg.rollout.max_new_tokens)
+    reference_policy_loss(policy, exp, idx, norm, 0.1, cfg).backward()
+    whole = grads(policy)
+    policy.zero_grad(set_to_none=True)
+    r = exp.samples.rollout.select(idx)
+    assert SharedPrompts(policy, r, train=False).distinct == len(set((idx // 4).tolist())) < 10
+    assert len(micro_batches(torch.zeros(10), r.response_mask.sum(1), 30)) >= 3
+    stats = policy_backward(policy, exp, idx, norm, 0.1, cfg, 30, share_prompts=True)
+    diff = max((a - b).abs().max().item() for a, b in zip(whole, grads(policy)))
+    assert len(whole) == len(grads(policy)) and diff < 1e-6
     with torch.no_grad():
         assert abs(stats["loss"] - reference_policy_loss(policy, exp, idx, norm, 0.1,
                                                          cfg).item()) < 1e-9
