@@ -95,18 +95,27 @@ class Workload:
     micro_batch: int = 4  # sequences per device per forward/backward
     dtype: Literal["bf16", "fp32"] = "bf16"  # of weights, activations and KV cache
     # 0: teacher-forced passes compute exactly the real tokens (packed sequences) in
-    # micro-batches of `micro_batch` rows; > 0: rlloom's length buckets, which pad each
-    # micro-batch to its longest row and cut micro-batches at this many padded tokens
+    # micro-batches of `micro_batch` rows; > 0: rlloom's single-process runtime, which runs
+    # each distinct prompt once, then the responses in length buckets padded to their longest
+    # row and cut at this many padded tokens
     micro_batch_tokens: int = 0
 
     def teacher_forced(self, rows: int) -> tuple[float, int]:
-        """(tokens computed, micro-batches) of one forward over `rows` rollouts."""
+        """(tokens computed, forward passes) of one forward over `rows` rollouts."""
         if self.micro_batch_tokens <= 0:
             return rows * self.mean_context, max(1, math.ceil(rows / self.micro_batch))
         lengths = self.response.spread(rows)  # ascending, as the runtime sorts rows
-        prompts = [float(self.prompt_len)] * rows
-        bounds = split_sorted(prompts, lengths, self.micro_batch_tokens)
-        return float(padded_tokens(prompts, lengths, bounds)), len(bounds)
+        none = [0.0] * rows                   # prompts ran in the shared prompt pass
+        bounds = split_sorted(none, lengths, self.micro_batch_tokens)
+        prompt_pass = self.distinct_prompts(rows) * self.prompt_len
+        return prompt_pass + padded_tokens(none, lengths, bounds), len(bounds) + 1
+
+    def distinct_prompts(self, rows: int) -> float:
+        """Expected distinct prompts among `rows` rollouts drawn at random from the B K of a
+        step (K per prompt): B (1 - C(BK - K, rows) / C(BK, rows))."""
+        n, k = self.rollouts, self.samples
+        rows = min(rows, n)
+        return self.prompts * (1 - math.comb(n - k, rows) / math.comb(n, rows))
 
     @property
     def elem_bytes(self) -> int:

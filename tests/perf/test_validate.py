@@ -107,15 +107,22 @@ def test_activation_traffic_matches_the_runtime():
 
 
 def test_length_buckets_pad_like_the_runtime():
-    """4 rows of prompt 10 and responses 2, 2, 10, 30 with a 60-token budget: the cheapest cut
-    keeps [12, 12, 20] (3 x 20 = 60) and puts the 40-token row alone: 60 + 40 tokens (the
-    other feasible cut, [12, 12] + [20, 40], pads to 24 + 80)."""
+    """4 rows of prompt 10 and responses 2, 2, 10, 30 with a 60-token budget: the 4 distinct
+    prompts run once (40 tokens); of the responses the cheapest cut keeps [2, 2, 10]
+    (3 x 10 = 30) and puts the 30-token one alone (the other feasible cut, [2, 2] + [10, 30],
+    pads to 4 + 60): 40 + 60 tokens in 1 + 2 passes. The runtime's plain (torchrun) path
+    cuts prompt + response widths the same way."""
     from rlloom.runtime.packing import micro_batches
     wl = Workload(4, 1, 10, Lengths.empirical([2, 2, 10, 30]), micro_batch_tokens=60)
-    assert wl.teacher_forced(4) == (100, 2)
+    assert wl.teacher_forced(4) == (100, 3)
     groups = micro_batches(torch.tensor([10] * 4), torch.tensor([2, 2, 10, 30]), 60)
     assert [len(g) for g in groups] == [3, 1]
-    assert Workload(4, 1, 10, Lengths("fixed", 5)).teacher_forced(4) == (60, 1)
+    assert Workload(4, 1, 10, Lengths("fixed", 5)).teacher_forced(4) == (60, 1)   # packed
+    # 2 prompts x K=4: all 8 rows hold both prompts; 2 random rows of 8 miss one prompt with
+    # probability C(4, 2) / C(8, 2) each, so they hold 2 (1 - 6/28) = 11/7 on average
+    grpo = Workload(2, 4, 10, Lengths("fixed", 5), micro_batch_tokens=60)
+    assert grpo.distinct_prompts(8) == 2 and grpo.distinct_prompts(2) == pytest.approx(11 / 7)
+    assert grpo.teacher_forced(8) == (2 * 10 + 8 * 5, 2)
 
 
 def test_empirical_lengths():
@@ -167,10 +174,12 @@ def test_validate_predicts_dispatch_bound_stages_by_hand(tmp_path):
     fwd, dec = 87 * 2 + 45, 77 * 2 + 123  # FORWARD_OPS and DECODE_OPS for 2 layers
     # generation: one prefill, then 4 decode steps (token 1 comes out of prefill)
     assert by["generation"] == pytest.approx(LAUNCH * (fwd + 4 * dec))
-    # assessment: the reference forwards the 4 rows (7 + 5 tokens each) in one length bucket
-    assert by["assessment"] == pytest.approx(LAUNCH * fwd)
-    # training: 2 epochs x 2 mini-batches, each forward+backward (3 passes) and an optimizer step
-    assert by["training"] == pytest.approx(LAUNCH * 4 * (3 * fwd + 110 * 2 + 42))
+    # assessment: the reference runs the 2 prompts in one pass, then the 4 responses in one
+    # length bucket: 2 forwards
+    assert by["assessment"] == pytest.approx(LAUNCH * 2 * fwd)
+    # training: 2 epochs x 2 mini-batches, each a prompt pass and a response bucket forward
+    # +backward (3 passes) and an optimizer step
+    assert by["training"] == pytest.approx(LAUNCH * 4 * (3 * 2 * fwd + 110 * 2 + 42))
     assert points[0].error == pytest.approx(by["generation"] - 1.0)
 
 
