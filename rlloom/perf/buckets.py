@@ -28,14 +28,23 @@ def split_sorted(prompt_lens: list[float], response_lens: list[float], budget: f
     cut = [0] * (n + 1)
     for end in range(1, n + 1):
         p_max = r_max = 0.0
+        low, at = float("inf"), 0
+        # the runtime calls this every mini-batch: plain comparisons, not max(), in the loop
         for start in range(end - 1, -1, -1):
-            p_max, r_max = max(p_max, prompt_lens[start]), max(r_max, response_lens[start])
+            p, r = prompt_lens[start], response_lens[start]
+            if p > p_max:
+                p_max = p
+            if r > r_max:
+                r_max = r
             padded = (end - start) * (p_max + r_max)
             if padded > budget and end - start > 1:
                 break  # widths only grow as the run extends left: no longer run fits
-            cost = best[start] + padded + overhead
-            if cost < best[end]:
-                best[end], cut[end] = cost, start
+            if padded >= low:
+                break  # best[start] >= 0 and padded only grows: nothing cheaper further left
+            cost = best[start] + padded
+            if cost < low:
+                low, at = cost, start
+        best[end], cut[end] = low + overhead, at
     bounds, end = [], n
     while end > 0:
         bounds.append((cut[end], end))
