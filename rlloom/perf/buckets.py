@@ -19,8 +19,13 @@ MICRO_BATCH_OVERHEAD_TOKENS = 128
 
 
 def split_sorted(prompt_lens: list[float], response_lens: list[float], budget: float,
-                 overhead: int = MICRO_BATCH_OVERHEAD_TOKENS) -> list[tuple[int, int]]:
-    """[start, end) bounds of the micro-batches of rows already sorted by length."""
+                 overhead: int = MICRO_BATCH_OVERHEAD_TOKENS, prompts_done: bool = False
+                 ) -> list[tuple[int, int]]:
+    """[start, end) bounds of the micro-batches of rows already sorted by length.
+
+    `prompts_done`: the prompts ran in a shared pass (runtime/shared_prompt.py), so a
+    micro-batch computes only its responses, but still holds its prompts' keys and values:
+    they count against the budget, not in the cost."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     n = len(prompt_lens)
@@ -36,9 +41,10 @@ def split_sorted(prompt_lens: list[float], response_lens: list[float], budget: f
                 p_max = p
             if r > r_max:
                 r_max = r
-            padded = (end - start) * (p_max + r_max)
-            if padded > budget and end - start > 1:
+            rows = end - start
+            if rows * (p_max + r_max) > budget and rows > 1:
                 break  # widths only grow as the run extends left: no longer run fits
+            padded = rows * (r_max if prompts_done else p_max + r_max)
             if padded >= low:
                 break  # best[start] >= 0 and padded only grows: nothing cheaper further left
             cost = best[start] + padded
@@ -53,6 +59,8 @@ def split_sorted(prompt_lens: list[float], response_lens: list[float], budget: f
 
 
 def padded_tokens(prompt_lens: list[float], response_lens: list[float],
-                  bounds: list[tuple[int, int]]) -> float:
+                  bounds: list[tuple[int, int]], prompts_done: bool = False) -> float:
     """Tokens the micro-batches compute, padding included."""
-    return sum((e - s) * (max(prompt_lens[s:e]) + max(response_lens[s:e])) for s, e in bounds)
+    return sum((e - s) * (max(response_lens[s:e]) + (0 if prompts_done else
+                                                     max(prompt_lens[s:e])))
+               for s, e in bounds)

@@ -114,9 +114,12 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
 
     for role, shape in active.items():
         if role in ("reference", "reward") or (role == "critic" and not shared):
-            stages.append(cost.forward(shape, plan.layout(role), wl, hw, role, role == "reference"))
+            # the runtime's shared prompt pass serves log-probs, not value or reward heads
+            stages.append(cost.forward(shape, plan.layout(role), wl, hw, role,
+                                       role == "reference", prompts_once=role == "reference"))
         if role in TRAINABLE:
-            stages.append(cost.training(shape, plan.layout(role), wl, hw, role, role == "actor"))
+            stages.append(cost.training(shape, plan.layout(role), wl, hw, role, role == "actor",
+                                        prompts_once=role == "actor" and not shared))
     for st in stages[1:]:
         g = group_of(plan, st.role)
         need = resident[g] + st.transient_bytes

@@ -215,10 +215,11 @@ def _infeasible(stage: str, role: str, need: float) -> StageCost:
 
 
 def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
-            logits: bool = True) -> StageCost:
-    """Teacher-forced forward over all rollouts (reference log-probs, reward or value scores)."""
+            logits: bool = True, prompts_once: bool = False) -> StageCost:
+    """Teacher-forced forward over all rollouts (reference log-probs, reward or value scores);
+    `prompts_once`: see `Workload.teacher_forced`."""
     seqs = math.ceil(wl.rollouts / layout.dp)
-    tokens, m = wl.teacher_forced(seqs)
+    tokens, m = wl.teacher_forced(seqs, prompts_once)
     mb_tokens, context = tokens / m, tokens / seqs
     flops = tokens * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
@@ -239,14 +240,14 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
 
 
 def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
-             logits: bool = True) -> StageCost:
+             logits: bool = True, prompts_once: bool = False) -> StageCost:
     """ppo_epochs passes of forward + backward (3 C_f, +1 C_f with checkpointing) and the
     DP gradient collectives of each optimizer step."""
     ckpt = layout.activation_checkpointing
     seqs = math.ceil(wl.rollouts / layout.dp)
     steps = wl.ppo_epochs * wl.minibatches
     mb_rows = math.ceil(seqs / wl.minibatches)
-    tokens, m = wl.teacher_forced(mb_rows)  # per mini-batch
+    tokens, m = wl.teacher_forced(mb_rows, prompts_once)  # per mini-batch
     mb_tokens, context = tokens / m, tokens / mb_rows
     tokens *= wl.minibatches
     passes = (4 if ckpt else 3)

@@ -100,22 +100,30 @@ class Workload:
     # row and cut at this many padded tokens
     micro_batch_tokens: int = 0
 
-    def teacher_forced(self, rows: int) -> tuple[float, int]:
-        """(tokens computed, forward passes) of one forward over `rows` rollouts."""
+    def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
+        """(tokens computed, forward passes) of one forward over `rows` rollouts.
+        `prompts_once`: the runtime's shared prompt pass applies (the policy's log-probs and
+        the reference's; not value or reward heads)."""
         if self.micro_batch_tokens <= 0:
             return rows * self.mean_context, max(1, math.ceil(rows / self.micro_batch))
         lengths = self.response.spread(rows)  # ascending, as the runtime sorts rows
-        none = [0.0] * rows                   # prompts ran in the shared prompt pass
-        bounds = split_sorted(none, lengths, self.micro_batch_tokens)
-        prompt_pass = self.distinct_prompts(rows) * self.prompt_len
-        return prompt_pass + padded_tokens(none, lengths, bounds), len(bounds) + 1
+        prompts = [float(self.prompt_len)] * rows
+        bounds = split_sorted(prompts, lengths, self.micro_batch_tokens,
+                              prompts_done=prompts_once)
+        tokens = padded_tokens(prompts, lengths, bounds, prompts_done=prompts_once)
+        if not prompts_once:
+            return tokens, len(bounds)
+        return self.distinct_prompts(rows) * self.prompt_len + tokens, len(bounds) + 1
 
     def distinct_prompts(self, rows: int) -> float:
         """Expected distinct prompts among `rows` rollouts drawn at random from the B K of a
         step (K per prompt): B (1 - C(BK - K, rows) / C(BK, rows))."""
         n, k = self.rollouts, self.samples
         rows = min(rows, n)
-        return self.prompts * (1 - math.comb(n - k, rows) / math.comb(n, rows))
+        missed = 1.0  # C(n - k, rows) / C(n, rows) as a product of k factors
+        for i in range(k):
+            missed *= max(n - rows - i, 0) / (n - i)
+        return self.prompts * (1 - missed)
 
     @property
     def elem_bytes(self) -> int:

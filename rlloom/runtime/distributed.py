@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlloom.algos.aggregation import LossNorm
 from rlloom.config import ConfigError, RunConfig
 from rlloom.models.hf_io import replace_dir
 from rlloom.parallel.apply import load_sharded, save_sharded
@@ -74,6 +73,9 @@ def distributed_problems(cfg: RunConfig, world: int) -> list[str]:
         problems.append("plan.actor_critic=shared is single-process only; use separate")
     if cfg.algo.dynamic_sampling and world > 1:
         problems.append("algo.dynamic_sampling is single-process only")
+    if cfg.rollout.stop and world > 1:
+        problems.append("rollout.stop needs the generation engine's fast path, which runs only "
+                        "unsharded models; remove rollout.stop or run in one process")
     return problems
 
 
@@ -162,17 +164,17 @@ class Collective:
                        {k: v[idx] for k, v in samples.terms.items()}, samples.scores[idx],
                        samples.rounds, samples.score_s), idx
 
-    def global_norm(self, norm: LossNorm) -> LossNorm:
-        """Normalisers of the whole mini-batch (summed over the training dp replicas; TP
-        ranks hold the same rows), divided by dp: data parallelism averages the replicas'
-        gradients, and every aggregation divides by exactly one of tokens or seqs, so this
-        makes the averaged gradient the one-process gradient of the whole mini-batch."""
+    def global_counts(self, tokens: float, seqs: float) -> tuple[float, float]:
+        """Token and sequence counts of the whole mini-batch (summed over the training dp
+        replicas; TP ranks hold the same rows), divided by dp: data parallelism averages the
+        replicas' gradients, and every aggregation divides by exactly one of tokens or seqs,
+        so normalising by these makes the averaged gradient the one-process gradient of the
+        whole mini-batch. Every rank gets the same counts, so all skip an empty one alike."""
         if self.train.dp == 1:
-            return norm
-        counts = torch.tensor([norm.tokens, norm.seqs], dtype=torch.float64, device=self.device)
+            return tokens, seqs
+        counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.train_mesh["dp"].get_group())
-        dp = self.train.dp
-        return replace(norm, tokens=float(counts[0]) / dp, seqs=float(counts[1]) / dp)
+        return float(counts[0]) / self.train.dp, float(counts[1]) / self.train.dp
 
     def mean(self, stats: dict[str, float]) -> dict[str, float]:
         """Scalar metrics averaged over ranks (equal-sized shares, so the mean of means)."""

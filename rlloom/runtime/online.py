@@ -14,6 +14,7 @@ from rlloom.algos.advantages import ADVANTAGES, AdvantageInputs
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
 from rlloom.algos.dapo import groups_with_signal, overlong_penalty
 from rlloom.algos.kl import KL_ESTIMATORS, kl_shaped_rewards
+from rlloom.algos.masks import valid
 from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from rlloom.algos.value import value_loss
 from rlloom.config import RunConfig
@@ -35,7 +36,7 @@ from rlloom.runtime.batch import (
     sequence_scores,
 )
 from rlloom.runtime.packing import micro_batches, trim
-from rlloom.runtime.shared_prompt import SharedPrompts
+from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
 
 
 @dataclass
@@ -153,10 +154,13 @@ def _group(s: Samples, g: int) -> Samples:
 
 def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,
                     cfg: RunConfig, rewarder: Rewarder) -> torch.Tensor:
-    """ReMax: the reward of each prompt's greedy response, per sample [n]."""
+    """ReMax: the reward of each prompt's greedy response, per sample [n] (ended by the same
+    stop strings as the sampled ones, so the verifier scores alike)."""
     rollout = engine_generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
-                              SamplingParams(cfg.rollout.max_new_tokens, 0.0),
-                              tokenizer.eos_token_id, tokenizer.pad_token_id)
+                              SamplingParams(cfg.rollout.max_new_tokens, 0.0,
+                                             stop=tuple(cfg.rollout.stop)),
+                              tokenizer.eos_token_id, tokenizer.pad_token_id,
+                              decode=tokenizer.decode)
     _, scores = rewarder.score(s.problems, torch.arange(len(s.problems),
                                                         device=rollout.finished.device), rollout)
     return scores[s.group_ids]
@@ -175,10 +179,13 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
         ref_logp = bucketed(lambda mb, _: response_logprobs(
             reference, mb, cfg.rollout.temperature)[0], r, budget)
     elif reference is not None:
-        prompts = SharedPrompts(reference, r, train=False)
-        ref_logp = bucketed(lambda mb, rows: response_logprobs(
-            reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], r, budget,
-            prompts_done=True)
+        ref_logp = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
+        for chunk in prompt_chunks(r, budget):
+            part = r.select(chunk)
+            prompts = SharedPrompts(reference, part, train=False)
+            ref_logp[chunk] = bucketed(lambda mb, rows: response_logprobs(
+                reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], part,
+                budget, prompts_done=True)
     old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget)
                   if critic is not None else None)
     return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
@@ -213,7 +220,8 @@ def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
     micro-batches (no forward over the batch's padding) and put back in the rollout's row
     order and width. `prompts_done`: the score runs responses only, so only they are cut."""
     out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
-    for rows in micro_batches(_prompt_cost(r, prompts_done), r.response_mask.sum(1), budget):
+    for rows in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget,
+                              prompts_done):
         part = score(trim(r.select(rows)), rows)
         out[rows, :part.shape[1]] = part.float()
     return out
@@ -223,13 +231,15 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
              kl_coef: float, cfg: RunConfig, generator: torch.Generator,
              lockstep: bool = False,
-             global_norm: Callable[[LossNorm], LossNorm] = lambda n: n) -> dict[str, float]:
+             global_counts: Callable[[float, float], tuple[float, float]] = lambda t, s: (t, s)
+             ) -> dict[str, float]:
     """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
     bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
     mini-batch runs as length-bucketed micro-batches of at most `train.micro_batch_tokens`
     padded tokens after one prompt pass per distinct prompt (in `lockstep`, under torchrun:
     one plain forward), accumulating the mini-batch's gradient. Under
-    data parallelism `global_norm` turns a replica's normalisers into the whole mini-batch's
+    data parallelism `global_counts` turns a replica's token and sequence counts into the whole
+    mini-batch's
     (runtime/distributed.py)."""
     r = exp.samples.rollout
     budget = None if lockstep else cfg.train.micro_batch_tokens
@@ -241,9 +251,10 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
         order = torch.randperm(len(r.finished), generator=generator).to(r.finished.device)
         for idx in order.chunk(cfg.algo.minibatches):
             mask = exp.loss_mask[idx]
-            if mask.sum() == 0:
-                continue  # every sample here was filtered out (overlong)
-            norm = global_norm(LossNorm.of(mask, const=cfg.rollout.max_new_tokens))
+            tokens, seqs = global_counts(float(valid(mask).sum()), float(mask.shape[0]))
+            if tokens == 0:
+                continue  # every sample was filtered out (overlong), on every rank alike
+            norm = LossNorm(tokens, seqs, const=cfg.rollout.max_new_tokens)
             optimizer.zero_grad(set_to_none=True)
             stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget, share)
             stats["grad_norm"] = clip_grad_norm(
@@ -261,17 +272,13 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     return {k: v / max(updates, 1) for k, v in totals.items()}
 
 
-def _prompt_cost(r: Rollout, prompts_done: bool) -> torch.Tensor:
-    """Prompt tokens a micro-batch forward runs per row: none after a shared prompt pass."""
-    return r.prompt_mask.sum(1) * (not prompts_done)
-
-
 def _micro(exp: Experience, idx: torch.Tensor, budget: int | None, prompts_done: bool = False
            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Rollout, int]]:
     """(positions in `idx`, rows, trimmed rollout of those rows, its response width) per
     micro-batch of `idx`."""
     r = exp.samples.rollout.select(idx)
-    for part in micro_batches(_prompt_cost(r, prompts_done), r.response_mask.sum(1), budget):
+    for part in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget,
+                              prompts_done):
         mb = trim(r.select(part))
         yield part, idx[part], mb, mb.response_ids.shape[1]
 
@@ -287,37 +294,44 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     kl_fn = KL_ESTIMATORS.get(a.kl_estimator)
     pl_cfg = PolicyLossConfig(a.clip_low, a.clip_high, a.dual_clip)
     kl_in_loss = not a.kl_in_reward and exp.ref_logp is not None and kl_coef > 0
-    shared = isinstance(policy, ActorCritic)
+    actor_critic = isinstance(policy, ActorCritic)
     sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
     if kl_in_loss:
         sums["kl"] = 0.0
-    if shared:
+    if actor_critic:
         sums["value_loss"] = 0.0
-    prompts = (SharedPrompts(policy, exp.samples.rollout.select(idx), train=True)
-               if share_prompts else None)
-    for part, rows, mb, t in _micro(exp, idx, micro_batch_tokens, share_prompts):
-        mask = exp.loss_mask[rows, :t]
-        logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
-                                                  with_entropy=True, prompts=prompts, rows=part)
-        per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask, pl_cfg)
-        sums["clip_frac"] += _masked_sum(clipped.float(), mask)
-        sums["entropy"] += _masked_sum(entropy, mask)
-        if kl_in_loss:
-            kl = kl_fn(logp, exp.ref_logp[rows, :t])
-            per_token = per_token + kl_coef * kl
-            sums["kl"] += _masked_sum(kl, mask)
-        if a.entropy_coef:
-            per_token = per_token - a.entropy_coef * entropy
-        loss = aggregate(per_token, mask, norm)
-        if shared:
-            vloss = aggregate(value_loss(values, exp.old_values[rows, :t], exp.returns[rows, :t],
-                                         mask, a.value_clip), mask, norm)
-            loss = loss + a.vf_coef * vloss
-            sums["value_loss"] += vloss.item()
-        loss.backward()
-        sums["loss"] += loss.item()
-    if prompts is not None:
-        prompts.backward()
+    r = exp.samples.rollout
+    # a shared prompt pass per chunk of prompts that fits the budget, its graph kept until the
+    # chunk's responses are done
+    chunks = (prompt_chunks(r.select(idx), micro_batch_tokens) if share_prompts
+              else [torch.arange(len(idx), device=idx.device)])
+    for chunk in chunks:
+        sub = idx[chunk]
+        prompts = SharedPrompts(policy, r.select(sub), train=True) if share_prompts else None
+        for part, rows, mb, t in _micro(exp, sub, micro_batch_tokens, share_prompts):
+            mask = exp.loss_mask[rows, :t]
+            logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
+                                                      with_entropy=True, prompts=prompts, rows=part)
+            per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask, pl_cfg)
+            sums["clip_frac"] += _masked_sum(clipped.float(), mask)
+            sums["entropy"] += _masked_sum(entropy, mask)
+            if kl_in_loss:
+                kl = kl_fn(logp, exp.ref_logp[rows, :t])
+                per_token = per_token + kl_coef * kl
+                sums["kl"] += _masked_sum(kl, mask)
+            if a.entropy_coef:
+                per_token = per_token - a.entropy_coef * entropy
+            loss = aggregate(per_token, mask, norm)
+            if actor_critic:
+                vloss = aggregate(value_loss(values, exp.old_values[rows, :t],
+                                             exp.returns[rows, :t], mask, a.value_clip),
+                                  mask, norm)
+                loss = loss + a.vf_coef * vloss
+                sums["value_loss"] += vloss.item()
+            loss.backward()
+            sums["loss"] += loss.item()
+        if prompts is not None:
+            prompts.backward()
     tokens = exp.loss_mask[idx].sum().clamp(min=1).item()
     for k in ("clip_frac", "entropy", "kl"):
         if k in sums:

@@ -14,15 +14,18 @@ from rlloom.perf.buckets import split_sorted
 from rlloom.rollout.generate import Rollout
 
 
-def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int | None
-                  ) -> list[torch.Tensor]:
+def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int | None,
+                  prompts_done: bool = False) -> list[torch.Tensor]:
     """Positions of rows [n] grouped into micro-batches, shortest rows first, cut where
     `perf.buckets.split_sorted` says (least padding plus per-micro-batch overhead) under a
-    `budget` of padded tokens (`train.micro_batch_tokens`); None: all rows in one."""
-    order = torch.sort(prompt_lens + response_lens, stable=True).indices
+    `budget` of padded tokens (`train.micro_batch_tokens`); None: all rows in one.
+    `prompts_done`: the prompts ran in a shared pass; sort and cost by the responses."""
+    order = torch.sort(response_lens if prompts_done else prompt_lens + response_lens,
+                       stable=True).indices
     if budget is None:
         return [order]
-    bounds = split_sorted(prompt_lens[order].tolist(), response_lens[order].tolist(), budget)
+    bounds = split_sorted(prompt_lens[order].tolist(), response_lens[order].tolist(), budget,
+                          prompts_done=prompts_done)
     return [order[s:e] for s, e in bounds]
 
 

@@ -58,16 +58,42 @@ class _Prefix:
         pass
 
 
+def _distinct(r: Rollout) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Distinct (prompt ids | mask) rows [g, 2 w], each row's index among them [n], and w."""
+    width = max(int(r.prompt_mask.sum(1).max()), 1)
+    both = torch.cat([r.prompt_ids[:, -width:], r.prompt_mask[:, -width:]], 1)
+    unique, of_row = torch.unique(both, dim=0, return_inverse=True)
+    return unique, of_row, width
+
+
+def prompt_chunks(r: Rollout, budget: int | None) -> list[torch.Tensor]:
+    """Row positions of `r` in chunks whose distinct prompts take at most `budget` padded
+    tokens in one prompt pass (a longer prompt gets a chunk of its own; None: one chunk).
+    Prompts go in length order, so a chunk's prompts pad little."""
+    if budget is None:
+        return [torch.arange(len(r.finished), device=r.finished.device)]
+    unique, of_row, width = _distinct(r)
+    lens = unique[:, width:].sum(1)
+    chunks, members, longest = [], [], 0
+    for g in torch.sort(lens, stable=True).indices.tolist():
+        n = int(lens[g])
+        if members and (len(members) + 1) * max(longest, n) > budget:
+            chunks.append(members)
+            members, longest = [], 0
+        members.append(g)
+        longest = max(longest, n)
+    chunks.append(members)
+    return [torch.isin(of_row, torch.tensor(c, device=of_row.device)).nonzero().squeeze(1)
+            for c in chunks]
+
+
 class SharedPrompts:
     """The prompt pass of a batch of rows `r`, once per distinct prompt."""
 
     def __init__(self, model: CausalLM, r: Rollout, train: bool) -> None:
-        width = max(int(r.prompt_mask.sum(1).max()), 1)
-        ids, mask = r.prompt_ids[:, -width:], r.prompt_mask[:, -width:]
-        unique, self.of_row = torch.unique(torch.cat([ids, mask], 1), dim=0,
-                                           return_inverse=True)
+        unique, self.of_row, width = _distinct(r)
         self.ids, self.mask = unique[:, :width], unique[:, width:]
-        record = _Record(len(unique), ids.device)
+        record = _Record(len(unique), unique.device)
         hidden = model.model(self.ids, self.mask, record)
         last = model.lm_head(hidden[:, -1])           # predicts each response's first token
         self._graph = [t for kv in record.kv for t in kv] + [last]
@@ -82,13 +108,15 @@ class SharedPrompts:
         """Logits [m, T, vocab] predicting the responses of batch rows `rows` [m], whose
         response part is `r` (a micro-batch of those rows)."""
         g = self.of_row[rows]
-        kv = [(self.leaves[2 * i][g], self.leaves[2 * i + 1][g])
-              for i in range(len(self.leaves) // 2)]
         first = self.leaves[-1][g][:, None]
         if r.response_ids.shape[1] == 1:
             return first
+        # keys of these rows' own longest prompt only (prompts are left-padded)
+        p = max(int(self.mask[g].sum(1).max()), 1)
+        kv = [(self.leaves[2 * i][g, :, -p:], self.leaves[2 * i + 1][g, :, -p:])
+              for i in range(len(self.leaves) // 2)]
         rest = self.model(r.response_ids[:, :-1], r.response_mask[:, :-1],
-                          _Prefix(kv, self.mask[g]))
+                          _Prefix(kv, self.mask[g, -p:]))
         return torch.cat([first, rest], 1)
 
     def backward(self) -> None:

@@ -304,7 +304,7 @@ class Trainer:
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
                              lockstep=coll is not None,
-                             **({"global_norm": coll.global_norm} if coll else {}))
+                             **({"global_counts": coll.global_counts} if coll else {}))
         stats["behaviour_kl"] = behaviour_kl(exp)
         if coll is not None:
             stats = coll.mean(stats)

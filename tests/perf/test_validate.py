@@ -114,7 +114,9 @@ def test_length_buckets_pad_like_the_runtime():
     cuts prompt + response widths the same way."""
     from rlloom.runtime.packing import micro_batches
     wl = Workload(4, 1, 10, Lengths.empirical([2, 2, 10, 30]), micro_batch_tokens=60)
-    assert wl.teacher_forced(4) == (100, 3)
+    assert wl.teacher_forced(4, prompts_once=True) == (100, 3)
+    # a value head runs prompt + response: [12, 12, 20] (3 x 20) and [40]
+    assert wl.teacher_forced(4) == (100, 2)
     groups = micro_batches(torch.tensor([10] * 4), torch.tensor([2, 2, 10, 30]), 60)
     assert [len(g) for g in groups] == [3, 1]
     assert Workload(4, 1, 10, Lengths("fixed", 5)).teacher_forced(4) == (60, 1)   # packed
@@ -122,7 +124,9 @@ def test_length_buckets_pad_like_the_runtime():
     # probability C(4, 2) / C(8, 2) each, so they hold 2 (1 - 6/28) = 11/7 on average
     grpo = Workload(2, 4, 10, Lengths("fixed", 5), micro_batch_tokens=60)
     assert grpo.distinct_prompts(8) == 2 and grpo.distinct_prompts(2) == pytest.approx(11 / 7)
-    assert grpo.teacher_forced(8) == (2 * 10 + 8 * 5, 2)
+    # their responses cost 5 tokens each, but hold their prompt's keys: 4 rows x (10 + 5) fill
+    # the 60-token budget, so 2 micro-batches after the prompt pass
+    assert grpo.teacher_forced(8, prompts_once=True) == (2 * 10 + 8 * 5, 3)
 
 
 def test_empirical_lengths():

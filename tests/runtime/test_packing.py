@@ -13,9 +13,15 @@ from rlloom.models.transformer import CausalLM
 from rlloom.perf.buckets import padded_tokens, split_sorted
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.batch import response_logprobs, response_values
-from rlloom.runtime.online import Experience, Samples, critic_backward, policy_backward
+from rlloom.runtime.online import (
+    Experience,
+    Samples,
+    critic_backward,
+    optimise,
+    policy_backward,
+)
 from rlloom.runtime.packing import micro_batches, trim
-from rlloom.runtime.shared_prompt import SharedPrompts
+from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
 
 N = 12
 CFG = ModelConfig(family="qwen3", vocab_size=30, hidden_size=16, intermediate_size=32,
@@ -101,8 +107,9 @@ def test_micro_batched_gradient_equals_whole_mini_batch(agg, shared):
 
 @pytest.mark.parametrize("agg", AGGREGATIONS.names())
 def test_shared_prompt_pass_gives_the_whole_mini_batch_gradient(agg):
-    """Groups of 4 rows share a prompt: one prompt pass per distinct prompt, responses in
-    micro-batches cut by response length, then one backward through the prompt pass."""
+    """Groups of 4 rows share a prompt: one prompt pass per chunk of distinct prompts that
+    fits the budget, responses in micro-batches cut by response length, then one backward
+    through each prompt pass."""
     cfg = load_config(None, ["rollout.temperature=0.8", "algo.entropy_coef=0.01",
                              "algo.kl_coef=0.1", f"algo.loss_agg={agg}"])
     policy = CausalLM(CFG)
@@ -116,8 +123,8 @@ def test_shared_prompt_pass_gives_the_whole_mini_batch_gradient(agg):
     policy.zero_grad(set_to_none=True)
     r = exp.samples.rollout.select(idx)
     assert SharedPrompts(policy, r, train=False).distinct == len(set((idx // 4).tolist())) < 10
-    assert len(micro_batches(torch.zeros(10), r.response_mask.sum(1), 30)) >= 3
-    stats = policy_backward(policy, exp, idx, norm, 0.1, cfg, 30, share_prompts=True)
+    assert len(prompt_chunks(r, 20)) >= 2           # the prompt pass is split too
+    stats = policy_backward(policy, exp, idx, norm, 0.1, cfg, 20, share_prompts=True)
     diff = max((a - b).abs().max().item() for a, b in zip(whole, grads(policy)))
     assert len(whole) == len(grads(policy)) and diff < 1e-6
     with torch.no_grad():
@@ -209,3 +216,41 @@ def test_no_budget_means_one_micro_batch_in_length_order():
     p, r = torch.tensor([3, 1, 2]), torch.tensor([1, 9, 4])
     [only] = micro_batches(p, r, None)
     assert only.tolist() == [0, 2, 1]
+
+
+def test_a_replica_whose_rows_are_all_filtered_still_steps_when_others_train():
+    """Under data parallelism the skip decision uses the whole mini-batch's counts, so every
+    rank runs the same passes (a rank skipping alone would leave the others' collectives
+    waiting): here this replica's rows are all filtered (overlong) but other replicas have
+    10 tokens, so it runs with zero loss; when no replica has any, all skip."""
+    cfg = load_config(None, ["algo.epochs=1", "algo.minibatches=1"])
+    policy = CausalLM(CFG).double()
+    policy.init_weights(seed=1, std=0.2)
+    exp = experience(policy)
+    exp.loss_mask.zero_()
+    opt = torch.optim.AdamW(policy.parameters(), lr=0.1, weight_decay=0.0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    stats = optimise(policy, opt, exp, None, None, 0.0, cfg, torch.Generator(),
+                     global_counts=lambda t, s: (10.0, s))
+    assert stats["loss"] == 0.0 and stats["grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    assert optimise(policy, opt, exp, None, None, 0.0, cfg, torch.Generator(),
+                    global_counts=lambda t, s: (0.0, s)) == {}
+
+
+def test_prompt_chunks_and_response_buckets_hold_the_budget():
+    """Distinct prompts of 3, 5 and 8 tokens with a 12-token budget: [3, 5] pad to 2 x 5 = 10,
+    adding 8 would make 3 x 8 = 24, so it gets its own chunk. Response micro-batches after a
+    shared prompt pass are cut by response length but count the prompt keys they hold."""
+    prompts = [[4] * 3, [5] * 5, [6] * 8]
+    rows = [prompts[i] for i in (2, 0, 1, 0, 2)]
+    p_ids, p_mask = left_pad(rows, 0)
+    r_ids, r_mask = right_pad([[7]] * 5, 0)
+    r = Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros(5, 1), torch.ones(5, dtype=torch.bool))
+    assert [c.tolist() for c in prompt_chunks(r, 12)] == [[1, 2, 3], [0, 4]]
+    assert [c.tolist() for c in prompt_chunks(r, None)] == [[0, 1, 2, 3, 4]]
+    p, resp = torch.tensor([8, 1, 8, 1]), torch.tensor([1, 2, 3, 4])
+    parts = micro_batches(p, resp, 20, prompts_done=True)
+    # by response length: [0, 1] holds 2 x (8 + 2) = 20; [2, 3] would hold 2 x (8 + 4) = 24
+    assert [x.tolist() for x in parts] == [[0, 1], [2], [3]]
+    assert all(len(x) * (p[x].max() + resp[x].max()) <= 20 for x in parts)

@@ -73,3 +73,11 @@ def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, tiny):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (run / "checkpoints" / "step_000003" / "actor").is_dir()
+
+
+def test_stop_strings_are_refused_before_a_torchrun_starts():
+    from rlloom.config import load_config
+    from rlloom.runtime.distributed import distributed_problems
+    cfg = load_config(None, ["rollout.stop=['=']", "plan.layouts.actor.dp=2"])
+    assert any("rollout.stop" in p for p in distributed_problems(cfg, 2))
+    assert not any("rollout.stop" in p for p in distributed_problems(cfg, 1))
