@@ -8,6 +8,7 @@ from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms, uniforms
 from rlloom.rollout.slot_cache import kv_bytes_per_slot
 from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.shared_prompt import SharedPrompts
 
 K = 4
 BASE = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3, 4, 5, 6, 7, 8, 9, 10, 11], [17],
@@ -69,13 +70,18 @@ def test_logprobs_match_teacher_forced_forward(model, temperature):
     params = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=0.9)
     out = engine_generate(model, PROMPTS, params, eos_mid_response(model), 0,
                           torch.Generator().manual_seed(1), EngineConfig(max_batch=7))
-    with torch.no_grad():
-        lp, _, _ = response_logprobs(model, out, temperature)
-    diff = ((lp - out.logprobs) * out.response_mask).abs()
-    n = out.response_mask.sum()
-    print(f"\n{model.config.family} T={temperature}: logprob |engine - teacher-forced| "
-          f"max {diff.max():.2e}, mean {diff.sum() / n:.2e} over {int(n)} tokens")
-    assert diff.max() < 1e-4
+    rows = torch.arange(len(PROMPTS))
+    with torch.no_grad():   # the joined forward, and the trainer's shared prompt pass
+        for name, (lp, _, _) in (("joined", response_logprobs(model, out, temperature)),
+                                 ("shared prompts", response_logprobs(
+                                     model, out, temperature,
+                                     prompts=SharedPrompts(model, out, train=False),
+                                     rows=rows))):
+            diff = ((lp - out.logprobs) * out.response_mask).abs()
+            n = out.response_mask.sum()
+            print(f"\n{model.config.family} T={temperature}: logprob |engine - {name}| "
+                  f"max {diff.max():.2e}, mean {diff.sum() / n:.2e} over {int(n)} tokens")
+            assert diff.max() < 1e-4
 
 
 def test_top_k_1_equals_greedy(model):
