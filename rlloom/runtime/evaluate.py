@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from rlloom.config import RunConfig
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
-from rlloom.rollout.generate import generate
+from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import decode_responses, encode
 
@@ -15,15 +16,17 @@ EVAL_BATCH = 256
 
 
 def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                    task: str, max_new_tokens: int, pool: SandboxPool | None = None) -> float:
-    """Fraction of problems whose greedy response gets the verifier's full marks."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+                    cfg: RunConfig, pool: SandboxPool | None = None) -> float:
+    """Fraction of problems whose greedy response (at most `eval.max_new_tokens`, ended by
+    `rollout.stop` like the sampled ones) gets the verifier's full marks."""
+    params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0,
+                            stop=tuple(cfg.rollout.stop))
     correct = 0
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
         prompts = encode(tokenizer, [p.prompt for p in chunk])
-        rollout = generate(model, prompts, params,
-                           tokenizer.eos_token_id, tokenizer.pad_token_id)
-        terms = task_terms(chunk, decode_responses(tokenizer, rollout), task, pool)
+        rollout = engine_generate(model, prompts, params, tokenizer.eos_token_id,
+                                  tokenizer.pad_token_id, decode=tokenizer.decode)
+        terms = task_terms(chunk, decode_responses(tokenizer, rollout), cfg.data.task, pool)
         correct += sum(c >= 1.0 for c in terms["correct"])
     return correct / len(problems)

@@ -233,8 +233,8 @@ class TrainingRole:
 
     def evaluate(self, step: int) -> float:
         with self.spans.span("eval", step, "eval"):
-            return greedy_accuracy(self.policy, self.tokenizer, self.eval_set,
-                                   self.cfg.data.task, self.cfg.eval.max_new_tokens, self.pool)
+            return greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg,
+                                   self.pool)
 
     def state(self) -> dict[str, Any]:
         state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),

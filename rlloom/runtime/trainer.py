@@ -264,8 +264,8 @@ class Trainer:
     # -- loop ------------------------------------------------------------------------------
     def evaluate(self) -> float:
         with self.tracer.span("eval", self.step, "eval"):
-            acc = greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg.data.task,
-                                  self.cfg.eval.max_new_tokens, self.pool)
+            acc = greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg,
+                                  self.pool)
         self.eval_history.append((self.step, acc))
         return acc
 
