@@ -12,10 +12,12 @@ log-prob of the response tokens at temperature 1, the core of every policy loss.
 - rlloom, padded: the same single padded forward+backward through rlloom's model;
 - rlloom, bucketed: rows sorted by length and cut into micro-batches of at most
   `--budget` padded tokens, each trimmed to its own widths, gradients accumulated (what
-  `runtime.online.optimise` does).
-tok/s counts real (unpadded) prompt + response tokens. On a GPU (`--device cuda`, default
-dtype bfloat16 there) timings wait for the device, and the three losses agree to bf16
-rounding instead of 1e-4.
+  the trainer does under torchrun's lockstep, and for value heads);
+- rlloom, shared: each distinct prompt once, then the responses in buckets attending to it,
+  and one backward through the prompt pass (what `runtime.online.optimise` does).
+tok/s counts real (unpadded) prompt + response tokens of the K rows. On a GPU (`--device
+cuda`, default dtype bfloat16 there) timings wait for the device, and the four losses agree
+to bf16 rounding instead of 1e-4.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.batch import response_logprobs
 from rlloom.runtime.packing import micro_batches, trim
+from rlloom.runtime.shared_prompt import SharedPrompts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from generate import (  # noqa: E402
@@ -57,18 +60,21 @@ def batch(b: int, k: int, mean_len: float, max_len: int, seed: int = 0) -> Rollo
                    torch.ones(b * k, dtype=torch.bool))
 
 
-def rlloom_step(model: CausalLM, r: Rollout, budget: int | None) -> float:
+def rlloom_step(model: CausalLM, r: Rollout, budget: int | None, share: bool = False) -> float:
     model.zero_grad(set_to_none=True)
     total = r.response_mask.sum()
     parts = ([torch.arange(len(r.finished))] if budget is None else
-             micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget))
+             micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget, share))
+    prompts = SharedPrompts(model, r, train=True) if share else None
     loss_sum = 0.0
     for part in parts:
         mb = r.select(part) if budget is None else trim(r.select(part))
-        logp, _, _ = response_logprobs(model, mb, 1.0)
+        logp, _, _ = response_logprobs(model, mb, 1.0, prompts=prompts, rows=part)
         loss = -(logp * mb.response_mask).sum() / total
         loss.backward()
         loss_sum += loss.item()
+    if prompts is not None:
+        prompts.backward()
     return loss_sum
 
 
@@ -111,14 +117,13 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device)
         model.to(device=device, dtype=dtype)
         hf.train()
-        losses = {"hf": hf_step(hf, r), "padded": rlloom_step(model, r, None),
-                  "bucketed": rlloom_step(model, r, a.budget)}
+        runs = {"hf": lambda: hf_step(hf, r), "padded": lambda: rlloom_step(model, r, None),
+                "bucketed": lambda: rlloom_step(model, r, a.budget),
+                "shared": lambda: rlloom_step(model, r, a.budget, share=True)}
+        losses = {k: fn() for k, fn in runs.items()}
         spread = max(losses.values()) - min(losses.values())
-        assert spread < tolerance, f"the three runs must compute the same loss: {losses}"
-        times = time_best({"hf": lambda: hf_step(hf, r),
-                           "padded": lambda: rlloom_step(model, r, None),
-                           "bucketed": lambda: rlloom_step(model, r, a.budget)}, a.repeats,
-                          device)
+        assert spread < tolerance, f"the four runs must compute the same loss: {losses}"
+        times = time_best(runs, a.repeats, device)
         print(f"h{hidden}xL{layers} loss: " +
               ", ".join(f"{k} {v:.9f}" for k, v in losses.items()), flush=True)
         for clock in (0, 1):
@@ -127,12 +132,13 @@ def main() -> None:
     print(f"\ntrain step (forward+backward), {a.b}x{a.k} rows, {real} real tokens in a "
           f"{padded}-token padded batch, budget {a.budget}, {label}, "
           f"best of {a.repeats}")
-    print(f"{'model':>10} {'clock':>5} {'HF tok/s':>9} {'padded':>9} {'bucketed':>9} "
-          f"{'padded/HF':>10} {'bucketed/HF':>12} {'loss diff':>10}")
+    ours = ("padded", "bucketed", "shared")
+    print(f"{'model':>10} {'clock':>5} {'HF tok/s':>9} " + " ".join(f"{k:>9}" for k in ours)
+          + " " + " ".join(f"{k + '/HF':>12}" for k in ours) + f" {'loss diff':>10}")
     for name, clock, tps, spread in rows:
-        print(f"{name:>10} {clock:>5} {tps['hf']:>9.0f} {tps['padded']:>9.0f} "
-              f"{tps['bucketed']:>9.0f} {tps['padded'] / tps['hf']:>9.2f}x "
-              f"{tps['bucketed'] / tps['hf']:>11.2f}x {spread:>10.1e}")
+        print(f"{name:>10} {clock:>5} {tps['hf']:>9.0f} "
+              + " ".join(f"{tps[k]:>9.0f}" for k in ours) + " "
+              + " ".join(f"{tps[k] / tps['hf']:>11.2f}x" for k in ours) + f" {spread:>10.1e}")
 
 
 if __name__ == "__main__":
