@@ -237,9 +237,8 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
     mini-batch runs as length-bucketed micro-batches of at most `train.micro_batch_tokens`
     padded tokens after one prompt pass per distinct prompt (in `lockstep`, under torchrun:
-    one plain forward), accumulating the mini-batch's gradient. Under
-    data parallelism `global_counts` turns a replica's token and sequence counts into the whole
-    mini-batch's
+    one plain forward), accumulating the mini-batch's gradient. Under data parallelism
+    `global_counts` turns a replica's token and sequence counts into the whole mini-batch's
     (runtime/distributed.py)."""
     r = exp.samples.rollout
     budget = None if lockstep else cfg.train.micro_batch_tokens

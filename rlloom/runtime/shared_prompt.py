@@ -19,39 +19,25 @@ from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout
 
 
-class _Record:
-    """A cache with nothing in it that keeps each layer's keys and values (the prompt pass)."""
+class _PromptCache:
+    """The model's cache interface over one forward: with no `prefix` (the prompt pass) it
+    keeps each layer's keys and values in `kv`; with a prefix (the response pass) each layer
+    attends to the rows' prompt keys and values before its own. `key_mask` [rows, prefix]."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
-        self.key_mask = torch.zeros(rows, 0, dtype=torch.long, device=device)
-        self.length = 0
+    def __init__(self, key_mask: torch.Tensor,
+                 prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.key_mask, self.length, self.prefix = key_mask, key_mask.shape[1], prefix
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def append_mask(self, new_mask: torch.Tensor) -> None:
-        pass
+        pass  # one forward: the mask of the new tokens is the forward's own
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kv.append((k, v))
-        return k, v
-
-    def advance(self, n: int) -> None:
-        pass
-
-
-class _Prefix:
-    """A cache that holds each row's prompt keys and values (the response pass)."""
-
-    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], key_mask: torch.Tensor
-                 ) -> None:
-        self.kv, self.key_mask, self.length = kv, key_mask, key_mask.shape[1]
-
-    def append_mask(self, new_mask: torch.Tensor) -> None:
-        pass
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        pk, pv = self.kv[layer]
+        if self.prefix is None:
+            self.kv.append((k, v))
+            return k, v
+        pk, pv = self.prefix[layer]
         return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
 
     def advance(self, n: int) -> None:
@@ -93,7 +79,7 @@ class SharedPrompts:
     def __init__(self, model: CausalLM, r: Rollout, train: bool) -> None:
         unique, self.of_row, width = _distinct(r)
         self.ids, self.mask = unique[:, :width], unique[:, width:]
-        record = _Record(len(unique), unique.device)
+        record = _PromptCache(self.mask[:, :0])
         hidden = model.model(self.ids, self.mask, record)
         last = model.lm_head(hidden[:, -1])           # predicts each response's first token
         self._graph = [t for kv in record.kv for t in kv] + [last]
@@ -116,7 +102,7 @@ class SharedPrompts:
         kv = [(self.leaves[2 * i][g, :, -p:], self.leaves[2 * i + 1][g, :, -p:])
               for i in range(len(self.leaves) // 2)]
         rest = self.model(r.response_ids[:, :-1], r.response_mask[:, :-1],
-                          _Prefix(kv, self.mask[g, -p:]))
+                          _PromptCache(self.mask[g, -p:], kv))
         return torch.cat([first, rest], 1)
 
     def backward(self) -> None:
