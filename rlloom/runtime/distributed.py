@@ -91,6 +91,14 @@ def join_process_group(requested: str) -> torch.device:
     return device
 
 
+def leave_process_group() -> None:
+    """Destroy the process group, if one was joined, while the interpreter is still whole:
+    left to interpreter teardown, gloo's worker threads may release tensors after Python is
+    gone and abort the process (SIGABRT) at random, after a run that succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclass
 class Collective:
     """The meshes of this rank and the collectives between stages."""

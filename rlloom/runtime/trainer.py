@@ -41,6 +41,7 @@ from rlloom.runtime.distributed import (
     Collective,
     distributed_problems,
     join_process_group,
+    leave_process_group,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
     world_size,
@@ -389,15 +390,18 @@ class Trainer:
 
 
 def train(cfg: RunConfig, resume_dir: Path | None = None) -> dict[str, float]:
-    run_dir = resume_dir or new_run_dir(cfg)
-    trainer = Trainer(cfg, run_dir)  # validates everything before the run directory exists
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resume_dir is not None and trainer.resume() and trainer.main:
-        print(f"resuming {run_dir} at step {trainer.step}")
-    if trainer.main:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
     try:
-        return trainer.run()
+        run_dir = resume_dir or new_run_dir(cfg)
+        trainer = Trainer(cfg, run_dir)  # validates everything before the run directory exists
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_dir is not None and trainer.resume() and trainer.main:
+            print(f"resuming {run_dir} at step {trainer.step}")
+        if trainer.main:
+            (run_dir / "config.yaml").write_text(dump_config(cfg))
+        try:
+            return trainer.run()
+        finally:
+            if trainer.pool is not None:
+                trainer.pool.close()
     finally:
-        if trainer.pool is not None:
-            trainer.pool.close()
+        leave_process_group()

@@ -18,17 +18,21 @@ LAYOUTS = {
 
 
 def _torchrun(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler prints each rank's Python stack if it dies on a signal (SIGABRT from C++)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                            "2", "--standalone", "-m", "rlloom", "train", *args],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
 
 
 def _why(done: subprocess.CompletedProcess) -> str:
-    """Every rank's error line first: one rank's crash shows up on the others as a closed
-    connection, which alone hides the cause."""
-    errors = [line for line in done.stderr.splitlines() if "Error" in line and "]:" in line]
-    return "\n".join(errors) + "\n" + done.stderr[-2000:]
+    """What the ranks printed before torchrun's agent reported the failure: one rank's crash
+    shows up on the others as a closed connection and in the agent's report only as a signal,
+    which alone hides the cause."""
+    lines = done.stderr.splitlines()
+    agent = next((i for i, line in enumerate(lines)
+                  if "closing signal" in line or "failed (exitcode" in line), len(lines))
+    return "\n".join(lines[:agent])[-6000:]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
