@@ -36,11 +36,16 @@ class Priced:
     sync_s: float
     stages: list[StageCost]
     mem_gib: dict[str, float]  # peak per device, by group
+    workload: Workload  # as priced: the planner varies its micro-batch size
     problems: list[str] = field(default_factory=list)
 
     @property
     def feasible(self) -> bool:
         return not self.problems
+
+    @property
+    def micro_batch(self) -> int:
+        return self.workload.micro_batch
 
 
 def role_models(actor: ModelShape, roles: tuple[str, ...],
@@ -158,4 +163,4 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     else:
         sizes[gen_group] = max(sizes[gen_group], gen.world_size)
     return Priced(plan, gen_layout, sum(sizes.values()), step, g_s, a_s, t_s, sync_s, stages,
-                  {g: b / GIB for g, b in peak.items()}, problems)
+                  {g: b / GIB for g, b in peak.items()}, wl, problems)

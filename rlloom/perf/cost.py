@@ -7,7 +7,7 @@ s * p consecutive devices.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlloom.perf import comm
 from rlloom.perf import memory as mem
@@ -123,7 +123,10 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one))
     if concurrent < 1:
         return _infeasible("generation", role, kv_one)
-    key = (shape, layout.tp, layout.pp, layout.dp, layout.ep, wl, id(hw), concurrent)
+    # the micro-batch size is the teacher-forced passes' alone: the planner's search over
+    # it reuses one decode simulation
+    key = (shape, layout.tp, layout.pp, layout.dp, layout.ep, replace(wl, micro_batch=0),
+           id(hw), concurrent)
     if key not in _GEN_CACHE:
         _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role)
     return _GEN_CACHE[key]

@@ -1,18 +1,23 @@
 """Enumerate plans for a model, algorithm, workload and cluster; rank the feasible ones by
 predicted step time and keep the reasons the others were rejected.
 
-Pruning (so 64 devices take well under 10 s): TP is a power of two within a node dividing the
+The search covers placement (colocated, interleaved, disaggregated) x per-role layouts (DP with
+ZeRO 0-3, TP, PP, activation checkpointing) x schedule (sync, fused, async with staleness 1) x
+micro-batch size (MICRO_BATCHES sequences per device).
+
+Pruning (so 64 devices take a few seconds): TP is a power of two within a node dividing the
 head count; every frozen role gets the same layout; device groups are sized in eighths of the
 cluster; each role keeps only its TOP_K fastest layouts judged alone on its own group before
 the joint (memory-coupled) pricing; hybrid actor layouts are tried colocated (generation
-layout + resharding) and as async's separate rollout group; CP, EP and interleaved placement
-are priced by compose.py but not searched.
+layout + resharding) and as async's separate rollout group; interleaved placement is searched
+only where it differs from disaggregated (a separate critic trains beside the actor). CP and
+EP are priced by compose.py but not searched.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlloom.algos.presets import PRESETS
 from rlloom.perf import cost
@@ -24,6 +29,7 @@ from rlloom.perf.workload import Workload
 from rlloom.plan import Layout, Plan
 
 TOP_K = 3
+MICRO_BATCHES = (1, 2, 4, 8, 16)
 INF = float("inf")
 
 
@@ -53,14 +59,14 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool) -> list[La
     return out
 
 
-def describe(p: Plan, gen: Layout | None) -> str:
+def describe(p: Plan, gen: Layout | None, micro_batch: int) -> str:
     def short(x: Layout) -> str:
         s = f"dp{x.dp}xtp{x.tp}xpp{x.pp}"
         ckpt = "-ckpt" if x.activation_checkpointing else ""
         return s + (f"-z{x.zero}" if x.zero else "") + ckpt
     roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items())
     rollout = f", rollout={short(gen)}" if gen else ""
-    return f"{p.placement}/{p.schedule}/{p.actor_critic}: {roles}{rollout}"
+    return f"{p.placement}/{p.schedule}/{p.actor_critic}/mb{micro_batch}: {roles}{rollout}"
 
 
 def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
@@ -109,8 +115,21 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
            reward: ModelShape | None = None) -> Search:
-    """Rank the plans this module enumerates for `devices` devices of `hw`."""
+    """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
+    size of MICRO_BATCHES (`wl.micro_batch` is replaced)."""
     start = time.perf_counter()
+    result = Search([])
+    for micro_batch in MICRO_BATCHES:
+        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, devices, reward,
+                   result)
+    # stable: of equally fast plans the smaller micro-batch (less memory) comes first
+    result.ranked.sort(key=lambda q: q.step_s)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
+               reward: ModelShape | None, result: Search) -> None:
     roles, online = PRESETS[algo].roles, PRESETS[algo].online
     models = role_models(actor, roles, reward)
     active = [r for r, m in models.items() if m is not None]
@@ -119,7 +138,6 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     unit = devices // 8 if devices % 8 == 0 and devices >= 8 else 1
     units = devices // unit
     cache: dict = {}
-    result = Search([])
 
     def top(role: str, n: int, with_gen: bool = False, rollout: bool = False) -> list[Layout]:
         shape = models[role] if role in models and models[role] else actor
@@ -137,8 +155,10 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
             if priced.feasible:
                 result.ranked.append(priced)
             else:
-                result.rejected.append((describe(p, g), "; ".join(priced.problems)))
+                result.rejected.append((describe(p, g, wl.micro_batch),
+                                        "; ".join(priced.problems)))
 
+    schedules = [("sync", 0), ("fused", 0)] if online else [("sync", 0)]
     for ac in ac_modes:
         owners = [r for r in active if not (ac == "shared" and r == "critic")]
         groups = ["actor"] + [r for r in owners if r == "critic"] + (frozen[:1] if frozen else [])
@@ -150,8 +170,24 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
                 add({"placement": "colocated", "actor_critic": ac}, choice,
                     top("actor", devices, rollout=True))
         else:
-            result.rejected.append((f"colocated/{ac}", "some role fits no layout on "
-                                    f"{devices} devices"))
+            result.rejected.append((f"colocated/{ac}/mb{wl.micro_batch}", "some role fits no "
+                                    f"layout on {devices} devices"))
+        # interleaved: actor and critic share one group (memory-coupled, so each keeps its
+        # TOP_K), the frozen roles another; with one trainable role it is disaggregated
+        if "critic" in groups and frozen:
+            for n_train, n_frozen in _splits(units, 2):
+                n_train, n_frozen = n_train * unit, n_frozen * unit
+                choice = {"actor": top("actor", n_train, with_gen=online),
+                          "critic": top("critic", n_train),
+                          frozen[0]: top(frozen[0], n_frozen)[:1]}
+                if not all(choice.values()):
+                    result.rejected.append((f"interleaved split {[n_train, n_frozen]} "
+                                            f"mb{wl.micro_batch}",
+                                            "some role fits no layout on its group"))
+                    continue
+                for sched, eta in schedules:
+                    add({"placement": "interleaved", "schedule": sched, "staleness": eta,
+                         "actor_critic": ac}, choice, None)
         # disaggregated: each group its own share; sync / fused, and async with a rollout group
         for rollout in (False, True) if online else (False,):
             n_parts = len(groups) + rollout
@@ -162,17 +198,12 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
                           for r, n in zip(groups, sizes[rollout:])}
                 gen = top("actor", sizes[0], rollout=True)[:1] if rollout else None
                 if not all(choice.values()) or (rollout and not gen):
-                    result.rejected.append((f"disaggregated split {sizes}",
+                    result.rejected.append((f"disaggregated split {sizes} mb{wl.micro_batch}",
                                             "some role fits no layout on its group"))
                     continue
-                scheds = [("async", 1)] if rollout else \
-                    [("sync", 0), ("fused", 0)] if online else [("sync", 0)]
-                for sched, eta in scheds:
+                for sched, eta in [("async", 1)] if rollout else schedules:
                     add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
                          "actor_critic": ac}, choice, gen)
-    result.ranked.sort(key=lambda q: q.step_s)
-    result.seconds = time.perf_counter() - start
-    return result
 
 
 def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,

@@ -28,8 +28,9 @@ def parse_gpus(spec: str) -> tuple[int, str]:
 
 
 def _row(p: Priced) -> dict:
-    return {"plan": describe(p.plan, p.gen_layout), "step_s": p.step_s, "gen_s": p.gen_s,
-            "assess_s": p.assess_s, "train_s": p.train_s, "sync_s": p.sync_s,
+    return {"plan": describe(p.plan, p.gen_layout, p.micro_batch), "step_s": p.step_s,
+            "gen_s": p.gen_s, "assess_s": p.assess_s, "train_s": p.train_s, "sync_s": p.sync_s,
+            "micro_batch": p.micro_batch,
             "mem_gib": p.mem_gib, "plan_json": p.plan.model_dump(mode="json"),
             "gen_layout": p.gen_layout.model_dump(mode="json") if p.gen_layout else None}
 
@@ -83,11 +84,11 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
         (search(shape, req.algo, wl, hw, devices).ranked or [None])[0]
     if chosen is None:
         raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
-    sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles), wl, hw, steps,
-                   seed, chosen.gen_layout)
+    sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles), chosen.workload,
+                   hw, steps, seed, chosen.gen_layout)
     out.mkdir(parents=True, exist_ok=True)
     sim.chrome_trace(out / "trace.json")
-    label = describe(chosen.plan, chosen.gen_layout)
+    label = describe(chosen.plan, chosen.gen_layout, chosen.micro_batch)
     plot_gantt(sim, out / "gantt.png", f"{which} plan")
     idle = ", ".join(f"{g} {f:.0%}" for g, f in sorted(sim.idle.items()))
     return (f"{which} plan {label}\n{steps} simulated steps: steady-state step "
@@ -114,7 +115,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
              f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8}  plan"]
     for p in found.ranked[:top]:
         lines.append(f"{p.step_s:8.1f} {p.gen_s:8.1f} {p.assess_s:8.1f} {p.train_s:8.1f}  "
-                     f"{describe(p.plan, p.gen_layout)}")
+                     f"{describe(p.plan, p.gen_layout, p.micro_batch)}")
     if found.ranked and base is not None:
         best = found.ranked[0]
         stage = max(("generation", best.gen_s), ("assessment", best.assess_s),

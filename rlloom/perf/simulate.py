@@ -96,4 +96,6 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
     warm = min(WARMUP_STEPS, steps - 2) if steps > 2 else 0
     step_s = ((train_end[-1] - train_end[warm]) / (steps - 1 - warm) if steps > 1
               else train_end[0])
-    return Simulation(spans, step_s, {g: 1 - b / makespan for g, b in busy.items()}, makespan)
+    # a group busy the whole time sums its spans to the makespan give or take rounding
+    idle = {g: max(0.0, 1 - b / makespan) for g, b in busy.items()}
+    return Simulation(spans, step_s, idle, makespan)

@@ -69,7 +69,7 @@ def test_planner_fast_and_beats_naive():
     ratio = base.step_s / best.step_s
     print(f"\nplanner: {res.seconds:.2f} s, {len(res.ranked)} ranked, {len(res.rejected)} "
           f"rejected; naive {base.step_s:.1f} s, best {best.step_s:.1f} s ({ratio:.2f}x): "
-          f"{describe(best.plan, best.gen_layout)}")
+          f"{describe(best.plan, best.gen_layout, best.micro_batch)}")
     assert res.seconds < 10
     assert all(p.devices == 64 for p in res.ranked)
     assert ratio >= 1.3

@@ -19,7 +19,8 @@ MODELS = role_models(SHAPE, PRESETS["grpo"].roles)
 def test_sync_with_fixed_lengths_equals_the_priced_step():
     wl = Workload(512, 8, 512, Lengths("fixed", 2048))
     best = search(SHAPE, "grpo", wl, HW, 64).ranked[0]
-    sim = simulate(best.plan, MODELS, wl, HW, steps=5, gen_layout=best.gen_layout)
+    sim = simulate(best.plan, MODELS, best.workload, HW, steps=5,
+                   gen_layout=best.gen_layout)
     assert sim.step_s == pytest.approx(best.step_s, rel=1e-9)
     assert all(0.0 <= f <= 1.0 for f in sim.idle.values())
 
@@ -30,8 +31,10 @@ def test_async_is_never_slower_than_sync_on_the_same_devices():
     assert plans, "the planner should find a feasible async plan"
     for p in plans[:3]:
         sync = p.plan.model_copy(update={"schedule": "sync", "staleness": 0})
-        t_async = simulate(p.plan, MODELS, wl, HW, 8, seed=1, gen_layout=p.gen_layout).step_s
-        t_sync = simulate(sync, MODELS, wl, HW, 8, seed=1, gen_layout=p.gen_layout).step_s
+        t_async = simulate(p.plan, MODELS, p.workload, HW, 8, seed=1,
+                           gen_layout=p.gen_layout).step_s
+        t_sync = simulate(sync, MODELS, p.workload, HW, 8, seed=1,
+                          gen_layout=p.gen_layout).step_s
         assert t_async <= t_sync + 1e-9
 
 

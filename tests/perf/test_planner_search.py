@@ -1,0 +1,68 @@
+"""What the planner searches beyond layouts: the micro-batch size and interleaved placement."""
+from dataclasses import replace
+
+import pytest
+
+from rlloom.perf import cost
+from rlloom.perf import memory as mem
+from rlloom.perf.hardware import hardware
+from rlloom.perf.planner import MICRO_BATCHES, Search, _search_at, search
+from rlloom.perf.shapes import MODELS
+from rlloom.perf.workload import Lengths, Workload
+from rlloom.plan import Layout
+
+Q7 = MODELS["qwen2.5-7b"]
+H100 = hardware("h100")
+LONG = Workload(512, 8, 512, Lengths("lognormal", 2048, 16384))
+
+
+def test_micro_batch_trades_activation_memory_for_passes():
+    """ZeRO-3 over 8 devices, 64 rows each: activations grow linearly with the micro-batch
+    while the per-micro-batch gathers (3 per pass, 64 / mb passes) shrink as 1 / mb."""
+    wl = Workload(64, 8, 512, Lengths("fixed", 512))
+    lay = Layout(dp=8, zero=3)
+    c = {mb: cost.training(Q7, lay, replace(wl, micro_batch=mb), H100, "actor")
+         for mb in (1, 2, 4)}
+    assert c[4].transient_bytes - c[2].transient_bytes == pytest.approx(
+        2 * (c[2].transient_bytes - c[1].transient_bytes))
+    act_one = mem.activation_bytes(Q7, lay, 1 * wl.max_context, True)
+    assert c[2].transient_bytes - c[1].transient_bytes == pytest.approx(act_one)
+    # comm = A * 64 / mb + (optimizer launches): the drop from 1 to 2 is twice that from 2 to 4
+    assert c[1].comm_s - c[2].comm_s == pytest.approx(2 * (c[2].comm_s - c[4].comm_s))
+    assert c[1].flops == c[4].flops  # the same tokens either way
+
+
+def _best_at(micro_batch: int, hw_name: str, devices: int) -> float | None:
+    found = Search([])
+    _search_at(Q7, "grpo", replace(LONG, micro_batch=micro_batch), hardware(hw_name), devices,
+               None, found)
+    return min((p.step_s for p in found.ranked), default=None)
+
+
+def test_search_picks_the_micro_batch_memory_allows():
+    """On 64 A100-40GB with 16k-token tails, micro-batch 8 fits no plan at all, and micro-batch 1
+    frees the memory for a faster layout than the default of 4 allows."""
+    res = search(Q7, "grpo", LONG, hardware("a100-40gb"), 64)
+    assert _best_at(8, "a100-40gb", 64) is None
+    assert {p.micro_batch for p in res.ranked} <= {1, 2, 4}
+    best, at_default = res.ranked[0], _best_at(4, "a100-40gb", 64)
+    assert best.micro_batch == 1 and best.step_s < 0.95 * at_default
+    assert best.step_s == min(_best_at(mb, "a100-40gb", 64) or float("inf")
+                              for mb in MICRO_BATCHES)
+
+
+def test_interleaved_puts_actor_and_critic_on_one_group():
+    res = search(Q7, "ppo", LONG, H100, 64)
+    inter = [p for p in res.ranked if p.plan.placement == "interleaved"]
+    assert inter and {p.plan.schedule for p in inter} == {"sync", "fused"}
+    for p in inter:
+        actor, critic = p.plan.layout("actor"), p.plan.layout("critic")
+        frozen = p.plan.layout("reference")
+        assert actor.world_size == critic.world_size and p.devices == 64
+        assert actor.world_size + frozen.world_size == 64
+        # both trainable models are resident on the trainable group's devices
+        both = mem.model_state_bytes(Q7, actor, True) + mem.model_state_bytes(Q7, critic, True)
+        assert p.mem_gib["trainable"] * 2**30 >= both
+    # with one trainable role, interleaved is disaggregated: not listed twice
+    assert not [p for p in search(Q7, "grpo", LONG, H100, 64).ranked
+                if p.plan.placement == "interleaved"]
