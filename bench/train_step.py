@@ -12,7 +12,7 @@ log-prob of the response tokens at temperature 1, the core of every policy loss.
 - rlloom, padded: the same single padded forward+backward through rlloom's model;
 - rlloom, bucketed: rows sorted by length and cut into micro-batches of at most
   `--budget` padded tokens, each trimmed to its own widths, gradients accumulated (what
-  the trainer does under torchrun's lockstep, and for value heads);
+  the trainer does under torchrun, and for value heads);
 - rlloom, shared: each distinct prompt once, then the responses in buckets attending to it,
   and one backward through the prompt pass (what `runtime.online.optimise` does).
 tok/s counts real (unpadded) prompt + response tokens of the K rows. On a GPU (`--device

@@ -3,6 +3,7 @@ cluster; print them, emit JSON, or simulate one with a trace and a Gantt chart."
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,12 +66,16 @@ class Request:
 
 
 def plan_file(p: Priced, title: str) -> str:
-    """A config file holding only `plan:`, which `rlloom train` accepts (other sections keep
-    their defaults); the generation group, when separate, is the "rollout" layout."""
+    """A config file holding `plan:` and the micro-batch as `train.micro_batch_tokens`, which
+    `rlloom train` accepts (other settings keep their defaults); the generation group, when
+    separate, is the "rollout" layout. The token budget is the priced micro-batch at the
+    longest context, so no micro-batch the runtime cuts holds more padded tokens."""
     plan = p.plan.model_copy(deep=True)
     if p.gen_layout is not None:
         plan.layouts["rollout"] = p.gen_layout
-    body = yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False)
+    budget = math.ceil(p.micro_batch * p.workload.max_context)
+    body = yaml.safe_dump({"plan": plan.model_dump(mode="json"),
+                           "train": {"micro_batch_tokens": budget}}, sort_keys=False)
     return f"# {title}\n{body}"
 
 

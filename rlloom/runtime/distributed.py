@@ -184,6 +184,13 @@ class Collective:
         dist.all_reduce(counts, group=self.train_mesh["dp"].get_group())
         return float(counts[0]) / self.train.dp, float(counts[1]) / self.train.dp
 
+    def most(self, n: int) -> int:
+        """The largest of the ranks' n: how many micro-batches every rank runs, so that their
+        passes, and the collectives inside them, pair up."""
+        count = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
+
     def mean(self, stats: dict[str, float]) -> dict[str, float]:
         """Scalar metrics averaged over ranks (equal-sized shares, so the mean of means)."""
         keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)))

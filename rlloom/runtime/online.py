@@ -35,7 +35,7 @@ from rlloom.runtime.batch import (
     response_values,
     sequence_scores,
 )
-from rlloom.runtime.packing import micro_batches, trim
+from rlloom.runtime.packing import Agree, micro_batches, trim
 from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
 
 
@@ -169,15 +169,16 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 @torch.no_grad()
 def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
            kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
-           lockstep: bool = False) -> Experience:
+           agree: Agree | None = None) -> Experience:
     """Reference log-probs, critic values, shaped rewards and advantages. The forwards run in
-    length-bucketed micro-batches after one prompt pass per distinct prompt, or, in
-    `lockstep` (torchrun: every rank must run the same passes), in one plain forward."""
-    r, budget = s.rollout, None if lockstep else cfg.train.micro_batch_tokens
+    length-bucketed micro-batches after one prompt pass per distinct prompt, or, given `agree`
+    (torchrun: every rank must run the same passes; see `packing.micro_batches`), in as many
+    plain micro-batches as every other rank."""
+    r, budget = s.rollout, cfg.train.micro_batch_tokens
     ref_logp = None
-    if reference is not None and lockstep:
+    if reference is not None and agree is not None:
         ref_logp = bucketed(lambda mb, _: response_logprobs(
-            reference, mb, cfg.rollout.temperature)[0], r, budget)
+            reference, mb, cfg.rollout.temperature)[0], r, budget, agree=agree)
     elif reference is not None:
         ref_logp = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
         for chunk in prompt_chunks(r, budget):
@@ -186,7 +187,7 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
             ref_logp[chunk] = bucketed(lambda mb, rows: response_logprobs(
                 reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], part,
                 budget, prompts_done=True)
-    old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget)
+    old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget, agree=agree)
                   if critic is not None else None)
     return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
 
@@ -215,13 +216,14 @@ def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Ten
 
 
 def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
-             budget: int | None, prompts_done: bool = False) -> torch.Tensor:
+             budget: int | None, prompts_done: bool = False, agree: Agree | None = None
+             ) -> torch.Tensor:
     """`score(micro-batch, its rows)` [rows, T] of every row, computed on length-bucketed
     micro-batches (no forward over the batch's padding) and put back in the rollout's row
     order and width. `prompts_done`: the score runs responses only, so only they are cut."""
     out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
     for rows in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget,
-                              prompts_done):
+                              prompts_done, agree):
         part = score(trim(r.select(rows)), rows)
         out[rows, :part.shape[1]] = part.float()
     return out
@@ -230,19 +232,19 @@ def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
              kl_coef: float, cfg: RunConfig, generator: torch.Generator,
-             lockstep: bool = False,
+             agree: Agree | None = None,
              global_counts: Callable[[float, float], tuple[float, float]] = lambda t, s: (t, s)
              ) -> dict[str, float]:
     """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
     bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
     mini-batch runs as length-bucketed micro-batches of at most `train.micro_batch_tokens`
-    padded tokens after one prompt pass per distinct prompt (in `lockstep`, under torchrun:
-    one plain forward), accumulating the mini-batch's gradient. Under data parallelism
-    `global_counts` turns a replica's token and sequence counts into the whole mini-batch's
-    (runtime/distributed.py)."""
+    padded tokens after one prompt pass per distinct prompt (given `agree`, under torchrun: as
+    many plain micro-batches as every other rank), accumulating the mini-batch's gradient.
+    Under data parallelism `global_counts` turns a replica's token and sequence counts into
+    the whole mini-batch's (runtime/distributed.py)."""
     r = exp.samples.rollout
-    budget = None if lockstep else cfg.train.micro_batch_tokens
-    share = not lockstep and not isinstance(policy, ActorCritic)
+    budget = cfg.train.micro_batch_tokens
+    share = agree is None and not isinstance(policy, ActorCritic)
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.algo.epochs):
@@ -255,14 +257,14 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
                 continue  # every sample was filtered out (overlong), on every rank alike
             norm = LossNorm(tokens, seqs, const=cfg.rollout.max_new_tokens)
             optimizer.zero_grad(set_to_none=True)
-            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget, share)
+            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget, share, agree)
             stats["grad_norm"] = clip_grad_norm(
                 policy.parameters(), cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-                stats["value_loss"] = critic_backward(critic, exp, idx, norm, cfg,
-                                                      budget)
+                stats["value_loss"] = critic_backward(critic, exp, idx, norm, cfg, budget,
+                                                      agree)
                 clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
@@ -271,20 +273,21 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     return {k: v / max(updates, 1) for k, v in totals.items()}
 
 
-def _micro(exp: Experience, idx: torch.Tensor, budget: int | None, prompts_done: bool = False
+def _micro(exp: Experience, idx: torch.Tensor, budget: int | None, prompts_done: bool = False,
+           agree: Agree | None = None
            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Rollout, int]]:
     """(positions in `idx`, rows, trimmed rollout of those rows, its response width) per
     micro-batch of `idx`."""
     r = exp.samples.rollout.select(idx)
     for part in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget,
-                              prompts_done):
+                              prompts_done, agree):
         mb = trim(r.select(part))
         yield part, idx[part], mb, mb.response_ids.shape[1]
 
 
 def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: LossNorm,
                     kl_coef: float, cfg: RunConfig, micro_batch_tokens: int | None,
-                    share_prompts: bool = False
+                    share_prompts: bool = False, agree: Agree | None = None
                     ) -> dict[str, float]:
     """Accumulate into `.grad` the gradient of mini-batch `idx`'s loss, one micro-batch at a
     time, and return its statistics (token means over the whole mini-batch)."""
@@ -307,7 +310,7 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     for chunk in chunks:
         sub = idx[chunk]
         prompts = SharedPrompts(policy, r.select(sub), train=True) if share_prompts else None
-        for part, rows, mb, t in _micro(exp, sub, micro_batch_tokens, share_prompts):
+        for part, rows, mb, t in _micro(exp, sub, micro_batch_tokens, share_prompts, agree):
             mask = exp.loss_mask[rows, :t]
             logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
                                                       with_entropy=True, prompts=prompts, rows=part)
@@ -339,11 +342,12 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
 
 
 def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm: LossNorm,
-                    cfg: RunConfig, micro_batch_tokens: int | None) -> float:
+                    cfg: RunConfig, micro_batch_tokens: int | None, agree: Agree | None = None
+                    ) -> float:
     """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
     aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
     total = 0.0
-    for _, rows, mb, t in _micro(exp, idx, micro_batch_tokens):
+    for _, rows, mb, t in _micro(exp, idx, micro_batch_tokens, agree=agree):
         mask = exp.loss_mask[rows, :t]
         vloss = aggregate(value_loss(response_values(critic, mb), exp.old_values[rows, :t],
                                      exp.returns[rows, :t], mask, cfg.algo.value_clip),

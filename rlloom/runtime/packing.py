@@ -8,25 +8,49 @@ gradient however the rows are split.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rlloom.perf.buckets import split_sorted
 from rlloom.rollout.generate import Rollout
 
+Agree = Callable[[int], int]
+
 
 def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int | None,
-                  prompts_done: bool = False) -> list[torch.Tensor]:
+                  prompts_done: bool = False, agree: Agree | None = None) -> list[torch.Tensor]:
     """Positions of rows [n] grouped into micro-batches, shortest rows first, cut where
     `perf.buckets.split_sorted` says (least padding plus per-micro-batch overhead) under a
     `budget` of padded tokens (`train.micro_batch_tokens`); None: all rows in one.
-    `prompts_done`: the prompts ran in a shared pass; sort and cost by the responses."""
+    `prompts_done`: the prompts ran in a shared pass; sort and cost by the responses.
+    `agree` maps this rank's micro-batch count to the one every rank runs (under torchrun the
+    ranks' largest, so that their passes and the collectives inside them pair up); the cut is
+    then refined to that many micro-batches, each still within the budget."""
     order = torch.sort(response_lens if prompts_done else prompt_lens + response_lens,
                        stable=True).indices
     if budget is None:
-        return [order]
-    bounds = split_sorted(prompt_lens[order].tolist(), response_lens[order].tolist(), budget,
-                          prompts_done=prompts_done)
+        bounds = [(0, len(order))]
+    else:
+        bounds = split_sorted(prompt_lens[order].tolist(), response_lens[order].tolist(), budget,
+                              prompts_done=prompts_done)
+    if agree is not None:
+        bounds = _refine(bounds, agree(len(bounds)))
     return [order[s:e] for s, e in bounds]
+
+
+def _refine(bounds: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """`count` micro-batches from `bounds` by halving the one with the most rows (fewer rows
+    never pad more, so every part stays within the budget)."""
+    bounds = list(bounds)
+    if count > bounds[-1][1] - bounds[0][0]:
+        raise ValueError(f"{count} micro-batches of {bounds[-1][1] - bounds[0][0]} rows: every "
+                         "rank must hold as many rows")
+    while len(bounds) < count:
+        i = max(range(len(bounds)), key=lambda j: bounds[j][1] - bounds[j][0])
+        s, e = bounds[i]
+        bounds[i:i + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
+    return bounds
 
 
 def trim(r: Rollout) -> Rollout:

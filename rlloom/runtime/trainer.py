@@ -298,13 +298,13 @@ class Trainer:
             exp = assess(mine, self.reference, self.critic or
                          (self.policy if isinstance(self.policy, ActorCritic) else None),
                          self.kl.value, baseline[rows] if baseline is not None else None, cfg,
-                         lockstep=coll is not None)
+                         agree=coll.most if coll else None)
         with self.tracer.span("training", step, "actor+critic") as tr:
-            # under torchrun every rank runs one micro-batch per mini-batch (and per
-            # assessment), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
+            # under torchrun every rank runs as many micro-batches as the others (in
+            # assessment too), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
-                             lockstep=coll is not None,
+                             agree=coll.most if coll else None,
                              **({"global_counts": coll.global_counts} if coll else {}))
         stats["behaviour_kl"] = behaviour_kl(exp)
         if coll is not None:

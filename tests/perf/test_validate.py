@@ -211,7 +211,10 @@ def test_plan_file_is_a_config_rlloom_train_reads(tmp_path, capsys):
     assert f"wrote the best plan to {path}" in capsys.readouterr().out
     cfg = load_config(path)
     assert cfg.plan.layouts["actor"].world_size > 1
-    assert cfg.train.steps == load_config().train.steps  # every other section at its default
+    assert cfg.train.steps == load_config().train.steps  # every other setting at its default
+    # the priced micro-batch of sequences at the longest context: prompt 512 + the p99
+    longest = 512 + Lengths("lognormal", 1024, 8192).max
+    assert cfg.train.micro_batch_tokens / longest in (1, 2, 4, 8, 16)
 
 
 def test_rollout_layout_in_the_plan_is_the_generation_layout():

@@ -75,7 +75,9 @@ def grads(model):
 
 @pytest.mark.parametrize("agg", AGGREGATIONS.names())
 @pytest.mark.parametrize("shared", [False, True])
-def test_micro_batched_gradient_equals_whole_mini_batch(agg, shared):
+@pytest.mark.parametrize("extra", [0, 2])
+def test_micro_batched_gradient_equals_whole_mini_batch(agg, shared, extra):
+    """`extra`: another rank needs that many more micro-batches (torchrun's `agree`)."""
     cfg = load_config(None, ["rollout.temperature=0.8", "algo.entropy_coef=0.01",
                              "algo.kl_coef=0.1", f"algo.loss_agg={agg}"])
     torch.manual_seed(0)
@@ -93,9 +95,13 @@ def test_micro_batched_gradient_equals_whole_mini_batch(agg, shared):
     whole = grads(policy)
     policy.zero_grad(set_to_none=True)
     r = exp.samples.rollout
-    parts = micro_batches(r.prompt_mask[idx].sum(1), r.response_mask[idx].sum(1), 60)
-    assert len(parts) >= 3
-    stats = policy_backward(policy, exp, idx, norm, 0.1, cfg, micro_batch_tokens=60)
+    def agree(n: int) -> int:
+        return n + extra
+    parts = micro_batches(r.prompt_mask[idx].sum(1), r.response_mask[idx].sum(1), 60,
+                          agree=agree)
+    assert len(parts) >= 3 + extra
+    stats = policy_backward(policy, exp, idx, norm, 0.1, cfg, micro_batch_tokens=60,
+                            agree=agree)
     split = grads(policy)
     diff = max((a - b).abs().max().item() for a, b in zip(whole, split))
     print(f"\n{agg} shared={shared}: {len(parts)} micro-batches, max |grad diff| {diff:.1e}")
@@ -164,6 +170,25 @@ def test_micro_batches_cover_rows_once_within_budget():
     assert all(a.max() <= b.min() for a, b in zip(lengths, lengths[1:]))   # shortest first
     with pytest.raises(ValueError):
         micro_batches(p, r, 0)
+
+
+def test_an_agreed_count_refines_the_cut_within_budget():
+    """Under torchrun every rank runs the ranks' largest micro-batch count: a rank that needs
+    fewer halves its largest micro-batches until it has as many."""
+    g = torch.Generator().manual_seed(0)
+    p, r = torch.randint(1, 20, (50,), generator=g), torch.randint(1, 60, (50,), generator=g)
+    base = micro_batches(p, r, 300)
+    same = micro_batches(p, r, 300, agree=lambda n: n)
+    assert [t.tolist() for t in same] == [t.tolist() for t in base]
+    more = micro_batches(p, r, 300, agree=lambda n: n + 3)
+    assert len(more) == len(base) + 3
+    assert sorted(torch.cat(more).tolist()) == list(range(50))
+    for part in more:
+        assert len(part) * (p[part].max() + r[part].max()) <= 300 or len(part) == 1
+    one = micro_batches(p, r, None, agree=lambda n: 4)  # no budget: one, then halved twice
+    assert [len(t) for t in one] == [12, 13, 12, 13]
+    with pytest.raises(ValueError, match="51 micro-batches of 50 rows"):
+        micro_batches(p, r, 300, agree=lambda n: 51)
 
 
 def test_split_pays_for_a_long_row_only_when_padding_costs_more_than_a_launch():

@@ -40,8 +40,10 @@ def test_train_runs_under_torchrun(name, tmp_path, tiny):
     run = tmp_path / name
     tiny = [*tiny, "model.kv_heads=2"]  # TP splits KV heads
     main(["sft", *tiny, "--out", str(tmp_path / "warm")])  # both ranks load the same weights
+    # a small token budget: several micro-batches per mini-batch, as many on every rank
     done = _torchrun([*tiny, *LAYOUTS[name], f"model.path={tmp_path / 'warm'}",
-                      "train.prompts_per_step=4", f"run_dir={run}"], tmp_path)
+                      "train.prompts_per_step=4", "train.micro_batch_tokens=40",
+                      f"run_dir={run}"], tmp_path)
     assert done.returncode == 0, _why(done)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
