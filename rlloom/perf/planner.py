@@ -2,16 +2,15 @@
 predicted step time and keep the reasons the others were rejected.
 
 The search covers placement (colocated, interleaved, disaggregated) x per-role layouts (DP with
-ZeRO 0-3, TP, PP, activation checkpointing) x schedule (sync, fused, async with staleness 1) x
-micro-batch size (MICRO_BATCHES sequences per device).
+ZeRO 0-3, TP, PP, CP, EP for MoE models, activation checkpointing) x schedule (sync, fused,
+async with staleness 1) x micro-batch size (MICRO_BATCHES sequences per device).
 
 Pruning (so 64 devices take a few seconds): TP is a power of two within a node dividing the
 head count; every frozen role gets the same layout; device groups are sized in eighths of the
 cluster; each role keeps only its TOP_K fastest layouts judged alone on its own group before
 the joint (memory-coupled) pricing; hybrid actor layouts are tried colocated (generation
 layout + resharding) and as async's separate rollout group; interleaved placement is searched
-only where it differs from disaggregated (a separate critic trains beside the actor). CP and
-EP are priced by compose.py but not searched.
+only where it differs from disaggregated (a separate critic trains beside the actor).
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from rlloom.plan import Layout, Plan
 
 TOP_K = 3
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+CONTEXT_PARALLEL = (1, 2, 4)
 INF = float("inf")
 
 
@@ -46,22 +46,31 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool) -> list[La
     out = []
     tp = 1
     while tp <= min(n, hw.devices_per_node):
-        for pp in (1, 2, 4):
-            if shape.heads % tp or n % (tp * pp) or shape.layers % pp:
+        for pp, cp in itertools.product((1, 2, 4), CONTEXT_PARALLEL):
+            if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
-            dp = n // (tp * pp)
+            dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
-            for zero in zeros if dp > 1 else (0,):
+            eps = _ep_degrees(shape, dp * cp)
+            for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
                 for ckpt in (False, True) if trainable else (False,):
-                    out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero,
+                    out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                       activation_checkpointing=ckpt))
         tp *= 2
     return out
 
 
+def _ep_degrees(shape: ModelShape, ranks: int) -> list[int]:
+    """Powers of two dividing both the expert count and the dp x cp ranks experts spread over."""
+    if not shape.moe:
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64) if shape.n_experts % e == 0 and ranks % e == 0]
+
+
 def describe(p: Plan, gen: Layout | None, micro_batch: int) -> str:
     def short(x: Layout) -> str:
         s = f"dp{x.dp}xtp{x.tp}xpp{x.pp}"
+        s += (f"xcp{x.cp}" if x.cp > 1 else "") + (f"-ep{x.ep}" if x.ep > 1 else "")
         ckpt = "-ckpt" if x.activation_checkpointing else ""
         return s + (f"-z{x.zero}" if x.zero else "") + ckpt
     roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items())
