@@ -109,7 +109,8 @@ def cmd_algos(args: argparse.Namespace) -> None:
 def _request(args: argparse.Namespace) -> "Request":
     from rlloom.perf.report import Request
     return Request(args.model, args.algo, args.gpus, args.prompts, args.samples, args.prompt_len,
-                   args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None)
+                   args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None,
+                   args.epochs, args.minibatches, args.objective)
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -157,6 +158,11 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
     p.add_argument("--lengths-from", metavar="RUN_DIR",
                    help="use the response lengths a run generated instead of --p50/--p99")
+    p.add_argument("--epochs", type=int, default=1, help="passes over each step's batch (PPO "
+                   "epochs)")
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per epoch")
+    p.add_argument("--objective", choices=["time", "cost"], default="time", help="rank by step "
+                   "time, or by cost per step (also trying 1/2, 1/4, 1/8 of the devices)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -123,18 +123,30 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
-           reward: ModelShape | None = None) -> Search:
+           reward: ModelShape | None = None, objective: str = "time") -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
-    size of MICRO_BATCHES (`wl.micro_batch` is replaced)."""
+    size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
+    also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
+    devices can cost less)."""
     start = time.perf_counter()
     result = Search([])
-    for micro_batch in MICRO_BATCHES:
-        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, devices, reward,
-                   result)
-    # stable: of equally fast plans the smaller micro-batch (less memory) comes first
-    result.ranked.sort(key=lambda q: q.step_s)
+    if objective == "cost" and hw.price_per_hour <= 0:
+        raise ValueError(f"hardware {hw.name} has no price per device-hour; use --objective "
+                         "time or a hardware file with price_per_hour")
+    counts = [devices // d for d in (1, 2, 4, 8) if devices % d == 0] \
+        if objective == "cost" else [devices]
+    for n, micro_batch in itertools.product(counts, MICRO_BATCHES):
+        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
+    # stable: of equally good plans the smaller micro-batch (less memory) comes first
+    result.ranked.sort(key=(lambda q: cost_per_step(q, hw)) if objective == "cost"
+                       else (lambda q: q.step_s))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def cost_per_step(p: Priced, hw: Hardware) -> float:
+    """USD of device time one step takes."""
+    return p.step_s * p.devices * hw.price_per_hour / 3600
 
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,

@@ -11,10 +11,11 @@ from pathlib import Path
 import yaml
 
 from rlloom.algos.presets import PRESETS
+from rlloom.perf import memory as mem
 from rlloom.perf.compose import Priced, role_models
 from rlloom.perf.gantt import plot_gantt
 from rlloom.perf.hardware import Hardware, hardware
-from rlloom.perf.planner import describe, naive, search
+from rlloom.perf.planner import cost_per_step, describe, naive, search
 from rlloom.perf.shapes import model_shape
 from rlloom.perf.simulate import simulate
 from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
@@ -28,9 +29,10 @@ def parse_gpus(spec: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2).lower()
 
 
-def _row(p: Priced) -> dict:
+def _row(p: Priced, hw: Hardware) -> dict:
     return {"plan": describe(p.plan, p.gen_layout, p.micro_batch), "step_s": p.step_s,
             "gen_s": p.gen_s, "assess_s": p.assess_s, "train_s": p.train_s, "sync_s": p.sync_s,
+            "cost_usd": cost_per_step(p, hw), "devices": p.devices,
             "micro_batch": p.micro_batch,
             "mem_gib": p.mem_gib, "plan_json": p.plan.model_dump(mode="json"),
             "gen_layout": p.gen_layout.model_dump(mode="json") if p.gen_layout else None}
@@ -48,6 +50,9 @@ class Request:
     p50: int
     p99: int
     lengths_from: Path | None = None
+    epochs: int = 1  # passes over each step's batch (PPO epochs)
+    minibatches: int = 1  # optimizer steps per epoch
+    objective: str = "time"  # rank by step time, or by cost per step ("cost")
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -58,7 +63,8 @@ class Request:
             response = Lengths("fixed", self.p50)
         # offline DPO scores and trains on a chosen and a rejected response per prompt
         samples = self.samples if PRESETS[self.algo].online else 2
-        return Workload(self.prompts, samples, self.prompt_len, response)
+        return Workload(self.prompts, samples, self.prompt_len, response,
+                        ppo_epochs=self.epochs, minibatches=self.minibatches)
 
     def cluster(self) -> tuple[int, Hardware]:
         devices, hw_name = parse_gpus(self.gpus)
@@ -86,7 +92,7 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
     devices, hw = req.cluster()
     shape, wl = model_shape(req.model), req.workload()
     chosen = naive(shape, req.algo, wl, hw, devices) if which == "naive" else \
-        (search(shape, req.algo, wl, hw, devices).ranked or [None])[0]
+        (search(shape, req.algo, wl, hw, devices, objective=req.objective).ranked or [None])[0]
     if chosen is None:
         raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
     sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles), chosen.workload,
@@ -104,32 +110,66 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
 def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None = None) -> str:
     devices, hw = req.cluster()
     shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
-    found = search(shape, algo, wl, hw, devices)
+    found = search(shape, algo, wl, hw, devices, objective=req.objective)
     base = naive(shape, algo, wl, hw, devices)
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
-        write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {devices} x "
+        write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {best.devices} x "
                                         f"{hw.name}, predicted {best.step_s:.1f} s per step"))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
-                           "ranked": [_row(p) for p in found.ranked[:top]],
-                           "naive": _row(base) if base else None,
+                           "objective": req.objective,
+                           "ranked": [_row(p, hw) for p in found.ranked[:top]],
+                           "naive": _row(base, hw) if base else None,
                            "rejected": found.rejected[:20]}, indent=2)
-    lines = [f"{model} {algo} on {devices} x {hw.name}: searched in {found.seconds:.2f} s, "
-             f"{len(found.ranked)} feasible plans, {len(found.rejected)} rejected",
-             f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8}  plan"]
+    lines = [f"{model} {algo} on {devices} x {hw.name}, ranked by {OBJECTIVES[req.objective]}: "
+             f"searched in {found.seconds:.2f} s, {len(found.ranked)} feasible plans, "
+             f"{len(found.rejected)} rejected",
+             f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8} {'$/step':>8} "
+             f"{'devices':>7}  plan"]
     for p in found.ranked[:top]:
-        lines.append(f"{p.step_s:8.1f} {p.gen_s:8.1f} {p.assess_s:8.1f} {p.train_s:8.1f}  "
+        lines.append(f"{p.step_s:8.1f} {p.gen_s:8.1f} {p.assess_s:8.1f} {p.train_s:8.1f} "
+                     f"{cost_per_step(p, hw):8.2f} {p.devices:7d}  "
                      f"{describe(p.plan, p.gen_layout, p.micro_batch)}")
     if found.ranked and base is not None:
-        best = found.ranked[0]
-        stage = max(("generation", best.gen_s), ("assessment", best.assess_s),
-                    ("training", best.train_s), key=lambda s: s[1])[0]
-        lines += [f"naive plan (co-located, data parallel only, sync): {base.step_s:.1f} s "
-                  f"per step; best is {base.step_s / best.step_s:.2f}x faster; its bottleneck "
-                  f"is {stage}"]
+        lines += explain(found.ranked, base, hw)
     for plan, reason in found.rejected[:3]:
         lines.append(f"rejected {plan}: {reason}")
     if write_plan is not None and found.ranked:
         lines.append(f"wrote the best plan to {write_plan} (`rlloom train {write_plan}`)")
     return "\n".join(lines)
+
+
+OBJECTIVES = {"time": "step time", "cost": "cost per step"}
+
+
+def explain(ranked: list[Priced], base: Priced, hw: Hardware) -> list[str]:
+    """Why the first plan: how it compares with the naive plan stage by stage, what bounds its
+    slowest stage, its memory headroom, and the best plan of every other placement."""
+    best = ranked[0]
+    split = {"generation": best.gen_s, "assessment": best.assess_s, "training": best.train_s}
+    stage = max(split, key=split.__getitem__)
+    worst = max((st for st in best.stages if st.stage == stage), key=lambda st: st.seconds)
+    bounds = {"compute": worst.compute_s, "memory": worst.memory_s, "communication": worst.comm_s}
+    bound = max(bounds, key=bounds.__getitem__)
+    usable = hw.mem_gib * mem.USABLE
+    lines = [
+        f"why: {base.step_s / best.step_s:.2f}x faster than the naive plan (co-located, data "
+        f"parallel only, sync, micro-batch {base.micro_batch}): {base.step_s:.1f} s per step; "
+        f"generation {base.gen_s:.1f} -> {best.gen_s:.1f} s, assessment {base.assess_s:.1f} -> "
+        f"{best.assess_s:.1f} s, training {base.train_s:.1f} -> {best.train_s:.1f} s"
+        + (f", weight sync {best.sync_s:.1f} s" if best.sync_s else ""),
+        f"  bottleneck: {stage}, {split[stage] / best.step_s:.0%} of the step; its slowest part "
+        f"({worst.role}) is {bound}-bound: compute {worst.compute_s:.1f} s, memory "
+        f"{worst.memory_s:.1f} s, communication {worst.comm_s:.1f} s",
+        "  peak memory per device: " + ", ".join(
+            f"{g} {gib:.1f} GiB" for g, gib in sorted(best.mem_gib.items()))
+        + f" of {usable:.1f} usable"]
+    others = {}
+    for p in ranked[1:]:
+        others.setdefault(f"{p.plan.placement}/{p.plan.schedule}", p)
+    mine = f"{best.plan.placement}/{best.plan.schedule}"
+    alternatives = [f"{k} {p.step_s:.1f} s" for k, p in others.items() if k != mine]
+    if alternatives:
+        lines.append("  best of each other placement/schedule: " + ", ".join(alternatives))
+    return lines

@@ -13,8 +13,25 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_prints_ranked_plans_without_torch():
     out = _plan("--gpus", "64xH100", "--top", "3").stdout
-    assert "qwen2.5-7b grpo on 64 x h100: searched in" in out
-    assert "naive plan (co-located, data parallel only, sync)" in out
+    assert "qwen2.5-7b grpo on 64 x h100, ranked by step time: searched in" in out
+    assert "faster than the naive plan (co-located, data parallel only, sync" in out
+    # the explanation names the slowest stage, what bounds it, memory and the alternatives
+    assert "  bottleneck: generation" in out and "-bound: compute" in out
+    assert "  peak memory per device: all" in out
+    assert "  best of each other placement/schedule: disaggregated/" in out
+
+
+def test_cost_objective_may_leave_devices_unused():
+    """A 0.5B model needs few of 64 H100s: on 8 the step is slower but costs less."""
+    data = json.loads(_plan("--model", "qwen2.5-0.5b", "--p50", "512", "--p99", "2048",
+                            "--objective", "cost", "--json", "--top", "2000").stdout)
+    costs = [p["cost_usd"] for p in data["ranked"]]
+    assert costs == sorted(costs) and data["objective"] == "cost"
+    best = data["ranked"][0]
+    on_64 = [p for p in data["ranked"] if p["devices"] == 64]
+    assert best["devices"] < 64 and {p["devices"] for p in data["ranked"]} == {8, 16, 32, 64}
+    assert best["step_s"] > min(p["step_s"] for p in on_64)
+    assert best["cost_usd"] == best["step_s"] * best["devices"] * 2.5 / 3600  # $2.5/h H100
 
 
 def test_plan_json_is_sorted_and_beats_naive():

@@ -88,3 +88,23 @@ def test_context_parallel_is_searched():
     very_long = Workload(512, 8, 512, Lengths("lognormal", 8192, 65536))
     ranked = search(Q7, "grpo", very_long, H100, 64).ranked
     assert any(p.plan.layout("actor").cp > 1 for p in ranked)
+
+
+def test_cost_objective_needs_a_price():
+    unpriced = replace(H100, price_per_hour=0.0)
+    with pytest.raises(ValueError, match="hardware h100 has no price per device-hour"):
+        search(Q7, "grpo", LONG, unpriced, 8, objective="cost")
+
+
+def test_epochs_and_minibatches_reach_the_workload():
+    """Two PPO epochs of four optimizer steps: training computes the batch twice over, and
+    the per-step DP gradient collectives run 8 times instead of once."""
+    from rlloom.perf.report import Request
+    req = Request("qwen2.5-7b", "ppo", "64xH100", 512, 8, 512, 2048, 16384, epochs=2,
+                  minibatches=4)
+    wl = req.workload()
+    assert (wl.ppo_epochs, wl.minibatches) == (2, 4)
+    once = cost.training(Q7, Layout(dp=64, zero=1), replace(wl, ppo_epochs=1, minibatches=1),
+                         H100, "actor")
+    twice = cost.training(Q7, Layout(dp=64, zero=1), wl, H100, "actor")
+    assert twice.flops == pytest.approx(2 * once.flops)
