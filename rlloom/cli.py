@@ -110,7 +110,7 @@ def _request(args: argparse.Namespace) -> "Request":
     from rlloom.perf.report import Request
     return Request(args.model, args.algo, args.gpus, args.prompts, args.samples, args.prompt_len,
                    args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None,
-                   args.epochs, args.minibatches, args.objective)
+                   args.epochs, args.minibatches, args.objective, args.runtime)
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -163,6 +163,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per epoch")
     p.add_argument("--objective", choices=["time", "cost"], default="time", help="rank by step "
                    "time, or by cost per step (also trying 1/2, 1/4, 1/8 of the devices)")
+    p.add_argument("--runtime", choices=["any", "torchrun"], default="any", help="torchrun: "
+                   "only plans `torchrun ... rlloom train PLAN_FILE` runs (colocated, sync, "
+                   "dp/ZeRO x tp, other roles in the actor's layout)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -146,15 +146,17 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
     prompts = math.ceil(concurrent / wl.samples)
     logits = 2 * shape.vocab * shape.hidden
     pre_flops = prompts * (s * shape.forward_flops(s, logits=False) + logits)
-    pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout, wl) * layout.pp / bw)
-    pre_s += hw.launch_s * _ops(FORWARD_OPS, shape, layout)
-    pre_s += _activation_s(shape, layout, wl, hw, prompts * s)
-    pre_s += (_tp_comm(hw, layout, shape, prompts * s, 2)
-              + _ep_comm(hw, layout, shape, prompts * s, 2)
-              + _pp_comm(hw, layout, shape, prompts * s, 1))
+    # A replica's tokens cross its pp stages one after another (prefill runs as one batch,
+    # decode one token at a time), so the per-stage costs (reads, TP and EP collectives,
+    # non-matmul operators, launches) add up over the stages: PP saves memory here, not time.
+    pp = layout.pp
+    pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout, wl) * pp / bw)
+    pre_s += pp * (hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+                   + _activation_s(shape, layout, wl, hw, prompts * s)
+                   + _tp_comm(hw, layout, shape, prompts * s, 2)
+                   + _ep_comm(hw, layout, shape, prompts * s, 2))
+    pre_s += _pp_comm(hw, layout, shape, prompts * s, 1)
 
-    # A token crosses the pp stages one after another, so per step the reads add up over stages:
-    # PP saves memory in decode, not time.
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
     dec_flops, dec_bytes, compute_s, memory_s, comm_s, dec_s = _decode(
         concurrent, shape, layout, wl, hw, flops_s, bw, kv_tok)
@@ -174,7 +176,8 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
     points = min(concurrent, SPREAD_POINTS)
     weight = concurrent / points
     totals = [0.0] * 6
-    launch = hw.launch_s * _ops(DECODE_OPS, shape, layout)
+    pp = layout.pp  # per-stage costs add up over the stages (see `_generate`)
+    launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout)
     prev = 1.0  # the first token comes out of prefill
     for i, length in enumerate(wl.response.spread(points)):
         steps = length - prev
@@ -184,9 +187,9 @@ def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw
         pos = wl.prompt_len + (prev + length) / 2
         f = live * shape.decode_flops(pos)
         b = _decode_weight_bytes(shape, layout, wl, live) * layout.pp + live * pos * kv_tok
-        c = (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
-             + _pp_comm(hw, layout, shape, live, 1) + launch
-             + _activation_s(shape, layout, wl, hw, live))
+        c = (pp * (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
+                   + _activation_s(shape, layout, wl, hw, live))
+             + _pp_comm(hw, layout, shape, live, 1) + launch)
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
         prev = length

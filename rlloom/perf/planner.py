@@ -123,11 +123,13 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
-           reward: ModelShape | None = None, objective: str = "time") -> Search:
+           reward: ModelShape | None = None, objective: str = "time",
+           runtime: str = "any") -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
-    devices can cost less)."""
+    devices can cost less). Runtime "torchrun": only the plans `rlloom train` runs under
+    torchrun (`torchrun_plans`)."""
     start = time.perf_counter()
     result = Search([])
     if objective == "cost" and hw.price_per_hour <= 0:
@@ -135,8 +137,9 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
                          "time or a hardware file with price_per_hour")
     counts = [devices // d for d in (1, 2, 4, 8) if devices % d == 0] \
         if objective == "cost" else [devices]
+    enumerate_at = torchrun_plans if runtime == "torchrun" else _search_at
     for n, micro_batch in itertools.product(counts, MICRO_BATCHES):
-        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
+        enumerate_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
     # stable: of equally good plans the smaller micro-batch (less memory) comes first
     result.ranked.sort(key=(lambda q: cost_per_step(q, hw)) if objective == "cost"
                        else (lambda q: q.step_s))
@@ -147,6 +150,40 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
 def cost_per_step(p: Priced, hw: Hardware) -> float:
     """USD of device time one step takes."""
     return p.step_s * p.devices * hw.price_per_hour / 3600
+
+
+def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
+                   reward: ModelShape | None, result: Search) -> None:
+    """The plans `torchrun --nproc_per_node N rlloom train PLAN_FILE` runs (runtime/
+    distributed.py): colocated and sync; the actor trained with dp (ZeRO 0-3) x tp, with or
+    without checkpointing, the critic in the actor's layout and frozen roles in its dp x tp at
+    ZeRO 0. Generation runs on a TP-only copy resharded every step (always when the actor
+    trains data-parallel: by default the copy has the actor's dp x tp) or in place."""
+    roles, online = PRESETS[algo].roles, PRESETS[algo].online
+    models = role_models(actor, roles, reward)
+    active = [r for r, m in models.items() if m is not None]
+    trainable = [x for x in layouts(devices, actor, hw, True) if x.pp == x.cp == x.ep == 1]
+    scored = sorted((_solo("actor", actor, x, wl, hw, online), i, x)
+                    for i, x in enumerate(trainable))
+    copies: list[Layout] = []
+    for tp in sorted({x.tp for x in trainable}):
+        copies.append(Layout(dp=devices // tp, tp=tp))
+    for x in [x for t, _, x in scored if t < INF][:TOP_K]:
+        lay = {r: x if r in TRAINABLE else Layout(dp=x.dp, tp=x.tp) for r in active}
+        if not online:
+            gens: list[Layout | None] = [None]
+        elif x.dp > 1:
+            gens = list(copies)
+        else:  # unsharded by DP: in place, or a copy with another tp
+            gens = [None] + [g for g in copies if g.tp != x.tp]
+        for gen in gens:
+            plan = Plan(layouts=lay)
+            priced = price(plan, models, wl, hw, gen, offline=not online)
+            if priced.feasible:
+                result.ranked.append(priced)
+            else:
+                result.rejected.append((describe(plan, gen, wl.micro_batch),
+                                        "; ".join(priced.problems)))
 
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,

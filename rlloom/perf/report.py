@@ -15,8 +15,8 @@ from rlloom.perf import memory as mem
 from rlloom.perf.compose import Priced, role_models
 from rlloom.perf.gantt import plot_gantt
 from rlloom.perf.hardware import Hardware, hardware
-from rlloom.perf.planner import cost_per_step, describe, naive, search
-from rlloom.perf.shapes import model_shape
+from rlloom.perf.planner import Search, cost_per_step, describe, naive, search
+from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.perf.simulate import simulate
 from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
 
@@ -53,6 +53,7 @@ class Request:
     epochs: int = 1  # passes over each step's batch (PPO epochs)
     minibatches: int = 1  # optimizer steps per epoch
     objective: str = "time"  # rank by step time, or by cost per step ("cost")
+    runtime: str = "any"  # "torchrun": only plans `torchrun ... rlloom train PLAN_FILE` runs
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -66,17 +67,25 @@ class Request:
         return Workload(self.prompts, samples, self.prompt_len, response,
                         ppo_epochs=self.epochs, minibatches=self.minibatches)
 
+    def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
+        return search(shape, self.algo, wl, hw, devices, objective=self.objective,
+                      runtime=self.runtime)
+
     def cluster(self) -> tuple[int, Hardware]:
         devices, hw_name = parse_gpus(self.gpus)
         return devices, hardware(hw_name)
 
 
-def plan_file(p: Priced, title: str) -> str:
+def plan_file(p: Priced, title: str, runtime: str = "any") -> str:
     """A config file holding `plan:` and the micro-batch as `train.micro_batch_tokens`, which
     `rlloom train` accepts (other settings keep their defaults); the generation group, when
     separate, is the "rollout" layout. The token budget is the priced micro-batch at the
-    longest context, so no micro-batch the runtime cuts holds more padded tokens."""
+    longest context, so no micro-batch the runtime cuts holds more padded tokens. For
+    torchrun only the actor's and rollout layouts are written: the other roles follow the
+    actor's there."""
     plan = p.plan.model_copy(deep=True)
+    if runtime == "torchrun":
+        plan.layouts = {"actor": plan.layouts["actor"]}
     if p.gen_layout is not None:
         plan.layouts["rollout"] = p.gen_layout
     budget = math.ceil(p.micro_batch * p.workload.max_context)
@@ -92,7 +101,7 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
     devices, hw = req.cluster()
     shape, wl = model_shape(req.model), req.workload()
     chosen = naive(shape, req.algo, wl, hw, devices) if which == "naive" else \
-        (search(shape, req.algo, wl, hw, devices, objective=req.objective).ranked or [None])[0]
+        (req.search(shape, wl, hw, devices).ranked or [None])[0]
     if chosen is None:
         raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
     sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles), chosen.workload,
@@ -110,19 +119,22 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
 def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None = None) -> str:
     devices, hw = req.cluster()
     shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
-    found = search(shape, algo, wl, hw, devices, objective=req.objective)
+    found = req.search(shape, wl, hw, devices)
     base = naive(shape, algo, wl, hw, devices)
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
         write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {best.devices} x "
-                                        f"{hw.name}, predicted {best.step_s:.1f} s per step"))
+                                        f"{hw.name}, predicted {best.step_s:.1f} s per step",
+                                        req.runtime))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
                            "objective": req.objective,
                            "ranked": [_row(p, hw) for p in found.ranked[:top]],
                            "naive": _row(base, hw) if base else None,
                            "rejected": found.rejected[:20]}, indent=2)
-    lines = [f"{model} {algo} on {devices} x {hw.name}, ranked by {OBJECTIVES[req.objective]}: "
+    runnable = " (plans torchrun runs)" if req.runtime == "torchrun" else ""
+    lines = [f"{model} {algo} on {devices} x {hw.name}{runnable}, ranked by "
+             f"{OBJECTIVES[req.objective]}: "
              f"searched in {found.seconds:.2f} s, {len(found.ranked)} feasible plans, "
              f"{len(found.rejected)} rejected",
              f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8} {'$/step':>8} "

@@ -87,3 +87,44 @@ def test_stop_strings_are_refused_before_a_torchrun_starts():
     cfg = load_config(None, ["rollout.stop=['=']", "plan.layouts.actor.dp=2"])
     assert any("rollout.stop" in p for p in distributed_problems(cfg, 2))
     assert not any("rollout.stop" in p for p in distributed_problems(cfg, 1))
+
+
+def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
+    """Every plan `rlloom plan --runtime torchrun` ranks is one the torchrun trainer accepts."""
+    from rlloom.config import load_config
+    from rlloom.perf.hardware import hardware
+    from rlloom.perf.planner import search
+    from rlloom.perf.report import plan_file
+    from rlloom.perf.shapes import model_shape
+    from rlloom.perf.workload import Lengths, Workload
+    from rlloom.runtime.distributed import distributed_problems
+    wl = Workload(512, 8, 512, Lengths("lognormal", 2048, 16384))
+    for algo in ("grpo", "ppo"):
+        ranked = search(model_shape("qwen2.5-7b"), algo, wl, hardware("h100"), 64,
+                        runtime="torchrun").ranked
+        assert len(ranked) >= 10
+        for p in ranked:
+            path = tmp_path / "plan.yaml"
+            path.write_text(plan_file(p, "test", "torchrun"))
+            assert distributed_problems(load_config(path, [f"algo.name={algo}"]), 64) == []
+
+
+def test_a_plan_file_for_torchrun_runs_as_written(tmp_path, tiny):
+    """`rlloom plan --runtime torchrun --write-plan` for 2 GPUs, then `torchrun rlloom train
+    PLAN_FILE` with the tiny model standing in for the priced one."""
+    plan = tmp_path / "plan.yaml"
+    main(["plan", "--model", "qwen2.5-0.5b", "--runtime", "torchrun", "--gpus", "2xH100",
+          "--p50", "512", "--p99", "2048", "--write-plan", str(plan)])
+    tiny = [*tiny, "model.kv_heads=2"]
+    main(["sft", *tiny, "--out", str(tmp_path / "warm")])
+    run = tmp_path / "run"
+    done = _torchrun([str(plan), *tiny, f"model.path={tmp_path / 'warm'}", "train.steps=2",
+                      f"run_dir={run}"], tmp_path)
+    assert done.returncode == 0, _why(done)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    from rlloom.config import load_config
+    ran = load_config(run / "config.yaml")
+    assert ran.plan.layouts["actor"].dp == 2 and ran.plan.layouts["rollout"].dp == 2
+    # the priced micro-batch of sequences at the longest context
+    assert ran.train.micro_batch_tokens % (512 + 2048) == 0
