@@ -3,6 +3,7 @@ line."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -223,3 +224,6 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # `rlloom plan --json | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -118,6 +118,10 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
     return cache[key]
 
 
+def _degrees(x: Layout) -> tuple[int, ...]:
+    return x.dp, x.tp, x.pp, x.cp, x.ep
+
+
 def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
     return [c for c in itertools.product(range(1, units), repeat=parts) if sum(c) == units]
 
@@ -209,6 +213,9 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
                 lay.setdefault(r, lay[frozen[0]] if frozen[0] in lay else Layout(dp=devices))
             p = Plan(layouts=lay, **plan_kw)
             g = combo[-1] if gen else None
+            if g is not None and p.placement == "colocated" and _degrees(g) == _degrees(
+                    lay["actor"]):
+                continue  # the actor's own sharding: that is the plan without a copy
             priced = price(p, models, wl, hw, g, offline=not online)
             if priced.feasible:
                 result.ranked.append(priced)
