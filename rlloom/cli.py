@@ -159,14 +159,24 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
     p.add_argument("--lengths-from", metavar="RUN_DIR",
                    help="use the response lengths a run generated instead of --p50/--p99")
-    p.add_argument("--epochs", type=int, default=1, help="passes over each step's batch (PPO "
+    p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
-    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per epoch")
+    p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")
     p.add_argument("--objective", choices=["time", "cost"], default="time", help="rank by step "
                    "time, or by cost per step (also trying 1/2, 1/4, 1/8 of the devices)")
     p.add_argument("--runtime", choices=["any", "torchrun"], default="any", help="torchrun: "
                    "only plans `torchrun ... rlloom train PLAN_FILE` runs (colocated, sync, "
                    "dp/ZeRO x tp, other roles in the actor's layout)")
+
+
+REPORTS = ("plan", "simulate", "algos", "perf")  # commands whose output is only a report
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except BrokenPipeError:  # `rlloom plan --json | head`: the reader has all it wants
+    except BrokenPipeError:
+        if args.command not in REPORTS:
+            raise
+        # `rlloom plan --json | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)

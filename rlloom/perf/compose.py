@@ -74,9 +74,12 @@ def reshard_seconds(shape: ModelShape, train: Layout, gen: Layout, hw: Hardware)
 
 
 def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,
-          gen_layout: Layout | None = None, offline: bool = False) -> Priced:
+          gen_layout: Layout | None = None, offline: bool = False,
+          gen_copy: bool = False) -> Priced:
     """Predict one RL step of `plan`; `models` maps each role the algorithm needs to its shape.
     The generation layout is `gen_layout`, else the plan's "rollout" layout, else the actor's.
+    `gen_copy`: a colocated actor generates on its own copy (resharded every step) even in
+    its training layout, as the torchrun trainer does when the actor trains data-parallel.
     Offline (DPO) steps generate nothing: the workload's K samples are the chosen and rejected
     responses, scored by the reference and trained on."""
     gen_layout = gen_layout or plan.layouts.get("rollout")
@@ -88,7 +91,8 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     # A colocated plan generates on the training devices even with its own generation layout
     # (a hybrid layout); other placements give that layout its own rollout group.
     separate_gen = gen_layout is not None and plan.placement != "colocated"
-    hybrid = gen_layout is not None and not separate_gen and gen_layout != plan.layout("actor")
+    hybrid = gen_layout is not None and not separate_gen and (
+        gen_copy or gen_layout != plan.layout("actor"))
     gen_group = ROLLOUT if separate_gen else group_of(plan, "actor")
     actor, gen = models["actor"], gen_layout or plan.layout("actor")
     assert actor is not None

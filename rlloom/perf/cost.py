@@ -125,8 +125,8 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
         return _infeasible("generation", role, kv_one)
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
     # it reuses one decode simulation
-    key = (shape, layout.tp, layout.pp, layout.dp, layout.ep, replace(wl, micro_batch=0),
-           id(hw), concurrent)
+    key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
+           replace(wl, micro_batch=0), id(hw), concurrent)
     if key not in _GEN_CACHE:
         _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role)
     return _GEN_CACHE[key]
@@ -231,8 +231,9 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
     memory_s = m * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
+    # per-device layers (L / pp) already: each stage exchanges for its own layers
     comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-                  + _cp_comm(hw, layout, shape, mb_tokens, 1)) / layout.pp
+                  + _cp_comm(hw, layout, shape, mb_tokens, 1))
     comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
     comm_s += m * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens, m)
@@ -262,7 +263,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     compute_s = flops / shards / hw.flops(wl.dtype)
     memory_s = steps * m * passes * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
-              + _cp_comm(hw, layout, shape, mb_tokens, passes)) / layout.pp
+              + _cp_comm(hw, layout, shape, mb_tokens, passes))
     per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens, 2 * m)
     comm_s += steps * _dp_comm(shape, layout, hw, m)

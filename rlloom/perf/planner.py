@@ -166,7 +166,9 @@ def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, dev
     roles, online = PRESETS[algo].roles, PRESETS[algo].online
     models = role_models(actor, roles, reward)
     active = [r for r, m in models.items() if m is not None]
-    trainable = [x for x in layouts(devices, actor, hw, True) if x.pp == x.cp == x.ep == 1]
+    # the trainer's TP shards KV heads and the MLP too (parallel/mesh.layout_problems)
+    trainable = [x for x in layouts(devices, actor, hw, True) if x.pp == x.cp == x.ep == 1
+                 and actor.kv_heads % x.tp == 0 and actor.ffn % x.tp == 0]
     scored = sorted((_solo("actor", actor, x, wl, hw, online), i, x)
                     for i, x in enumerate(trainable))
     copies: list[Layout] = []
@@ -182,7 +184,7 @@ def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, dev
             gens = [None] + [g for g in copies if g.tp != x.tp]
         for gen in gens:
             plan = Plan(layouts=lay)
-            priced = price(plan, models, wl, hw, gen, offline=not online)
+            priced = price(plan, models, wl, hw, gen, offline=not online, gen_copy=gen is not None)
             if priced.feasible:
                 result.ranked.append(priced)
             else:
@@ -250,9 +252,9 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
                                             f"mb{wl.micro_batch}",
                                             "some role fits no layout on its group"))
                     continue
-                for sched, eta in schedules:
-                    add({"placement": "interleaved", "schedule": sched, "staleness": eta,
-                         "actor_critic": ac}, choice, None)
+                # not fused: the critic's forward runs on the generating group, so assessment
+                # cannot overlap generation there and fused prices as sync
+                add({"placement": "interleaved", "actor_critic": ac}, choice, None)
         # disaggregated: each group its own share; sync / fused, and async with a rollout group
         for rollout in (False, True) if online else (False,):
             n_parts = len(groups) + rollout

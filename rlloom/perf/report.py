@@ -144,7 +144,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
                      f"{cost_per_step(p, hw):8.2f} {p.devices:7d}  "
                      f"{describe(p.plan, p.gen_layout, p.micro_batch)}")
     if found.ranked and base is not None:
-        lines += explain(found.ranked, base, hw)
+        lines += explain(found.ranked, base, hw, req.objective)
     for plan, reason in found.rejected[:3]:
         lines.append(f"rejected {plan}: {reason}")
     if write_plan is not None and found.ranked:
@@ -155,7 +155,8 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
 OBJECTIVES = {"time": "step time", "cost": "cost per step"}
 
 
-def explain(ranked: list[Priced], base: Priced, hw: Hardware) -> list[str]:
+def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "time"
+            ) -> list[str]:
     """Why the first plan: how it compares with the naive plan stage by stage, what bounds its
     slowest stage, its memory headroom, and the best plan of every other placement."""
     best = ranked[0]
@@ -165,23 +166,32 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware) -> list[str]:
     bounds = {"compute": worst.compute_s, "memory": worst.memory_s, "communication": worst.comm_s}
     bound = max(bounds, key=bounds.__getitem__)
     usable = hw.mem_gib * mem.USABLE
+    naive_plan = (f"the naive plan (co-located, data parallel only, sync, micro-batch "
+                  f"{base.micro_batch}, {base.devices} devices)")
+    if objective == "cost":
+        head = (f"why: ${cost_per_step(best, hw):.2f} per step on {best.devices} devices, "
+                f"{cost_per_step(base, hw) / cost_per_step(best, hw):.2f}x cheaper than "
+                f"{naive_plan}: ${cost_per_step(base, hw):.2f} and {base.step_s:.1f} s per step; ")
+    else:
+        head = (f"why: {base.step_s / best.step_s:.2f}x faster than {naive_plan}: "
+                f"{base.step_s:.1f} s per step; ")
     lines = [
-        f"why: {base.step_s / best.step_s:.2f}x faster than the naive plan (co-located, data "
-        f"parallel only, sync, micro-batch {base.micro_batch}): {base.step_s:.1f} s per step; "
-        f"generation {base.gen_s:.1f} -> {best.gen_s:.1f} s, assessment {base.assess_s:.1f} -> "
-        f"{best.assess_s:.1f} s, training {base.train_s:.1f} -> {best.train_s:.1f} s"
-        + (f", weight sync {best.sync_s:.1f} s" if best.sync_s else ""),
+        head + f"generation {base.gen_s:.1f} -> {best.gen_s:.1f} s, assessment "
+        f"{base.assess_s:.1f} -> {best.assess_s:.1f} s, training {base.train_s:.1f} -> "
+        f"{best.train_s:.1f} s" + (f", weight sync {best.sync_s:.1f} s" if best.sync_s else ""),
         f"  bottleneck: {stage}, {split[stage] / best.step_s:.0%} of the step; its slowest part "
         f"({worst.role}) is {bound}-bound: compute {worst.compute_s:.1f} s, memory "
         f"{worst.memory_s:.1f} s, communication {worst.comm_s:.1f} s",
         "  peak memory per device: " + ", ".join(
             f"{g} {gib:.1f} GiB" for g, gib in sorted(best.mem_gib.items()))
         + f" of {usable:.1f} usable"]
-    others = {}
+    others: dict[str, Priced] = {}
     for p in ranked[1:]:
         others.setdefault(f"{p.plan.placement}/{p.plan.schedule}", p)
     mine = f"{best.plan.placement}/{best.plan.schedule}"
-    alternatives = [f"{k} {p.step_s:.1f} s" for k, p in others.items() if k != mine]
+    alternatives = [f"{k} ${cost_per_step(p, hw):.2f} ({p.devices} devices)"
+                    if objective == "cost" else f"{k} {p.step_s:.1f} s"
+                    for k, p in others.items() if k != mine]
     if alternatives:
         lines.append("  best of each other placement/schedule: " + ", ".join(alternatives))
     return lines

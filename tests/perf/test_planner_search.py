@@ -54,7 +54,8 @@ def test_search_picks_the_micro_batch_memory_allows():
 def test_interleaved_puts_actor_and_critic_on_one_group():
     res = search(Q7, "ppo", LONG, H100, 64)
     inter = [p for p in res.ranked if p.plan.placement == "interleaved"]
-    assert inter and {p.plan.schedule for p in inter} == {"sync", "fused"}
+    # fused would price as sync: the critic's forward runs on the generating group
+    assert inter and {p.plan.schedule for p in inter} == {"sync"}
     for p in inter:
         actor, critic = p.plan.layout("actor"), p.plan.layout("critic")
         frozen = p.plan.layout("reference")
@@ -98,7 +99,7 @@ def test_cost_objective_needs_a_price():
 
 def test_epochs_and_minibatches_reach_the_workload():
     """Two PPO epochs of four optimizer steps: training computes the batch twice over, and
-    the per-step DP gradient collectives run 8 times instead of once."""
+    the DP gradient all-reduce runs after each of the 8 optimizer steps instead of once."""
     from rlloom.perf.report import Request
     req = Request("qwen2.5-7b", "ppo", "64xH100", 512, 8, 512, 2048, 16384, epochs=2,
                   minibatches=4)
@@ -108,3 +109,8 @@ def test_epochs_and_minibatches_reach_the_workload():
                          H100, "actor")
     twice = cost.training(Q7, Layout(dp=64, zero=1), wl, H100, "actor")
     assert twice.flops == pytest.approx(2 * once.flops)
+    zero_dp = replace(H100, launch_s=0.0)
+    ar = {n: cost.training(Q7, Layout(dp=64, zero=1), replace(wl, ppo_epochs=1, minibatches=n),
+                           zero_dp, "actor").comm_s for n in (1, 2)}
+    both = cost.training(Q7, Layout(dp=64, zero=1), wl, zero_dp, "actor").comm_s
+    assert both == pytest.approx(8 * ar[1]) and ar[2] == pytest.approx(2 * ar[1])

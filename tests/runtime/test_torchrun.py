@@ -90,7 +90,9 @@ def test_stop_strings_are_refused_before_a_torchrun_starts():
 
 
 def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
-    """Every plan `rlloom plan --runtime torchrun` ranks is one the torchrun trainer accepts."""
+    """Every plan `rlloom plan --runtime torchrun` ranks is one the torchrun trainer accepts,
+    with TP degrees its sharding takes (KV heads and the MLP split too), and priced with the
+    generation copy the trainer reshards every step when the actor trains data-parallel."""
     from rlloom.config import load_config
     from rlloom.perf.hardware import hardware
     from rlloom.perf.planner import search
@@ -99,14 +101,21 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
     from rlloom.perf.workload import Lengths, Workload
     from rlloom.runtime.distributed import distributed_problems
     wl = Workload(512, 8, 512, Lengths("lognormal", 2048, 16384))
-    for algo in ("grpo", "ppo"):
-        ranked = search(model_shape("qwen2.5-7b"), algo, wl, hardware("h100"), 64,
-                        runtime="torchrun").ranked
-        assert len(ranked) >= 10
-        for p in ranked:
-            path = tmp_path / "plan.yaml"
-            path.write_text(plan_file(p, "test", "torchrun"))
-            assert distributed_problems(load_config(path, [f"algo.name={algo}"]), 64) == []
+    for model, devices in (("qwen2.5-7b", 64), ("qwen2.5-1.5b", 8)):  # 1.5b: 2 KV heads
+        shape = model_shape(model)
+        for algo in ("grpo", "ppo"):
+            ranked = search(shape, algo, wl, hardware("h100"), devices,
+                            runtime="torchrun").ranked
+            assert len(ranked) >= 10
+            for p in ranked:
+                path = tmp_path / "plan.yaml"
+                path.write_text(plan_file(p, "test", "torchrun"))
+                cfg = load_config(path, [f"algo.name={algo}"])
+                assert distributed_problems(cfg, devices) == []
+                for x in cfg.plan.layouts.values():
+                    assert shape.kv_heads % x.tp == 0 and shape.ffn % x.tp == 0
+                if p.plan.layout("actor").dp > 1:
+                    assert p.sync_s > 0
 
 
 def test_a_plan_file_for_torchrun_runs_as_written(tmp_path, tiny):
