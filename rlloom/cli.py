@@ -1,5 +1,5 @@
-"""`rlloom train | sft | plan | simulate | bench hw | perf validate | algos`: the command
-line."""
+"""`rlloom train | sft | plan | simulate | bench hw | perf validate | perf calibrate | algos`:
+the command line."""
 from __future__ import annotations
 
 import argparse
@@ -139,12 +139,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(bench_hw(Path(args.out) if args.out else None))
 
 
-def cmd_validate(args: argparse.Namespace) -> None:
-    from rlloom.perf.hardware import hardware, load_hardware
-    from rlloom.perf.validate import validation_report
-    _perf_errors(lambda: validation_report(
-        [Path(d) for d in args.run_dirs],
-        load_hardware(args.hardware) if args.hardware else hardware("local"), args.skip))
+def cmd_perf(args: argparse.Namespace) -> None:
+    from rlloom.perf.hardware import hardware, load_hardware, local_hardware_path
+    from rlloom.perf.validate import calibration_report, validation_report
+    runs = [Path(d) for d in args.run_dirs]
+
+    def report() -> str:
+        hw = load_hardware(args.hardware) if args.hardware else hardware("local")
+        if args.what == "validate":
+            return validation_report(runs, hw, args.skip)
+        out = Path(args.out or args.hardware or local_hardware_path())
+        return calibration_report(runs, hw, out, args.skip)
+    _perf_errors(report)
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -221,11 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="hardware file (default: the cache, used as `local`)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("perf", help="check the performance model against measured runs")
-    p.add_argument("what", choices=["validate"], help="validate: predicted vs measured stages")
+    p.add_argument("what", choices=["validate", "calibrate"], help="validate: predicted vs "
+                   "measured stages; calibrate: fit compute and memory efficiencies to runs")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
     p.add_argument("--hardware", help="hardware file (default: this machine's, `local`)")
+    p.add_argument("--out", help="calibrate: where to save (default: the hardware file read)")
     p.add_argument("--skip", type=int, default=1, help="warm-up steps left out")
-    p.set_defaults(fn=cmd_validate)
+    p.set_defaults(fn=cmd_perf)
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)

@@ -126,7 +126,7 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
     # it reuses one decode simulation
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
-           replace(wl, micro_batch=0), id(hw), concurrent)
+           replace(wl, micro_batch=0), _hardware_key(hw), concurrent)
     if key not in _GEN_CACHE:
         _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role)
     return _GEN_CACHE[key]
@@ -212,6 +212,13 @@ def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: 
 def skipped(stage: str, role: str) -> StageCost:
     """A stage the algorithm does not run (generation in offline DPO)."""
     return StageCost(stage, role, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "not run")
+
+
+def _hardware_key(hw: Hardware) -> tuple:
+    """Every field's value (not the object's id, which a discarded variant's successor may
+    reuse, e.g. in `perf.validate.calibrate`)."""
+    return tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                 for k, v in vars(hw).items())
 
 
 def _infeasible(stage: str, role: str, need: float) -> StageCost:

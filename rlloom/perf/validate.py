@@ -1,5 +1,6 @@
 """`rlloom perf validate`: predict each stage of a finished run's steps with the cost model and
-this machine's hardware file, next to what the run measured.
+this machine's hardware file, next to what the run measured. `rlloom perf calibrate`: the
+compute and memory efficiencies that fit some runs best, to validate on others.
 
 Each step is priced with its own workload: its number of rollouts, mean prompt length and the
 exact response lengths it generated (metrics.jsonl), on one device (the single-process runtime),
@@ -8,9 +9,10 @@ reward scoring counted under assessment as the runtime logs it).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -118,3 +120,35 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
                  f"{worst[0][1]} of {worst[0][0]} at "
                  f"{statistics.median(abs(p.error) for p in worst[1]):.1%}")
     return "\n".join(lines)
+
+
+EFFICIENCIES = tuple(round(0.05 * i, 2) for i in range(2, 21))  # 0.10, 0.15, ..., 1.00
+
+
+def median_error(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> float:
+    points = [pt for d in run_dirs for pt in validate_run(d, hw, skip)]
+    if not points:
+        raise ValueError(f"no steps after the first {skip} to compare")
+    return statistics.median(abs(p.error) for p in points)
+
+
+def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1
+              ) -> tuple[Hardware, float, float]:
+    """`hw` with the compute and memory efficiencies (each of EFFICIENCIES) that minimise the
+    median |error| over the runs' stages; that error before and after. Matmul and memory
+    microbenchmarks run hot in cache, unlike a run's kernels, so their rates overstate what
+    a run gets by a machine-dependent factor: fit it on some runs, validate on others."""
+    before = median_error(run_dirs, hw, skip)
+    after, compute, memory = min(
+        (median_error(run_dirs, replace(hw, compute_eff=c, mem_eff=m), skip), c, m)
+        for c, m in itertools.product(EFFICIENCIES, EFFICIENCIES))
+    return replace(hw, compute_eff=compute, mem_eff=memory), before, after
+
+
+def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1) -> str:
+    fitted, before, after = calibrate(run_dirs, hw, skip)
+    fitted.save(out)
+    names = ", ".join(d.name for d in run_dirs)
+    return (f"calibrated on {names}: compute_eff {fitted.compute_eff:.2f}, mem_eff "
+            f"{fitted.mem_eff:.2f}; median |error| over their stages {before:.1%} -> "
+            f"{after:.1%}\nsaved {out}; check it on other runs: rlloom perf validate RUN_DIR...")

@@ -241,7 +241,8 @@ def test_dpo_prices_no_generation():
 
 def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     """`rlloom bench hw` measures this machine; `rlloom perf validate` prices a real run's
-    steps with it and prints predicted vs measured for every stage."""
+    steps with it and prints predicted vs measured for every stage; `rlloom perf calibrate`
+    saves the efficiencies that fit it."""
     from rlloom.cli import main
     hw_file, run = tmp_path / "hw.json", tmp_path / "run"
     main(["bench", "hw", "--out", str(hw_file)])
@@ -254,6 +255,12 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     for stage in ("generation", "assessment", "training"):
         assert f"run              {stage}" in out
     assert "median |error| over 6 stage measurements" in out  # steps 2 and 3 x 3 stages
+    fitted_file = tmp_path / "fitted.json"
+    main(["perf", "calibrate", str(run), "--hardware", str(hw_file), "--out", str(fitted_file)])
+    assert "calibrated on run: compute_eff" in capsys.readouterr().out
+    fitted = load_hardware(fitted_file)
+    assert fitted.peak_flops == hw.peak_flops  # only the efficiencies change
+    assert 0.1 <= fitted.compute_eff <= 1.0 and 0.1 <= fitted.mem_eff <= 1.0
 
 
 def test_hybrid_colocated_layout_pays_resharding():
@@ -281,3 +288,26 @@ def test_expert_parallel_prices_all_to_all():
     ep = cost.training(shape, Layout(dp=8, ep=8), wl, hw, "actor")
     assert ep.comm_s > no_ep.comm_s
     assert ep.compute_s == no_ep.compute_s
+
+
+def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
+    """Measured times written as the model's own predictions at compute_eff 0.4 and mem_eff
+    0.75 (two steps of different lengths): calibrating hardware at 1.0 / 1.0 finds them."""
+    from rlloom.perf.validate import calibrate
+    base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
+                   launch_s=1e-6, compute_eff=1.0, mem_eff=1.0)
+    truth = replace(base, compute_eff=0.4, mem_eff=0.75)
+    run = _fake_run(tmp_path, [5, 5, 5, 5])
+    rows = []
+    for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7])):
+        rows.append({"step": step, "prompt_len": 7.0, "response_lens": lengths,
+                     "gen_s": 1.0, "assess_s": 1.0, "train_s": 1.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    made = {(p.step, p.stage): p.predicted_s for p in validate_run(run, truth)}
+    for r in rows[1:]:
+        r.update(gen_s=made[r["step"], "generation"], assess_s=made[r["step"], "assessment"],
+                 train_s=made[r["step"], "training"])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fitted, before, after = calibrate([run], base)
+    assert (fitted.compute_eff, fitted.mem_eff) == (0.4, 0.75)
+    assert after < 1e-12 < 0.1 < before
