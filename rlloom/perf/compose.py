@@ -66,6 +66,16 @@ def group_of(plan: Plan, role: str) -> str:
     return role
 
 
+def generation_group(plan: Plan, gen_layout: Layout | None) -> str:
+    """Where generation runs: its own rollout group when a plan that is not colocated gives it
+    a layout; otherwise the actor's group (a colocated hybrid layout generates on the training
+    devices)."""
+    gen_layout = gen_layout or plan.layouts.get("rollout")
+    if gen_layout is not None and plan.placement != "colocated":
+        return ROLLOUT
+    return group_of(plan, "actor")
+
+
 def reshard_seconds(shape: ModelShape, train: Layout, gen: Layout, hw: Hardware) -> float:
     """Training layout -> generation layout on the same devices: every device all-gathers its
     generation share of the bf16 weights from the training shards across the whole group."""
@@ -88,12 +98,9 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     groups: dict[str, list[str]] = {}
     for role in active:
         groups.setdefault(group_of(plan, role), []).append(role)
-    # A colocated plan generates on the training devices even with its own generation layout
-    # (a hybrid layout); other placements give that layout its own rollout group.
-    separate_gen = gen_layout is not None and plan.placement != "colocated"
-    hybrid = gen_layout is not None and not separate_gen and (
+    gen_group = generation_group(plan, gen_layout)
+    hybrid = gen_layout is not None and gen_group != ROLLOUT and (
         gen_copy or gen_layout != plan.layout("actor"))
-    gen_group = ROLLOUT if separate_gen else group_of(plan, "actor")
     actor, gen = models["actor"], gen_layout or plan.layout("actor")
     assert actor is not None
     problems: list[str] = []

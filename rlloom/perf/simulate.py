@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlloom.perf.compose import ROLLOUT, group_of, price
+from rlloom.perf.compose import ROLLOUT, generation_group, group_of, price
 from rlloom.perf.hardware import Hardware
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Lengths, Workload
@@ -63,7 +63,7 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
         if priced.problems:
             raise ValueError(f"plan is infeasible: {priced.problems[0]}")
         gen, *rest = priced.stages
-        gen_group = ROLLOUT if gen_layout is not None else group_of(plan, "actor")
+        gen_group = generation_group(plan, gen_layout)
         ready = 0.0 if not train_end else train_end[-1] + priced.sync_s
         if plan.schedule == "async" and gen_group == ROLLOUT:
             lag = i - 1 - plan.staleness   # generation may use weights this many steps old
