@@ -40,6 +40,13 @@ class Search:
     rejected: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
 
+    def add(self, p: Priced) -> None:
+        if p.feasible:
+            self.ranked.append(p)
+        else:
+            self.rejected.append((describe(p.plan, p.gen_layout, p.micro_batch),
+                                  "; ".join(p.problems)))
+
 
 def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool) -> list[Layout]:
     """Candidate layouts on n devices."""
@@ -184,12 +191,8 @@ def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, dev
             gens = [None] + [g for g in copies if g.tp != x.tp]
         for gen in gens:
             plan = Plan(layouts=lay)
-            priced = price(plan, models, wl, hw, gen, offline=not online, gen_copy=gen is not None)
-            if priced.feasible:
-                result.ranked.append(priced)
-            else:
-                result.rejected.append((describe(plan, gen, wl.micro_batch),
-                                        "; ".join(priced.problems)))
+            result.add(price(plan, models, wl, hw, gen, offline=not online,
+                             gen_copy=gen is not None))
 
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
@@ -218,12 +221,7 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
             if g is not None and p.placement == "colocated" and _degrees(g) == _degrees(
                     lay["actor"]):
                 continue  # the actor's own sharding: that is the plan without a copy
-            priced = price(p, models, wl, hw, g, offline=not online)
-            if priced.feasible:
-                result.ranked.append(priced)
-            else:
-                result.rejected.append((describe(p, g, wl.micro_batch),
-                                        "; ".join(priced.problems)))
+            result.add(price(p, models, wl, hw, g, offline=not online))
 
     schedules = [("sync", 0), ("fused", 0)] if online else [("sync", 0)]
     for ac in ac_modes:
