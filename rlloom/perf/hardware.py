@@ -46,7 +46,12 @@ class Hardware:
         return self.peak_flops[dtype] * self.compute_eff
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Write atomically: a reader sees the old file or the whole new one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def load_hardware(path: str | Path) -> Hardware:

@@ -119,6 +119,10 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
                  f"{statistics.median(errors):.1%} (hardware {hw.name}); worst stage: "
                  f"{worst[0][1]} of {worst[0][0]} at "
                  f"{statistics.median(abs(p.error) for p in worst[1]):.1%}")
+    if statistics.median(errors) > 0.25 and hw.compute_eff == hw.mem_eff == 1.0:
+        lines.append("the hardware file holds raw microbenchmark rates (efficiencies 1.0), "
+                     "which cache-hot kernels reach and a run's do not: fit them with `rlloom "
+                     "perf calibrate` on one run, then validate on others")
     return "\n".join(lines)
 
 

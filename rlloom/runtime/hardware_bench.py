@@ -125,12 +125,11 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
 def bench_hw(out: Path | None = None) -> str:
     hw = measure()
     path = out or local_hardware_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    hw.save(tmp)
-    os.replace(tmp, path)
+    hw.save(path)
     return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
             f"operator dispatch {hw.launch_s * 1e6:.1f} us, gloo all-reduce latency "
             f"{hw.intra_node_latency * 1e6:.0f} us and {hw.intra_node_bw / 1e9:.2f} GB/s\n"
-            f"saved {path} (use it as --gpus NxLOCAL or `rlloom perf validate`)")
+            f"saved {path} (use it as --gpus NxLOCAL or `rlloom perf validate`); its "
+            "efficiencies are 1.0, the microbenchmarks' rates: `rlloom perf calibrate RUN_DIR` "
+            "fits them to measured runs")

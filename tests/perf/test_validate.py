@@ -311,3 +311,18 @@ def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
     fitted, before, after = calibrate([run], base)
     assert (fitted.compute_eff, fitted.mem_eff) == (0.4, 0.75)
     assert after < 1e-12 < 0.1 < before
+
+
+def test_validation_points_an_uncalibrated_file_to_calibrate(tmp_path):
+    from rlloom.perf.validate import validation_report
+    run = _fake_run(tmp_path, [5, 5, 5, 5])  # measured 1 s per stage, predicted ~1e-3 s
+    raw = replace(FREE, compute_eff=1.0, mem_eff=1.0)
+    assert "fit them with `rlloom perf calibrate`" in validation_report([run], raw)
+    fitted = replace(raw, compute_eff=0.9)
+    assert "perf calibrate" not in validation_report([run], fitted)
+
+
+def test_hardware_files_are_written_whole(tmp_path):
+    path = tmp_path / "hw" / "local.json"
+    FREE.save(path)
+    assert load_hardware(path) == FREE and not list(path.parent.glob("*.tmp"))
