@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,8 +35,10 @@ from rlloom.rollout.generate import Rollout
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import response_logprobs
 
+sys.path.insert(0, str(Path(__file__).parent))
+from generate import DTYPES, sync  # noqa: E402
+
 NO_EOS = -1
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Longest name first: "H20" is a prefix of "H200".
 DEVICE_NAMES = [("H200", "h200"), ("H100", "h100"), ("H20", "h20"), ("B200", "b200"),
                 ("MI300X", "mi300x"), ("A100", "a100")]
@@ -72,11 +76,6 @@ def build(shape: ModelShape, device: torch.device, dtype: torch.dtype, max_len: 
     model = CausalLM(cfg)
     model.init_weights(seed=0)
     return model.to(device=device, dtype=dtype)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:

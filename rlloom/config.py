@@ -152,8 +152,8 @@ class TrainSection(Strict):
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
     micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward/"
                                     "backward micro-batch (bounds activation memory); rows of "
-                                    "similar length share one. Under torchrun each rank runs "
-                                    "one micro-batch per mini-batch instead")
+                                    "similar length share one. Under torchrun every rank runs "
+                                    "as many as the rank that needs the most")
     device: str = Field("auto", description="where models and tensors live: auto (cuda when "
                         "torch.cuda.is_available(), else cpu), cpu, cuda or cuda:N; under "
                         "torchrun cuda means cuda:LOCAL_RANK")

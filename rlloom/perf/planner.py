@@ -112,17 +112,26 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
 
 
 def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_gen: bool,
-         rollout_only: bool, cache: dict) -> list[Layout]:
-    key = (role, n, with_gen, rollout_only)
+         rollout_only: bool, cache: dict, torchrun: bool = False) -> list[Layout]:
+    """The TOP_K fastest layouts of a role alone on n devices that fit; `torchrun`: only
+    those the torchrun trainer applies."""
+    key = (role, n, with_gen, rollout_only, torchrun)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only
         # a generation-only layout holds no optimizer state: ZeRO would only add gathers
         candidates = [x for x in layouts(n, shape, hw, trainable)
-                      if not (rollout_only and x.zero)]
+                      if not (rollout_only and x.zero)
+                      and (not torchrun or _torchrun_applies(x, shape))]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
                   for i, x in enumerate(candidates)]
         cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]
     return cache[key]
+
+
+def _torchrun_applies(x: Layout, shape: ModelShape) -> bool:
+    """dp (ZeRO 0-3) x tp, whose TP shards the KV heads and the MLP too
+    (parallel/mesh.layout_problems)."""
+    return x.pp == x.cp == x.ep == 1 and shape.kv_heads % x.tp == 0 and shape.ffn % x.tp == 0
 
 
 def _degrees(x: Layout) -> tuple[int, ...]:
@@ -173,15 +182,10 @@ def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, dev
     roles, online = PRESETS[algo].roles, PRESETS[algo].online
     models = role_models(actor, roles, reward)
     active = [r for r, m in models.items() if m is not None]
-    # the trainer's TP shards KV heads and the MLP too (parallel/mesh.layout_problems)
-    trainable = [x for x in layouts(devices, actor, hw, True) if x.pp == x.cp == x.ep == 1
-                 and actor.kv_heads % x.tp == 0 and actor.ffn % x.tp == 0]
-    scored = sorted((_solo("actor", actor, x, wl, hw, online), i, x)
-                    for i, x in enumerate(trainable))
-    copies: list[Layout] = []
-    for tp in sorted({x.tp for x in trainable}):
-        copies.append(Layout(dp=devices // tp, tp=tp))
-    for x in [x for t, _, x in scored if t < INF][:TOP_K]:
+    tps = sorted({x.tp for x in layouts(devices, actor, hw, False)
+                  if _torchrun_applies(x, actor)})
+    copies = [Layout(dp=devices // tp, tp=tp) for tp in tps]
+    for x in _top("actor", actor, devices, wl, hw, online, False, {}, torchrun=True):
         lay = {r: x if r in TRAINABLE else Layout(dp=x.dp, tp=x.tp) for r in active}
         if not online:
             gens: list[Layout | None] = [None]

@@ -69,20 +69,28 @@ def run_roles(cfg: RunConfig) -> tuple[str, ...]:
     return tuple(r for r in roles if r != "reference" or cfg.needs_reference)
 
 
-def validate_run(run_dir: Path, hw: Hardware, skip: int = 1) -> list[StagePoint]:
-    """Predicted vs measured seconds per stage for every step after the first `skip`."""
+@dataclass(frozen=True)
+class LoadedRun:
+    """What pricing a finished run's steps needs, read once."""
+    name: str
+    models: dict[str, ModelShape | None]
+    plan: Plan
+    steps: list[tuple[int, Workload, dict[str, float]]]  # step, its workload, measured s
+
+
+def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
+    """The run's roles, plan and every step after the first `skip` with its workload and
+    measured stage seconds."""
     cfg = RunConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     if not PRESETS[cfg.algo.name].online:
         raise ValueError(f"{run_dir}: validation covers online presets; {cfg.algo.name} is not")
     if cfg.reward.model_path:
         raise ValueError(f"{run_dir}: runs with a reward model are not validated yet")
     shape = run_shape(run_dir, cfg)
-    models = role_models(shape, run_roles(cfg))
-    plan = Plan(actor_critic=cfg.plan.actor_critic)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ValueError(f"{run_dir}: no metrics.jsonl; is it a run directory?")
-    points = []
+    steps = []
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
         if row["step"] <= skip or row.get("sample_rounds", 1) != 1:
@@ -90,12 +98,26 @@ def validate_run(run_dir: Path, hw: Hardware, skip: int = 1) -> list[StagePoint]
         if "response_lens" not in row:
             raise ValueError(f"{metrics}: no response_lens; the run predates validation "
                              "support, run it again")
-        p = price(plan, models, step_workload(row, cfg), hw)
-        for stage, key in STAGES:
-            predicted = {"generation": p.gen_s, "assessment": p.assess_s,
-                         "training": p.train_s}[stage]
-            points.append(StagePoint(run_dir.name, row["step"], stage, predicted, row[key]))
+        steps.append((row["step"], step_workload(row, cfg),
+                      {stage: row[key] for stage, key in STAGES}))
+    return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg)),
+                     Plan(actor_critic=cfg.plan.actor_critic), steps)
+
+
+def price_run(run: LoadedRun, hw: Hardware) -> list[StagePoint]:
+    """Predicted vs measured seconds per stage of a loaded run's steps on `hw`."""
+    points = []
+    for step, wl, measured in run.steps:
+        p = price(run.plan, run.models, wl, hw)
+        predicted = {"generation": p.gen_s, "assessment": p.assess_s, "training": p.train_s}
+        points += [StagePoint(run.name, step, stage, predicted[stage], measured[stage])
+                   for stage, _ in STAGES]
     return points
+
+
+def validate_run(run_dir: Path, hw: Hardware, skip: int = 1) -> list[StagePoint]:
+    """Predicted vs measured seconds per stage for every step after the first `skip`."""
+    return price_run(load_run(run_dir, skip), hw)
 
 
 def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
@@ -129,10 +151,10 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
 EFFICIENCIES = tuple(round(0.05 * i, 2) for i in range(2, 21))  # 0.10, 0.15, ..., 1.00
 
 
-def median_error(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> float:
-    points = [pt for d in run_dirs for pt in validate_run(d, hw, skip)]
+def _median_error(runs: list[LoadedRun], hw: Hardware) -> float:
+    points = [pt for run in runs for pt in price_run(run, hw)]
     if not points:
-        raise ValueError(f"no steps after the first {skip} to compare")
+        raise ValueError("no steps after the warm-up to compare")
     return statistics.median(abs(p.error) for p in points)
 
 
@@ -142,9 +164,10 @@ def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1
     median |error| over the runs' stages; that error before and after. Matmul and memory
     microbenchmarks run hot in cache, unlike a run's kernels, so their rates overstate what
     a run gets by a machine-dependent factor: fit it on some runs, validate on others."""
-    before = median_error(run_dirs, hw, skip)
+    runs = [load_run(d, skip) for d in run_dirs]
+    before = _median_error(runs, hw)
     after, compute, memory = min(
-        (median_error(run_dirs, replace(hw, compute_eff=c, mem_eff=m), skip), c, m)
+        (_median_error(runs, replace(hw, compute_eff=c, mem_eff=m)), c, m)
         for c, m in itertools.product(EFFICIENCIES, EFFICIENCIES))
     return replace(hw, compute_eff=compute, mem_eff=memory), before, after
 

@@ -86,8 +86,6 @@ from rlloom.runtime.ray_workers import DECOUPLED_LOSSES, GroupWorker, _policy
 from rlloom.runtime.tracing import Tracer
 
 PROGRESS_KEYS = ("reward", "accuracy", "kl", "eval_accuracy", "step_s", "staleness")
-# Ray puts sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (62-64
-# characters after <temp>) and Unix socket paths stop at 107 bytes.
 PING_S = 5.0
 
 

@@ -61,8 +61,8 @@ def prompt_chunks(r: Rollout, budget: int | None) -> list[torch.Tensor]:
     unique, of_row, width = _distinct(r)
     lens = unique[:, width:].sum(1)
     chunks, members, longest = [], [], 0
-    for g in torch.sort(lens, stable=True).indices.tolist():
-        n = int(lens[g])
+    ordered, order = torch.sort(lens, stable=True)
+    for g, n in zip(order.tolist(), ordered.tolist()):
         if members and (len(members) + 1) * max(longest, n) > budget:
             chunks.append(members)
             members, longest = [], 0
@@ -97,8 +97,9 @@ class SharedPrompts:
         first = self.leaves[-1][g][:, None]
         if r.response_ids.shape[1] == 1:
             return first
-        # keys of these rows' own longest prompt only (prompts are left-padded)
-        p = max(int(self.mask[g].sum(1).max()), 1)
+        # keys of these rows' own longest prompt only (prompts are left-padded): a trimmed
+        # `r` (packing.trim) is that wide, with no device sync to find it
+        p = min(r.prompt_mask.shape[1], self.mask.shape[1])
         kv = [(self.leaves[2 * i][g, :, -p:], self.leaves[2 * i + 1][g, :, -p:])
               for i in range(len(self.leaves) // 2)]
         rest = self.model(r.response_ids[:, :-1], r.response_mask[:, :-1],
