@@ -4,6 +4,7 @@ This file imports neither torch nor Ray, so the performance model can read plans
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -64,3 +65,108 @@ class Plan(Strict):
             if layout.world_size != 1 or layout.ep != 1 or layout.zero:
                 problems.append(f"plan.layouts.{role} asks for {layout.world_size} devices")
         return problems
+
+
+# -- where each stage runs: one mapping for the runtime and the performance model -------------
+
+STAGES = ("generation", "assessment", "training")
+TRAINABLE = ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """Ranks that run some stages of a step and hold some models' weights.
+
+    `models` are the roles whose weights live here: trained ones on the training group, the
+    reference, a reward model (scored as samples finish, so beside generation) and copies:
+    the actor's generation copy on a group that generates but does not train, the critic's
+    copy on an assessment group that does not train (it scores values for advantages)."""
+    name: str
+    stages: tuple[str, ...]
+    models: tuple[str, ...]
+    ranks: int
+
+    def runs(self, stage: str) -> bool:
+        return stage in self.stages
+
+
+def device_groups(plan: Plan, models: tuple[str, ...]) -> list[DeviceGroup]:
+    """The device groups `plan` puts the run's `models` (roles among actor, reference, reward,
+    critic that the run builds) on, in order of the stages they first run.
+
+    | placement     | groups: stages                                                         |
+    |---------------|------------------------------------------------------------------------|
+    | colocated     | all: generation, assessment, training                                  |
+    | interleaved   | trainable: generation, training (+ assessment without a reference);    |
+    |               | frozen: assessment                                                     |
+    | disaggregated | rollout: generation; actor: training (+ assessment without a           |
+    |               | reference); reference: assessment                                      |
+
+    A shared actor-critic has no critic model (its value head rides on the actor). The critic
+    always trains with the actor, in the actor's layout."""
+    critic = "critic" in models and plan.actor_critic == "separate"
+    reward = ("reward",) if "reward" in models else ()
+    frozen = "reference" in models
+    train_ranks = plan.layout("actor").world_size
+    gen_ranks = generation_layout(plan).world_size
+    trained = ("actor",) + (("critic",) if critic else ())
+    if plan.placement == "colocated":
+        held = trained + (("reference",) if frozen else ()) + reward
+        return [DeviceGroup("all", STAGES, held, train_ranks)]
+    scorer = ("reference",) + (("critic",) if critic else ())  # critic: a synced copy
+    if plan.placement == "interleaved":
+        trainable = DeviceGroup("trainable", ("generation", "training") if frozen else STAGES,
+                                trained + reward, train_ranks)
+        return [trainable] + ([DeviceGroup("frozen", ("assessment",), scorer,
+                                           plan.layout("reference").world_size)]
+                              if frozen else [])
+    actor = DeviceGroup("actor", ("training",) if frozen else ("assessment", "training"),
+                        trained, train_ranks)
+    groups = [DeviceGroup("rollout", ("generation",), ("actor",) + reward, gen_ranks), actor]
+    if frozen:
+        groups.append(DeviceGroup("reference", ("assessment",), scorer,
+                                  plan.layout("reference").world_size))
+    return groups
+
+
+def stage_group(groups: list[DeviceGroup], stage: str) -> DeviceGroup:
+    return next(g for g in groups if g.runs(stage))
+
+
+def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
+    """The layout `model` has on `group`. Generation runs in the "rollout" layout when the plan
+    gives one, else the actor's; a critic that trains takes its own layout or the actor's; a
+    model the plan gives no layout runs data-parallel over the group's ranks."""
+    if model == "actor" and not group.runs("training"):
+        return plan.layouts.get("rollout", plan.layout("actor"))
+    if model == "critic" and group.runs("training"):
+        return plan.layouts.get("critic", plan.layout("actor"))
+    if model == "critic":  # the assessment group's copy scores like the reference beside it
+        model = "reference"
+    return plan.layouts.get(model, Layout(dp=group.ranks))
+
+
+def generation_layout(plan: Plan) -> Layout:
+    return plan.layouts.get("rollout", plan.layout("actor"))
+
+
+def placement_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
+    """Why the plan's layouts do not fit its device groups (empty when they do): every model
+    on a group uses all of the group's ranks."""
+    problems = []
+    for g in device_groups(plan, models):
+        for model in g.models:
+            got = model_layout(plan, g, model).world_size
+            if got != g.ranks:
+                key = "rollout" if model == "actor" and not g.runs("training") else model
+                problems.append(f"plan.layouts.{key} uses {got} ranks but group {g.name!r} has "
+                                f"{g.ranks} (set by plan.layouts.{_sizer(plan, g)}); make "
+                                f"dp x tp x pp x cp = {g.ranks}")
+    return problems
+
+
+def _sizer(plan: Plan, group: DeviceGroup) -> str:
+    if group.runs("training"):
+        return "actor"
+    return "rollout" if group.runs("generation") and "rollout" in plan.layouts else (
+        "actor" if group.runs("generation") else "reference")

@@ -201,10 +201,15 @@ def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, dev
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
                reward: ModelShape | None, result: Search) -> None:
+    """Plans on the device groups of `plan.device_groups`: colocated (all roles on every
+    device), interleaved (actor and critic with generation, the reference apart) and
+    disaggregated (generation, training and the reference each on their own share). The critic
+    trains on the actor's devices; a reward model scores beside generation and runs
+    data-parallel there, so the plans give it no layout."""
     roles, online = PRESETS[algo].roles, PRESETS[algo].online
     models = role_models(actor, roles, reward)
     active = [r for r, m in models.items() if m is not None]
-    frozen = [r for r in active if r not in TRAINABLE]
+    ref = ["reference"] if "reference" in active else []
     ac_modes = ("separate", "shared") if "critic" in active else ("separate",)
     unit = devices // 8 if devices % 8 == 0 and devices >= 8 else 1
     units = devices // unit
@@ -218,8 +223,6 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
         names = list(choice)
         for combo in itertools.product(*(choice[r] for r in names), *([gen] if gen else [])):
             lay = dict(zip(names, combo))
-            for r in frozen:
-                lay.setdefault(r, lay[frozen[0]] if frozen[0] in lay else Layout(dp=devices))
             p = Plan(layouts=lay, **plan_kw)
             g = combo[-1] if gen else None
             if g is not None and p.placement == "colocated" and _degrees(g) == _degrees(
@@ -227,12 +230,11 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
                 continue  # the actor's own sharding: that is the plan without a copy
             result.add(price(p, models, wl, hw, g, offline=not online))
 
-    schedules = [("sync", 0), ("fused", 0)] if online else [("sync", 0)]
+    schedules = [("sync", 0), ("fused", 0), ("async", 1)] if online else [("sync", 0)]
     for ac in ac_modes:
-        owners = [r for r in active if not (ac == "shared" and r == "critic")]
-        groups = ["actor"] + [r for r in owners if r == "critic"] + (frozen[:1] if frozen else [])
+        trained = ["actor"] + (["critic"] if ac == "separate" and "critic" in active else [])
         # colocated, sync: everyone on all devices
-        choice = {r: top(r, devices, with_gen=(r == "actor" and online)) for r in groups}
+        choice = {r: top(r, devices, with_gen=(r == "actor" and online)) for r in trained + ref}
         if all(choice.values()):
             add({"placement": "colocated", "actor_critic": ac}, choice, None)
             if online:  # hybrid: generate with a generation-only layout, reshard each step
@@ -241,38 +243,39 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
         else:
             result.rejected.append((f"colocated/{ac}/mb{wl.micro_batch}", "some role fits no "
                                     f"layout on {devices} devices"))
-        # interleaved: actor and critic share one group (memory-coupled, so each keeps its
-        # TOP_K), the frozen roles another; with one trainable role it is disaggregated
-        if "critic" in groups and frozen:
+        # interleaved: actor and critic share one group with generation (memory-coupled, so
+        # each keeps its TOP_K), the reference another; with one trainable role it is the
+        # disaggregated plan without a generation group of its own
+        if len(trained) == 2 and ref:
             for n_train, n_frozen in _splits(units, 2):
                 n_train, n_frozen = n_train * unit, n_frozen * unit
                 choice = {"actor": top("actor", n_train, with_gen=online),
                           "critic": top("critic", n_train),
-                          frozen[0]: top(frozen[0], n_frozen)[:1]}
+                          "reference": top("reference", n_frozen)[:1]}
                 if not all(choice.values()):
                     result.rejected.append((f"interleaved split {[n_train, n_frozen]} "
                                             f"mb{wl.micro_batch}",
                                             "some role fits no layout on its group"))
                     continue
-                # not fused: the critic's forward runs on the generating group, so assessment
-                # cannot overlap generation there and fused prices as sync
                 add({"placement": "interleaved", "actor_critic": ac}, choice, None)
-        # disaggregated: each group its own share; sync / fused, and async with a rollout group
-        for rollout in (False, True) if online else (False,):
-            n_parts = len(groups) + rollout
-            for split in _splits(units, n_parts):
-                sizes = [s * unit for s in split]
-                # separate groups do not share memory: each role's own best layout is best
-                choice = {r: top(r, n, with_gen=(r == "actor" and online and not rollout))[:1]
-                          for r, n in zip(groups, sizes[rollout:])}
-                gen = top("actor", sizes[0], rollout=True)[:1] if rollout else None
-                if not all(choice.values()) or (rollout and not gen):
-                    result.rejected.append((f"disaggregated split {sizes} mb{wl.micro_batch}",
-                                            "some role fits no layout on its group"))
-                    continue
-                for sched, eta in [("async", 1)] if rollout else schedules:
-                    add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
-                         "actor_critic": ac}, choice, gen)
+        if not online:
+            continue
+        # disaggregated: generation, training and the reference each on their own share
+        for split in _splits(units, 2 + len(ref)):
+            n_gen, n_train, *n_ref = [s * unit for s in split]
+            # separate groups do not share memory: each role's own best layout is best
+            choice = {r: top(r, n_train)[:1] for r in trained}
+            if ref:
+                choice["reference"] = top("reference", n_ref[0])[:1]
+            gen = top("actor", n_gen, rollout=True)[:1]
+            if not all(choice.values()) or not gen:
+                result.rejected.append((f"disaggregated split {[n_gen, n_train, *n_ref]} "
+                                        f"mb{wl.micro_batch}",
+                                        "some role fits no layout on its group"))
+                continue
+            for sched, eta in schedules:
+                add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
+                     "actor_critic": ac}, choice, gen)
 
 
 def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
@@ -284,7 +287,7 @@ def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int
     for ckpt, zero in itertools.product((False, True), (0, 1, 2, 3)):
         trained = Layout(dp=devices, zero=zero, activation_checkpointing=ckpt)
         lay = {r: trained if r in TRAINABLE else Layout(dp=devices)
-               for r, m in models.items() if m is not None}
+               for r, m in models.items() if m is not None and r != "reward"}
         priced = price(Plan(layouts=lay), models, wl, hw, offline=offline)
         if priced.feasible:
             return priced

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlloom.perf.compose import ROLLOUT, generation_group, group_of, price
+from rlloom.perf.compose import price
 from rlloom.perf.hardware import Hardware
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Lengths, Workload
@@ -63,9 +63,10 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
         if priced.problems:
             raise ValueError(f"plan is infeasible: {priced.problems[0]}")
         gen, *rest = priced.stages
-        gen_group = generation_group(plan, gen_layout)
+        gen_group, *rest_groups = priced.stage_groups
+        apart = gen_group not in {g for st, g in zip(rest, rest_groups) if st.stage == "training"}
         ready = 0.0 if not train_end else train_end[-1] + priced.sync_s
-        if plan.schedule == "async" and gen_group == ROLLOUT:
+        if plan.schedule == "async" and apart:
             lag = i - 1 - plan.staleness   # generation may use weights this many steps old
             ready = (train_end[lag] + priced.sync_s) if lag >= 0 else 0.0
             ready = max(ready, gen_end_prev)
@@ -74,16 +75,18 @@ def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw:
         free[gen_group] = gen_end_prev = start + gen.seconds
         fused = plan.schedule == "fused"
         assess_end = free[gen_group]
-        for st in [s for s in rest if s.stage == "assessment"]:
-            g = group_of(plan, st.role)
+        for st, g in zip(rest, rest_groups):
+            if st.stage != "assessment":
+                continue
             begin = max(free.get(g, 0.0), start if fused and g != gen_group else free[gen_group])
             end = max(begin + st.seconds, free[gen_group]) if fused else begin + st.seconds
             spans.append(Span(g, f"assessment {st.role}", i, begin, end))
             free[g] = end
             assess_end = max(assess_end, end)
         end_of_step = assess_end
-        for st in [s for s in rest if s.stage == "training"]:
-            g = group_of(plan, st.role)
+        for st, g in zip(rest, rest_groups):
+            if st.stage != "training":
+                continue
             begin = max(free.get(g, 0.0), assess_end, train_end[-1] if train_end else 0.0)
             spans.append(Span(g, f"training {st.role}", i, begin, begin + st.seconds))
             free[g] = begin + st.seconds
