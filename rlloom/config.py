@@ -77,10 +77,12 @@ class AlgoSection(Strict):
     policy_loss: str = Field("ppo", description="policy loss (registry name)")
     loss_agg: str = Field("seq-mean-token-mean", description="how token losses become one "
                           "number (registry name)")
-    clip_low: float = Field(0.2, ge=0, description="ratio clip below 1")
+    clip_low: float = Field(0.2, ge=0, le=1, description="ratio clip below 1")
     clip_high: float = Field(0.2, ge=0, description="ratio clip above 1 (DAPO clip-higher)")
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative "
                                     "advantages; null = off")
+    cispo_clip_high: float = Field(3.0, ge=0, description="cispo: cap of the detached "
+                                   "importance weight is 1 + this (no floor)")
     kl_coef: float = Field(0.001, ge=0, description="weight of the KL to the reference")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
     kl_in_reward: bool = Field(False, description="KL as a per-token reward penalty (classic "

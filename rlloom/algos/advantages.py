@@ -153,7 +153,7 @@ def reinforce_pp_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tenso
     return masked_whiten(returns, x.mask, WHITEN_EPS), returns
 
 
-@ADVANTAGES.register("remax")
+@ADVANTAGES.register("remax", needs={"greedy_baseline"})
 @torch.no_grad()
 def remax(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: A_i = s_i - b_i with b_i the greedy rollout's score, broadcast; returns = A."""
@@ -164,7 +164,7 @@ def remax(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return adv, adv.clone()
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", needs={"critic"})
 @torch.no_grad()
 def gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over valid tokens.

@@ -6,14 +6,17 @@ per-token loss still has to be aggregated (see `aggregation.py`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.masks import valid
 from rlloom.algos.registry import Registry
+
+if TYPE_CHECKING:
+    from rlloom.config import AlgoSection
 
 
 @dataclass
@@ -33,6 +36,12 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {self.dual_clip}")
         if self.cispo_clip_high < 0:
             raise ValueError(f"cispo_clip_high must be >= 0, got {self.cispo_clip_high}")
+
+    @classmethod
+    def from_algo(cls, algo: AlgoSection) -> PolicyLossConfig:
+        """The clip settings of a run's `algo` section: every field here is a field there of
+        the same name, so a new setting cannot be left out where the runtime builds this."""
+        return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
 
 
 class PolicyLoss(Protocol):
@@ -125,7 +134,7 @@ def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
     return _finish(loss, ratio > cap, mask)
 
 
-@POLICY_LOSSES.register("decoupled_ppo")
+@POLICY_LOSSES.register("decoupled_ppo", needs={"prox_logp"})
 def decoupled_ppo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, cfg: PolicyLossConfig,
                   prox_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

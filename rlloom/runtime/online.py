@@ -294,7 +294,7 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     a = cfg.algo
     loss_fn, aggregate = POLICY_LOSSES.get(a.policy_loss), AGGREGATIONS.get(a.loss_agg)
     kl_fn = KL_ESTIMATORS.get(a.kl_estimator)
-    pl_cfg = PolicyLossConfig(a.clip_low, a.clip_high, a.dual_clip)
+    pl_cfg = PolicyLossConfig.from_algo(a)
     kl_in_loss = not a.kl_in_reward and exp.ref_logp is not None and kl_coef > 0
     actor_critic = isinstance(policy, ActorCritic)
     sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
@@ -314,7 +314,11 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
             mask = exp.loss_mask[rows, :t]
             logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
                                                       with_entropy=True, prompts=prompts, rows=part)
-            per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask, pl_cfg)
+            # one process and torchrun train on samples of the weights this step starts from,
+            # so the proximal policy is the behaviour policy: decoupled_ppo is ppo, as on Ray
+            # at staleness 0 (a stale Ray step corrects its samples first: ray_workers.decoupled)
+            per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask,
+                                         pl_cfg, prox_logp=mb.logprobs)
             sums["clip_frac"] += _masked_sum(clipped.float(), mask)
             sums["entropy"] += _masked_sum(entropy, mask)
             if kl_in_loss:

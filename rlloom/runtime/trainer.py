@@ -10,10 +10,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlloom.algos.advantages import ADVANTAGES
-from rlloom.algos.aggregation import AGGREGATIONS
-from rlloom.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
-from rlloom.algos.policy_losses import POLICY_LOSSES
+from rlloom.algos.contracts import algo_problems
+from rlloom.algos.kl import AdaptiveKLController, FixedKLController
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.preferences import read_preference_file
@@ -80,13 +78,9 @@ def check_runnable(cfg: RunConfig, world: int = 1) -> None:
             raise ConfigError("the single-process runtime cannot run this plan: " +
                               "; ".join(problems) + " (launch it with torchrun "
                               "--nproc_per_node N -m rlloom train, or use the Ray runtime)")
-    for key, registry, name in [("algo.advantage", ADVANTAGES, cfg.algo.advantage),
-                                ("algo.policy_loss", POLICY_LOSSES, cfg.algo.policy_loss),
-                                ("algo.loss_agg", AGGREGATIONS, cfg.algo.loss_agg),
-                                ("algo.kl_estimator", KL_ESTIMATORS, cfg.algo.kl_estimator)]:
-        if name not in registry.names():
-            raise ConfigError(f"{key}={name!r} is not registered; choose one of "
-                              f"{', '.join(registry.names())}")
+    problems = algo_problems(cfg)
+    if problems:
+        raise ConfigError("this algorithm cannot run: " + "; ".join(problems))
 
 
 def check_prompt_lengths(tokenizer: PreTrainedTokenizerBase, problems: list[Problem], limit: int,

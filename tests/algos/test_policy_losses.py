@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig, entropy_from_logits
+from rlloom.config import ConfigError, load_config
 
 D = torch.float64
 
@@ -107,6 +108,31 @@ def test_cispo_by_hand():
 
 def test_cispo_default_cap_is_four():
     assert 1 + PolicyLossConfig().cispo_clip_high == 4.0
+
+
+def test_every_clip_setting_comes_from_the_config():
+    algo = load_config(None, ["algo.clip_low=0.1", "algo.clip_high=0.3", "algo.dual_clip=3",
+                              "algo.cispo_clip_high=1"]).algo
+    assert PolicyLossConfig.from_algo(algo) == PolicyLossConfig(
+        clip_low=0.1, clip_high=0.3, dual_clip=3.0, cispo_clip_high=1.0)
+
+
+def test_cispo_clip_high_from_config_moves_the_cap():
+    # old = 0, so r = exp(logp); loss = -min(r, 1 + cispo_clip_high) A logp.
+    # r 2,   A  1: default cap 4 -> w 2   -> -2 log 2   = -1.386294
+    #              cap 1.5      -> w 1.5 -> -1.5 log 2 = -1.039721, capped
+    # r 1.2, A -1: under both caps, w 1.2 -> 1.2 log 1.2 = .218786
+    logp = row([math.log(2), math.log(1.2)])
+    old, adv, mask = torch.zeros_like(logp), row([1, -1]), torch.ones_like(logp)
+    for overrides, want, capped in [([], [-1.386294, 0.218786], [False, False]),
+                                    (["algo.cispo_clip_high=0.5"], [-1.039721, 0.218786],
+                                     [True, False])]:
+        cfg = PolicyLossConfig.from_algo(load_config(None, ["algo=cispo", *overrides]).algo)
+        loss, clipped = POLICY_LOSSES.get("cispo")(logp, old, adv, mask, cfg)
+        torch.testing.assert_close(loss, row(want), atol=1e-6, rtol=0)
+        assert clipped.tolist() == [capped]
+    with pytest.raises(ConfigError, match=r"algo.cispo_clip_high: .*greater than or equal to 0"):
+        load_config(None, ["algo.cispo_clip_high=-1"])
 
 
 def test_decoupled_ppo_by_hand():

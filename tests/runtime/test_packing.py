@@ -57,7 +57,7 @@ def reference_policy_loss(policy, exp, idx, norm, kl_coef, cfg):
                                               with_entropy=True)
     per_token, _ = POLICY_LOSSES.get(a.policy_loss)(
         logp, mb.logprobs, exp.advantages[idx], mask,
-        PolicyLossConfig(a.clip_low, a.clip_high, a.dual_clip))
+        PolicyLossConfig.from_algo(a), prox_logp=mb.logprobs)
     per_token = (per_token + kl_coef * KL_ESTIMATORS.get(a.kl_estimator)(logp, exp.ref_logp[idx])
                  - a.entropy_coef * entropy)
     aggregate = AGGREGATIONS.get(a.loss_agg)

@@ -25,6 +25,18 @@ def test_online_preset_runs_three_steps(tmp_path, tiny, preset):
         assert all("value_loss" in r for r in rows)
 
 
+def test_decoupled_ppo_runs_in_one_process_as_ppo(tmp_path, tiny):
+    """On-policy, the proximal policy is the behaviour policy, so decoupled_ppo is ppo. The
+    soft overlong penalty gives the groups unequal rewards, hence a nonzero loss to compare."""
+    args = [*tiny, "train.steps=1", "algo.overlong=penalty"]
+    main(["train", *args, "algo.policy_loss=decoupled_ppo", f"run_dir={tmp_path / 'dppo'}"])
+    main(["train", *args, f"run_dir={tmp_path / 'ppo'}"])
+    (got,), (want,) = _rows(tmp_path / "dppo"), _rows(tmp_path / "ppo")
+    assert got["loss"] != 0
+    for key in ("loss", "clip_frac", "grad_norm", "entropy", "kl"):
+        assert got[key] == want[key], key
+
+
 def test_ppo_with_shared_backbone_runs(tmp_path, tiny):
     run = tmp_path / "shared"
     main(["train", *tiny, "algo=ppo", "plan.actor_critic=shared", f"run_dir={run}"])
