@@ -36,6 +36,7 @@ from rlloom.runtime.batch import (
     sequence_scores,
 )
 from rlloom.runtime.packing import Agree, micro_batches, trim
+from rlloom.runtime.ranks import RankGroup, Share
 from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
 
 
@@ -60,6 +61,31 @@ class Samples:
                        group_ids=self.group_ids.to(device),
                        terms={k: v.to(device) for k, v in self.terms.items()},
                        scores=self.scores.to(device))
+
+    @classmethod
+    def cat(cls, parts: list["Samples"], pad_id: int) -> "Samples":
+        """Batches of whole groups as one, in order (group ids renumbered, responses
+        re-padded); rounds is the most any part took, score_s their sum."""
+        offsets, groups = [], 0
+        for s in parts:
+            offsets.append(groups)
+            groups += len(s.problems)
+        return cls([p for s in parts for p in s.problems],
+                   cat_rollouts([s.rollout for s in parts], pad_id),
+                   torch.cat([s.group_ids + o for s, o in zip(parts, offsets)]),
+                   {k: torch.cat([s.terms[k] for s in parts]) for k in parts[0].terms},
+                   torch.cat([s.scores for s in parts]), max(s.rounds for s in parts),
+                   sum(s.score_s for s in parts))
+
+    def groups(self, keep: list[int]) -> "Samples":
+        """The groups `keep` (indices into `problems`), renumbered from 0 in that order."""
+        idx = torch.cat([(self.group_ids == g).nonzero().squeeze(1) for g in keep])
+        new_ids = torch.cat([torch.full(((self.group_ids == g).sum(),), i, dtype=torch.long,
+                                        device=idx.device) for i, g in enumerate(keep)])
+        return replace(self, problems=[self.problems[g] for g in keep],
+                       rollout=self.rollout.select(idx), group_ids=new_ids,
+                       terms={k: v[idx] for k, v in self.terms.items()},
+                       scores=self.scores[idx])
 
 
 class Rewarder:
@@ -129,27 +155,33 @@ def collect(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: Prompt
     batch, rounds, score_s = first, 1, first.score_s
     while True:
         keep = groups_with_signal(batch.scores, batch.group_ids)
-        groups = batch.group_ids[keep].unique().tolist()
-        kept += [_group(batch, g) for g in groups]
+        kept += [batch.groups([g]) for g in batch.group_ids[keep].unique().tolist()]
         if len(kept) >= b or rounds == cfg.algo.max_sample_rounds:
             break
         batch = sample_groups(policy, tokenizer, stream.next(b), cfg, rewarder, generator)
         score_s += batch.score_s
         rounds += 1
-    kept = kept[:b] or [_group(first, g) for g in range(b)]  # nothing learnable: keep round 1
-    return Samples([s.problems[0] for s in kept],
-                   cat_rollouts([s.rollout for s in kept], tokenizer.pad_token_id),
-                   torch.arange(len(kept), device=first.group_ids.device).repeat_interleave(
-                       cfg.rollout.n_samples),
-                   {k: torch.cat([s.terms[k] for s in kept]) for k in first.terms},
-                   torch.cat([s.scores for s in kept]), rounds, score_s)
+    kept = kept[:b] or [first.groups([g]) for g in range(b)]  # nothing learnable: round 1
+    return replace(Samples.cat(kept, tokenizer.pad_token_id), rounds=rounds, score_s=score_s)
 
 
-def _group(s: Samples, g: int) -> Samples:
-    idx = (s.group_ids == g).nonzero().squeeze(1)
-    return Samples([s.problems[g]], s.rollout.select(idx),
-                   torch.zeros(len(idx), dtype=torch.long, device=idx.device),
-                   {k: v[idx] for k, v in s.terms.items()}, s.scores[idx])
+def generate_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
+                   cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator,
+                   ranks: RankGroup, share: Share, prompts: int | None = None) -> Samples:
+    """The step's scored samples on every rank of a group: `collect` in one rank; else each
+    generation replica samples its `share` of the `prompts` (default: the step's B) that every
+    rank draws alike, and the shares are all-gathered in replica order."""
+    if ranks.world == 1 and prompts is None:
+        return collect(policy, tokenizer, stream, cfg, rewarder, generator)
+    problems = stream.next(prompts or cfg.train.prompts_per_step)
+    part = sample_groups(policy, tokenizer, problems[share.of(len(problems))], cfg, rewarder,
+                         generator)
+    if ranks.world == 1:
+        return part
+    got = [p for p in ranks.gather(part.to("cpu") if share.leader else None) if p is not None]
+    # replicas score at the same time: the stage waits for the slowest
+    return replace(Samples.cat(got, tokenizer.pad_token_id),
+                   score_s=max(p.score_s for p in got)).to(ranks.device)
 
 
 def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,
@@ -188,6 +220,34 @@ def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
                 reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], part,
                 budget, prompts_done=True)
     old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget, agree=agree)
+                  if critic is not None else None)
+    return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
+
+
+@torch.no_grad()
+def assess_group(s: Samples, reference: CausalLM | None, ref_share: Share,
+                 critic: ValueModel | ActorCritic | None, critic_share: Share, kl_coef: float,
+                 baseline: torch.Tensor | None, cfg: RunConfig, ranks: RankGroup) -> Experience:
+    """`assess` in a group of ranks that all hold the whole batch: each data-parallel replica
+    of a model's layout scores its share of the rows, the shares are all-gathered, and
+    advantages are computed over the whole batch on every rank. One rank: `assess`."""
+    if ranks.world == 1:
+        return assess(s, reference, critic, kl_coef, baseline, cfg)
+    r = s.rollout
+
+    def scored(fn: Callable[[Rollout], torch.Tensor], share: Share) -> torch.Tensor:
+        rows = share.rows(torch.arange(len(r.finished), device=r.finished.device))
+        part = bucketed(lambda mb, _: fn(mb), r.select(rows), cfg.train.micro_batch_tokens,
+                        agree=ranks.most)
+        out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
+        for got in ranks.gather((rows.cpu(), part.cpu()) if share.leader else None):
+            if got is not None:
+                out[got[0].to(out.device)] = got[1].to(out.device)
+        return out
+
+    ref_logp = (scored(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
+                       ref_share) if reference is not None else None)
+    old_values = (scored(lambda mb: response_values(critic, mb), critic_share)
                   if critic is not None else None)
     return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
 
@@ -232,19 +292,19 @@ def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
 def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
              kl_coef: float, cfg: RunConfig, generator: torch.Generator,
-             agree: Agree | None = None,
-             global_counts: Callable[[float, float], tuple[float, float]] = lambda t, s: (t, s)
-             ) -> dict[str, float]:
+             share: Share = Share(), critic_share: Share = Share(),
+             agree: Agree | None = None) -> dict[str, float]:
     """`algo.epochs` passes over shuffled mini-batches: policy loss (+ KL in the loss, - entropy
     bonus, + value loss for a shared actor-critic); a separate critic steps alongside. Each
     mini-batch runs as length-bucketed micro-batches of at most `train.micro_batch_tokens`
-    padded tokens after one prompt pass per distinct prompt (given `agree`, under torchrun: as
-    many plain micro-batches as every other rank), accumulating the mini-batch's gradient.
-    Under data parallelism `global_counts` turns a replica's token and sequence counts into
-    the whole mini-batch's (runtime/distributed.py)."""
+    padded tokens after one prompt pass per distinct prompt (given `agree`, in a group of
+    ranks: as many plain micro-batches as every other rank), accumulating the mini-batch's
+    gradient. In a group every rank holds the whole batch and draws the same shuffle; each
+    trains on its data-parallel `share` of every mini-batch (`critic_share` for the critic's
+    layout) with the whole mini-batch's normalisers over dp (runtime/ranks.py)."""
     r = exp.samples.rollout
     budget = cfg.train.micro_batch_tokens
-    share = agree is None and not isinstance(policy, ActorCritic)
+    share_prompts = agree is None and not isinstance(policy, ActorCritic)
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.algo.epochs):
@@ -252,25 +312,31 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
         order = torch.randperm(len(r.finished), generator=generator).to(r.finished.device)
         for idx in order.chunk(cfg.algo.minibatches):
             mask = exp.loss_mask[idx]
-            tokens, seqs = global_counts(float(valid(mask).sum()), float(mask.shape[0]))
+            tokens, seqs = float(valid(mask).sum()), float(mask.shape[0])
             if tokens == 0:
                 continue  # every sample was filtered out (overlong), on every rank alike
-            norm = LossNorm(tokens, seqs, const=cfg.rollout.max_new_tokens)
             optimizer.zero_grad(set_to_none=True)
-            stats = policy_backward(policy, exp, idx, norm, kl_coef, cfg, budget, share, agree)
+            stats = policy_backward(policy, exp, share.rows(idx), _norm(tokens, seqs, share, cfg),
+                                    kl_coef, cfg, budget, share_prompts, agree)
             stats["grad_norm"] = clip_grad_norm(
                 policy.parameters(), cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-                stats["value_loss"] = critic_backward(critic, exp, idx, norm, cfg, budget,
-                                                      agree)
+                stats["value_loss"] = critic_backward(
+                    critic, exp, critic_share.rows(idx), _norm(tokens, seqs, critic_share, cfg),
+                    cfg, budget, agree)
                 clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             updates += 1
     return {k: v / max(updates, 1) for k, v in totals.items()}
+
+
+def _norm(tokens: float, seqs: float, share: Share, cfg: RunConfig) -> LossNorm:
+    """The whole mini-batch's normalisers over the replicas whose gradients DP averages."""
+    return LossNorm(tokens / share.parts, seqs / share.parts, const=cfg.rollout.max_new_tokens)
 
 
 def _micro(exp: Experience, idx: torch.Tensor, budget: int | None, prompts_done: bool = False,
@@ -338,10 +404,9 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
             sums["loss"] += loss.item()
         if prompts is not None:
             prompts.backward()
-    tokens = exp.loss_mask[idx].sum().clamp(min=1).item()
-    for k in ("clip_frac", "entropy", "kl"):
+    for k in ("clip_frac", "entropy", "kl"):  # token means of the whole mini-batch over dp
         if k in sums:
-            sums[k] /= tokens
+            sums[k] /= norm.tokens
     return sums
 
 

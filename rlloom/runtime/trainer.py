@@ -26,9 +26,9 @@ from rlloom.models.hf_io import (
     save_checkpoint,
 )
 from rlloom.models.transformer import CausalLM
-from rlloom.parallel.apply import full_state_dict, make_optimizer, parallelize
+from rlloom.parallel.apply import full_state_dict
 from rlloom.parallel.mesh import layout_problems, layout_summary
-from rlloom.parallel.tensor_parallel import apply_tensor_parallel
+from rlloom.plan import Layout
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.batch import encode
 from rlloom.runtime.checkpoint import load_latest
@@ -36,10 +36,9 @@ from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device
 from rlloom.runtime.distributed import (
-    Collective,
+    TorchrunLayouts,
     distributed_problems,
-    join_process_group,
-    leave_process_group,
+    join_torchrun,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
     world_size,
@@ -50,15 +49,15 @@ from rlloom.runtime.offline import preference_step
 from rlloom.runtime.online import (
     Rewarder,
     Samples,
-    assess,
+    assess_group,
     behaviour_kl,
-    collect,
+    generate_group,
     greedy_baseline,
     optimise,
-    sample_groups,
 )
 from rlloom.runtime.plots import plot_run
 from rlloom.runtime.progress import progress_bar
+from rlloom.runtime.ranks import RankGroup, leave_world, reshard
 from rlloom.runtime.tracing import Tracer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -100,7 +99,7 @@ def new_run_dir(cfg: RunConfig) -> Path:
         return Path(cfg.run_dir)
     name = [time.strftime("%Y%m%d-%H%M%S")]
     if world_size() > 1:  # every process must write where rank 0 does
-        join_process_group(cfg.train.device)
+        join_torchrun(cfg.train.device)
         torch.distributed.broadcast_object_list(name, src=0)
     return Path("runs") / name[0]
 
@@ -112,8 +111,10 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         self.preset = PRESETS[cfg.algo.name]
         # every model lives here, and every tensor that meets their outputs
-        self.device = (join_process_group(cfg.train.device) if world > 1
-                       else resolve_device(cfg.train.device))
+        self.ranks = (join_torchrun(cfg.train.device) if world > 1
+                      else RankGroup(device=resolve_device(cfg.train.device)))
+        self.device = self.ranks.device
+        self.layouts = TorchrunLayouts.of(cfg) if world > 1 else None
         # processes on one machine share its cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
@@ -163,38 +164,34 @@ class Trainer:
         self.eval_history: list[tuple[int, float]] = []
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.tracer = Tracer(run_dir / "trace.json")
-        self.coll: Collective | None = None
         self.generator = self.policy  # the model that generates (a copy in a hybrid layout)
         if world > 1:
             self._parallelize()
 
     def _parallelize(self) -> None:
         """Apply the plan's layouts (torchrun): the actor and critic train in the actor's
-        layout, the reference scores with its TP (no gradients, so no DP wrapper), and
-        generation may run on a copy (see `Collective.gen_copy`)."""
-        coll = self.coll = Collective.start(self.cfg)
-        for layout in (coll.train, coll.gen):
-            problems = layout_problems(layout, self.policy.config, coll.world)
+        layout, the reference scores in its dp x tp (no gradients, so no DP wrapper), and
+        generation may run on a copy (see `TorchrunLayouts`)."""
+        lay, ranks, cfg = self.layouts, self.ranks, self.cfg
+        for layout in (lay.train, lay.gen):
+            problems = layout_problems(layout, self.policy.config, ranks.world)
             if problems:
                 raise ConfigError(f"plan layout {layout_summary(layout)} cannot run: "
                                   + "; ".join(problems))
-        if coll.gen_copy:
-            self.generator = copy.deepcopy(self.policy)
-            if coll.gen.tp > 1:
-                apply_tensor_parallel(self.generator, coll.gen_mesh["tp"])
-        # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would change
-        # the log-probs PPO compares with the sampled ones, and greedy evaluation's fp32 KV
-        # cache would meet bf16 queries
-        parallelize(self.policy, coll.train, coll.train_mesh, mixed_precision=False)
-        self.optimizer = make_optimizer(self.policy, coll.train, coll.train_mesh,
-                                        self.cfg.train.lr,
-                                        weight_decay=self.cfg.train.weight_decay)
+        if lay.gen_copy:
+            self.generator = ranks.generating(copy.deepcopy(self.policy), lay.gen)
+        self.optimizer = ranks.trained(self.policy, lay.train, cfg.train.lr,
+                                       weight_decay=cfg.train.weight_decay)
         if self.critic is not None:
-            parallelize(self.critic, coll.train, coll.train_mesh, mixed_precision=False)
-            self.critic_optimizer = make_optimizer(self.critic, coll.train, coll.train_mesh,
-                                                   self.cfg.algo.critic_lr)
-        if self.reference is not None and coll.train.tp > 1:
-            apply_tensor_parallel(self.reference, coll.train_mesh["tp"])
+            self.critic_optimizer = ranks.trained(self.critic, lay.train, cfg.algo.critic_lr)
+        if self.reference is not None:
+            ranks.frozen(self.reference, self.frozen_layout)
+
+    @property
+    def frozen_layout(self) -> Layout:
+        """The reference's layout: the actor's dp x tp, without sharding over dp."""
+        train = self.layouts.train if self.layouts else Layout()
+        return Layout(dp=train.dp, tp=train.tp)
 
     def _default_model(self) -> Path:
         """The built-in model, built (and cached) by one process while the others wait."""
@@ -208,7 +205,7 @@ class Trainer:
     @property
     def main(self) -> bool:
         """The process that writes files and prints (rank 0, or the only one)."""
-        return self.coll is None or self.coll.main
+        return self.ranks.main
 
     def _sharded_parts(self) -> dict:
         parts = {"actor": (self.policy, self.optimizer)}
@@ -222,7 +219,7 @@ class Trainer:
                  "sample_gen": self.sample_gen.get_state(),
                  "shuffle_gen": self.shuffle_gen.get_state(),
                  "data_position": self.stream.position, "eval_history": self.eval_history}
-        if self.coll is None:  # sharded runs save model and optimizer state with DCP
+        if self.layouts is None:  # sharded runs save model and optimizer state with DCP
             state["policy"] = self.policy.state_dict()
             state["optimizer"] = self.optimizer.state_dict()
             if self.critic is not None:
@@ -246,7 +243,7 @@ class Trainer:
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint; forget metrics and spans logged after it."""
-        state = (load_latest(self.run_dir) if self.coll is None else
+        state = (load_latest(self.run_dir) if self.layouts is None else
                  load_sharded_checkpoint(self.run_dir, self._sharded_parts()))
         if state is None:
             return False
@@ -267,42 +264,34 @@ class Trainer:
     def _generate(self) -> tuple[Samples, dict[str, float]]:
         """The step's whole batch of scored samples (on every rank), and what moving the
         weights into the generation layout cost."""
-        cfg, coll = self.cfg, self.coll
-        if coll is None:
-            return collect(self.policy, self.tokenizer, self.stream, cfg, self.rewarder,
-                           self.sample_gen), {}
+        cfg, lay = self.cfg, self.layouts
         sync = {}
-        if coll.gen_copy:
-            seconds, nbytes = coll.reshard(self.policy, self.generator)
+        if lay is not None and lay.gen_copy:
+            seconds, nbytes = reshard(self.policy, self.generator)
             sync = {"reshard_s": seconds, "reshard_bytes": nbytes}
-        problems = self.stream.next(cfg.train.prompts_per_step)
-        mine = problems[coll.share(len(problems), coll.gen_mesh)]
-        part = sample_groups(self.generator, self.tokenizer, mine, cfg, self.rewarder,
-                             self.sample_gen)
-        return coll.gather(part, self.tokenizer.pad_token_id), sync
+        return generate_group(self.generator, self.tokenizer, self.stream, cfg, self.rewarder,
+                              self.sample_gen, self.ranks,
+                              self.ranks.share(lay.gen if lay else Layout())), sync
 
     def online_step(self, step: int) -> dict[str, float]:
-        cfg, coll = self.cfg, self.coll
+        cfg, ranks = self.cfg, self.ranks
+        train = self.layouts.train if self.layouts else Layout()
         with self.tracer.span("generation", step, "actor") as gen:
             samples, sync = self._generate()
             baseline = (greedy_baseline(self.policy, self.tokenizer, samples, cfg, self.rewarder)
                         if cfg.algo.advantage == "remax" else None)
         with self.tracer.span("assessment", step, "reference+reward+critic") as ass:
-            mine, rows = coll.training_share(samples) if coll else (samples, slice(None))
-            exp = assess(mine, self.reference, self.critic or
-                         (self.policy if isinstance(self.policy, ActorCritic) else None),
-                         self.kl.value, baseline[rows] if baseline is not None else None, cfg,
-                         agree=coll.most if coll else None)
+            critic = self.critic or (self.policy if isinstance(self.policy, ActorCritic)
+                                     else None)
+            exp = assess_group(samples, self.reference, ranks.share(self.frozen_layout), critic,
+                               ranks.share(train), self.kl.value, baseline, cfg, ranks)
         with self.tracer.span("training", step, "actor+critic") as tr:
-            # under torchrun every rank runs as many micro-batches as the others (in
-            # assessment too), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
+            # in a group every rank runs as many micro-batches as the others (in assessment
+            # too), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
-                             agree=coll.most if coll else None,
-                             **({"global_counts": coll.global_counts} if coll else {}))
-        stats["behaviour_kl"] = behaviour_kl(exp)
-        if coll is not None:
-            stats = coll.mean(stats)
+                             ranks.share(train), ranks.share(train), ranks.agree())
+        stats = ranks.mean({**stats, "behaviour_kl": behaviour_kl(exp)})
         kl_now = stats.pop("behaviour_kl")
         row = {"reward": samples.scores.mean().item(),
                **{f"reward/{k}": v.float().mean().item() for k, v in samples.terms.items()},
@@ -336,17 +325,17 @@ class Trainer:
         return {"step": step, **row, "step_s": time.perf_counter() - t0}
 
     def checkpoint(self) -> None:
-        if self.coll is None:
+        if self.layouts is None:
             save_state(self.run_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep)
         else:
-            save_sharded_checkpoint(self.coll, self.run_dir, self.step, self.state_dict(),
+            save_sharded_checkpoint(self.ranks, self.run_dir, self.step, self.state_dict(),
                                     self._sharded_parts(), self.cfg.checkpoint.keep)
         if self.main:
             self.tracer.save()
 
     def export(self, path: Path) -> None:
         """The policy as a Hugging Face checkpoint (gathered from its shards under torchrun)."""
-        if self.coll is None:
+        if self.layouts is None:
             save_checkpoint(self.policy, self.tokenizer, path)
             return
         state = full_state_dict(self.policy)
@@ -398,4 +387,4 @@ def train(cfg: RunConfig, resume_dir: Path | None = None) -> dict[str, float]:
             if trainer.pool is not None:
                 trainer.pool.close()
     finally:
-        leave_process_group()
+        leave_world()

@@ -1,13 +1,11 @@
-"""Under torchrun every rank must run as many micro-batches as the others, or the collectives
-inside their passes (gradient sync, ZeRO-3 gathers) would pair up wrongly and hang."""
-from types import SimpleNamespace
-
+"""In a group of ranks every rank must run as many micro-batches as the others, or the
+collectives inside their passes (gradient sync, ZeRO-3 gathers) would pair up wrongly and hang."""
 import torch
 import torch.distributed as dist
 from harness import spawn
 
-from rlloom.runtime.distributed import Collective
 from rlloom.runtime.packing import micro_batches
+from rlloom.runtime.ranks import RankGroup
 
 BUDGET = 60
 
@@ -24,8 +22,8 @@ def _cut() -> dict:
     rank = dist.get_rank()
     prompts, responses = _rows(rank)
     local = len(micro_batches(prompts, responses, BUDGET))
-    here = SimpleNamespace(device=torch.device("cpu"))  # all `Collective.most` reads
-    parts = micro_batches(prompts, responses, BUDGET, agree=lambda n: Collective.most(here, n))
+    ranks = RankGroup.join(torch.device("cpu"), world=dist.get_world_size())
+    parts = micro_batches(prompts, responses, BUDGET, agree=ranks.agree())
     for part in parts:  # one collective per micro-batch, as a ZeRO-3 forward would issue
         dist.all_reduce(torch.tensor([len(part)]))
     widths = [len(p) * int((prompts[p] + responses[p]).max()) for p in parts]

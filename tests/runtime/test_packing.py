@@ -21,6 +21,7 @@ from rlloom.runtime.online import (
     policy_backward,
 )
 from rlloom.runtime.packing import micro_batches, trim
+from rlloom.runtime.ranks import Share
 from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
 
 N = 12
@@ -244,23 +245,27 @@ def test_no_budget_means_one_micro_batch_in_length_order():
 
 
 def test_a_replica_whose_rows_are_all_filtered_still_steps_when_others_train():
-    """Under data parallelism the skip decision uses the whole mini-batch's counts, so every
-    rank runs the same passes (a rank skipping alone would leave the others' collectives
-    waiting): here this replica's rows are all filtered (overlong) but other replicas have
-    10 tokens, so it runs with zero loss; when no replica has any, all skip."""
+    """Under data parallelism every rank holds the whole mini-batch and decides to skip on its
+    counts, so every rank runs the same passes (a rank skipping alone would leave the others'
+    collectives waiting): here replica 1's share is all filtered (overlong) but replica 0's is
+    not, so replica 1 runs with zero loss and zero gradient; when no row has a token, all
+    skip."""
     cfg = load_config(None, ["algo.epochs=1", "algo.minibatches=1"])
     policy = CausalLM(CFG).double()
     policy.init_weights(seed=1, std=0.2)
     exp = experience(policy)
-    exp.loss_mask.zero_()
+    n = len(exp.loss_mask)
     opt = torch.optim.AdamW(policy.parameters(), lr=0.1, weight_decay=0.0)
     before = [p.detach().clone() for p in policy.parameters()]
-    stats = optimise(policy, opt, exp, None, None, 0.0, cfg, torch.Generator(),
-                     global_counts=lambda t, s: (10.0, s))
+    # the shuffle is a permutation: zero the rows replica 1 gets of it
+    order = torch.randperm(n, generator=torch.Generator())
+    exp.loss_mask[Share(2, 1).rows(order)] = 0
+    stats = optimise(policy, opt, exp, None, None, 0.0, cfg, torch.Generator(), Share(2, 1))
     assert stats["loss"] == 0.0 and stats["grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    exp.loss_mask.zero_()
     assert optimise(policy, opt, exp, None, None, 0.0, cfg, torch.Generator(),
-                    global_counts=lambda t, s: (0.0, s)) == {}
+                    Share(2, 0)) == {}
 
 
 def test_prompt_chunks_and_response_buckets_hold_the_budget():

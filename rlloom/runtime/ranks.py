@@ -1,0 +1,215 @@
+"""One device group's ranks as one torch.distributed world, and the collectives the RL stages
+need inside it. The single process is the one-rank case: every collective is the identity.
+
+A group of N ranks (Ray actors, or the processes torchrun started) joins one world (NCCL on
+GPUs, gloo on CPUs). Each model on the group uses all N ranks in its own `Layout`, so one
+world holds a mesh per layout. Data flow inside a group:
+  generation  each data-parallel replica of the generation layout samples its contiguous
+              share of the step's prompts (TP ranks sample identically: same seed, same
+              logits); the shares are all-gathered, so every rank holds the whole batch;
+  assessment  each replica of a scoring model's layout scores its share of the rows; the
+              scores are all-gathered and advantages computed over the whole batch, as one
+              process computes them;
+  training    every rank holds the whole batch and trains on its replica's share of each
+              mini-batch, with the loss normalisers of the whole mini-batch divided by dp
+              (data parallelism averages the replicas' gradients), so the averaged gradient is
+              the one-process gradient of the same mini-batch.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlloom.parallel.apply import make_optimizer, parallelize
+from rlloom.parallel.data_parallel import apply_data_parallel, local_tensor
+from rlloom.parallel.mesh import build_mesh, validate_layout
+from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
+from rlloom.plan import Layout
+
+
+def free_address() -> str:
+    """tcp://HOST:PORT with a port free on this host, for a group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    host = socket.gethostbyname(socket.gethostname())
+    return f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of the work of one layout: its data-parallel replica `part` of
+    `parts`, and whether it leads the replica (TP/CP ranks of a replica hold copies)."""
+    parts: int = 1
+    part: int = 0
+    leader: bool = True
+
+    def of(self, n: int) -> slice:
+        """The replica's contiguous share of n items (the first n % parts replicas get one
+        more)."""
+        base, extra = divmod(n, self.parts)
+        start = self.part * base + min(self.part, extra)
+        return slice(start, start + base + (self.part < extra))
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The replica's share of the rows `idx`."""
+        return idx[self.of(len(idx))]
+
+
+@dataclass
+class RankGroup:
+    """This process's place in its group: rank, world size, device, and a mesh per layout."""
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _meshes: dict[tuple, DeviceMesh] = field(default_factory=dict)
+
+    @classmethod
+    def join(cls, device: torch.device, rank: int = 0, world: int = 1,
+             address: str | None = None, timeout_s: float = 600.0) -> "RankGroup":
+        """Join a world of `world` ranks at `address` (torchrun's environment when None);
+        one rank joins nothing."""
+        if world > 1 and not dist.is_initialized():
+            if device.type == "cuda":  # NCCL (and object collectives) run on the current device
+                torch.cuda.set_device(device)
+            from datetime import timedelta
+            kwargs = {} if address is None else {"init_method": address, "rank": rank,
+                                                  "world_size": world}
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=timeout_s), **kwargs)
+        if world > 1:
+            rank, world = dist.get_rank(), dist.get_world_size()
+        return cls(rank, world, device)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def mesh(self, layout: Layout) -> DeviceMesh | None:
+        """The mesh of `layout` over this group's ranks (None for one rank)."""
+        if self.world == 1:
+            return None
+        key = tuple(getattr(layout, d) for d in ("pp", "dp", "cp", "tp"))
+        if key not in self._meshes:
+            self._meshes[key] = build_mesh(layout, self.device.type)
+        return self._meshes[key]
+
+    def share(self, layout: Layout) -> Share:
+        mesh = self.mesh(layout)
+        if mesh is None:
+            return Share()
+        return Share(mesh["dp"].size(), mesh["dp"].get_local_rank(),
+                     mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0)
+
+    # -- collectives (identities for one rank) -------------------------------------------------
+    def most(self, n: int) -> int:
+        """The largest of the ranks' n: how many micro-batches every rank runs, so that their
+        passes, and the collectives inside them, pair up."""
+        if self.world == 1:
+            return n
+        count = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
+
+    def agree(self) -> Any:
+        """`packing.Agree` for this group: None for one rank (no other rank to pair up with)."""
+        return self.most if self.world > 1 else None
+
+    def mean(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """Scalar metrics averaged over ranks (each rank's are already the whole batch's
+        divided by dp, see the module docstring, so the mean over replicas is the total)."""
+        if self.world == 1:
+            return stats
+        keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)))
+        values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(values)
+        return {**stats, **{k: v / self.world for k, v in zip(keys, values.tolist())}}
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (pickled; move tensors to the CPU first: a
+        pickled CUDA tensor unpickles on the sender's GPU index)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    # -- models ----------------------------------------------------------------------------
+    def trained(self, model: nn.Module, layout: Layout, lr: float, **adamw: Any
+                ) -> torch.optim.Optimizer:
+        """Apply `layout` to a model that trains here, and its optimizer (ZeRO-sharded when
+        the layout says so)."""
+        mesh = self.mesh(layout)
+        if mesh is not None:
+            # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would
+            # change the log-probs PPO compares with the sampled ones
+            parallelize(model, layout, mesh, mixed_precision=False)
+        return make_optimizer(model, layout, mesh, lr, **adamw)
+
+    def generating(self, model: nn.Module, layout: Layout) -> nn.Module:
+        """A model that only generates, in `layout`: TP shards it; each data-parallel replica
+        holds a whole copy and samples its own prompts, so no DP wrapper (ZeRO-3 gathers of
+        replicas that decode for different numbers of steps would deadlock)."""
+        mesh = self.mesh(layout)
+        if mesh is not None:
+            validate_layout(layout, backbone_of(model).config, self.world)
+            if layout.tp > 1:
+                apply_tensor_parallel(model, mesh["tp"])
+        return model
+    def frozen(self, model: nn.Module, layout: Layout) -> nn.Module:
+        """A forward-only model in `layout`: TP shards it, ZeRO-3 shards it over dp (gathered
+        per layer as it runs); plain dp keeps a whole copy per replica (no gradients, so no
+        wrapper)."""
+        mesh = self.mesh(layout)
+        if mesh is None:
+            return model
+        validate_layout(layout, backbone_of(model).config, self.world)
+        if layout.tp > 1:
+            apply_tensor_parallel(model, mesh["tp"])
+        if layout.dp > 1 and layout.zero == 3:
+            apply_data_parallel(model, mesh["dp"], 3, mixed_precision=False)
+        return model
+
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole weights as plain CPU tensors on rank 0 ({} elsewhere); every rank
+        must call it."""
+        if self.world == 1:
+            return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+        return state if self.main else {}
+
+
+def leave_world() -> None:
+    """Destroy the process group, if one was joined, while the interpreter is still whole:
+    left to interpreter teardown, gloo's worker threads may release tensors after Python is
+    gone and abort the process (SIGABRT) at random, after a run that succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def reshard(trained: nn.Module, copy: nn.Module) -> tuple[float, float]:
+    """Copy the trained weights into another layout's copy on the same ranks (collective);
+    (seconds, bytes this rank received into its copy's shards)."""
+    t0 = time.perf_counter()
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(copy, get_model_state_dict(trained, options=opts), options=opts)
+    nbytes = sum(local_tensor(p).numel() * p.element_size() for p in copy.parameters())
+    return time.perf_counter() - t0, float(nbytes)
