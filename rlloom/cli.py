@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                               "install it with pip install 'rlloom[ray]'") from None
         cpus = _group_cpus(args.group_cpus)
         if "*" in cpus:
-            cpus = {g.name: cpus["*"] for g in ray_plan.group_specs(cfg.plan)}
+            cpus = {g.name: cpus["*"] for g in ray_plan.group_specs(cfg)}
         try:
             rr.train_ray(cfg, resume, ray_plan.RayOptions(
                 address=args.ray_address, worker_timeout_s=args.worker_timeout,

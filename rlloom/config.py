@@ -28,7 +28,9 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 class ModelSection(Strict):
     path: str | None = Field(None, description="Hugging Face checkpoint dir; null = built-in "
                                                "tiny model, warm-started by SFT and cached")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
+        "float32", description="parameter dtype (float64: for checking a layout against one "
+        "process to 1e-10)")
     hidden_size: int = Field(128, description="built-in model: hidden size")
     layers: int = Field(2, ge=1, description="built-in model: decoder layers")
     heads: int = Field(4, description="built-in model: attention heads")
@@ -66,6 +68,10 @@ class RolloutSection(Strict):
                          "likely token's probability; 0 = off")
     stop: list[str] = Field([], description="strings that end a response like EOS (they stay "
                             "in it, and the response counts as finished)")
+    engine: Literal["rlloom", "plain"] = Field(
+        "rlloom", description="sampler: rlloom's engine (prefix sharing, continuous batching; "
+        "unsharded models) or plain (one batched decode loop, what a tensor-parallel "
+        "generation layout runs; the one-process twin of such a layout)")
 
 
 class AlgoSection(Strict):
@@ -224,6 +230,9 @@ class RunConfig(Strict):
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")
+        if self.rollout.engine == "plain" and self.rollout.stop:
+            raise ValueError("rollout.stop needs rollout.engine=rlloom (the plain loop ends "
+                             "responses at EOS only)")
         batch = self.train.prompts_per_step * self.rollout.n_samples
         if batch % self.algo.minibatches:
             raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,17 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if _NAME.match(p.name))
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write `state` as checkpoints/step_NNNNNN; a crash mid-write leaves no such directory."""
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
+                    write: Callable[[Path], None] | None = None) -> Path:
+    """Write `state` as checkpoints/step_NNNNNN (and whatever `write` puts into the directory
+    first: a group's sharded weights); a crash mid-write leaves no such directory."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp_"))
     try:
+        if write is not None:
+            write(tmp)
         torch.save(state, tmp / "state.pt")
         replace_dir(tmp, final)
     except BaseException:

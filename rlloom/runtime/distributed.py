@@ -3,7 +3,6 @@ data flow): what torchrun runs, the actor's layouts in it, and sharded checkpoin
 group's trained models (written by every rank of the group, loadable at any layout)."""
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,7 @@ from rlloom.plan import Layout
 from rlloom.runtime.checkpoint import checkpoint_dirs
 from rlloom.runtime.device import torchrun_device
 from rlloom.runtime.ranks import RankGroup
-
-
-def world_size() -> int:
-    """Processes `torchrun` started (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+from rlloom.runtime.ray_plan import world_size
 
 
 def distributed_problems(cfg: RunConfig, world: int) -> list[str]:

@@ -26,7 +26,7 @@ from rlloom.parallel.apply import clip_grad_norm
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
-from rlloom.rollout.generate import Rollout, cat_rollouts
+from rlloom.rollout.generate import Rollout, cat_rollouts, generate
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.batch import (
     decode_responses,
@@ -126,6 +126,13 @@ class Experience:
     advantages: torch.Tensor        # [n, T]
     returns: torch.Tensor           # [n, T]
 
+    def to(self, device: torch.device | str) -> "Experience":
+        def move(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device)
+        return Experience(self.samples.to(device), self.loss_mask.to(device),
+                          move(self.ref_logp), move(self.old_values),
+                          self.advantages.to(device), self.returns.to(device))
+
 
 def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
                   cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
@@ -133,9 +140,13 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
     prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
                             stop=tuple(r.stop))
-    rollout = engine_generate(policy, prompts, params, tokenizer.eos_token_id,
-                              tokenizer.pad_token_id, generator, EngineConfig(n_samples=k),
-                              tokenizer.decode)
+    if r.engine == "plain":
+        rollout = generate(policy, prompts, params, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, generator)
+    else:  # a sharded model falls back to the plain loop inside the engine
+        rollout = engine_generate(policy, prompts, params, tokenizer.eos_token_id,
+                                  tokenizer.pad_token_id, generator, EngineConfig(n_samples=k),
+                                  tokenizer.decode)
     group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)
@@ -199,56 +210,52 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 
 
 @torch.no_grad()
-def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
-           kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
-           agree: Agree | None = None) -> Experience:
-    """Reference log-probs, critic values, shaped rewards and advantages. The forwards run in
-    length-bucketed micro-batches after one prompt pass per distinct prompt, or, given `agree`
-    (torchrun: every rank must run the same passes; see `packing.micro_batches`), in as many
-    plain micro-batches as every other rank."""
+def scores(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
+           cfg: RunConfig, ranks: RankGroup | None = None, ref_share: Share = Share(),
+           critic_share: Share = Share()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The forward passes of assessment: reference log-probs and critic values [n, T].
+
+    In one process they run in length-bucketed micro-batches after one prompt pass per
+    distinct prompt. In a group of ranks that all hold the whole batch, each data-parallel
+    replica of a model's layout (`ref_share`, `critic_share`) scores its share of the rows in
+    as many plain micro-batches as every other rank (their collectives pair up), and the
+    shares are all-gathered."""
     r, budget = s.rollout, cfg.train.micro_batch_tokens
+    if ranks is not None and ranks.world > 1:
+        def scored(fn: Callable[[Rollout], torch.Tensor], share: Share) -> torch.Tensor:
+            rows = share.rows(torch.arange(len(r.finished), device=r.finished.device))
+            part = bucketed(lambda mb, _: fn(mb), r.select(rows), budget, agree=ranks.most)
+            out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
+            for got in ranks.gather((rows.cpu(), part.cpu()) if share.leader else None):
+                if got is not None:
+                    out[got[0].to(out.device)] = got[1].to(out.device)
+            return out
+
+        return ((scored(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
+                        ref_share) if reference is not None else None),
+                (scored(lambda mb: response_values(critic, mb), critic_share)
+                 if critic is not None else None))
     ref_logp = None
-    if reference is not None and agree is not None:
-        ref_logp = bucketed(lambda mb, _: response_logprobs(
-            reference, mb, cfg.rollout.temperature)[0], r, budget, agree=agree)
-    elif reference is not None:
+    if reference is not None:
         ref_logp = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
         for chunk in prompt_chunks(r, budget):
             part = r.select(chunk)
             prompts = SharedPrompts(reference, part, train=False)
-            ref_logp[chunk] = bucketed(lambda mb, rows: response_logprobs(
+            ref_logp[chunk] = bucketed(lambda mb, rows, prompts=prompts: response_logprobs(
                 reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], part,
                 budget, prompts_done=True)
-    old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget, agree=agree)
+    old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget)
                   if critic is not None else None)
-    return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
+    return ref_logp, old_values
 
 
-@torch.no_grad()
-def assess_group(s: Samples, reference: CausalLM | None, ref_share: Share,
-                 critic: ValueModel | ActorCritic | None, critic_share: Share, kl_coef: float,
-                 baseline: torch.Tensor | None, cfg: RunConfig, ranks: RankGroup) -> Experience:
-    """`assess` in a group of ranks that all hold the whole batch: each data-parallel replica
-    of a model's layout scores its share of the rows, the shares are all-gathered, and
-    advantages are computed over the whole batch on every rank. One rank: `assess`."""
-    if ranks.world == 1:
-        return assess(s, reference, critic, kl_coef, baseline, cfg)
-    r = s.rollout
-
-    def scored(fn: Callable[[Rollout], torch.Tensor], share: Share) -> torch.Tensor:
-        rows = share.rows(torch.arange(len(r.finished), device=r.finished.device))
-        part = bucketed(lambda mb, _: fn(mb), r.select(rows), cfg.train.micro_batch_tokens,
-                        agree=ranks.most)
-        out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
-        for got in ranks.gather((rows.cpu(), part.cpu()) if share.leader else None):
-            if got is not None:
-                out[got[0].to(out.device)] = got[1].to(out.device)
-        return out
-
-    ref_logp = (scored(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
-                       ref_share) if reference is not None else None)
-    old_values = (scored(lambda mb: response_values(critic, mb), critic_share)
-                  if critic is not None else None)
+def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
+           kl_coef: float, baseline: torch.Tensor | None, cfg: RunConfig,
+           ranks: RankGroup | None = None, ref_share: Share = Share(),
+           critic_share: Share = Share()) -> Experience:
+    """Reference log-probs, critic values (`scores`), shaped rewards and advantages over the
+    whole batch."""
+    ref_logp, old_values = scores(s, reference, critic, cfg, ranks, ref_share, critic_share)
     return assess_from(s, ref_logp, old_values, kl_coef, baseline, cfg)
 
 

@@ -1,6 +1,6 @@
-"""The cluster a Ray run uses and how a failed worker is reported: a local instance with its
-files under the run directory (or a joined cluster), and the errors that name the group,
-roles and rank of a dead or silent worker."""
+"""The cluster a Ray run uses, the groups of ranks on it, and how a failed worker is reported:
+a local instance with its files under the run directory (or a joined cluster), and the
+errors that name the group, stages and rank of a dead or silent worker."""
 from __future__ import annotations
 
 import os
@@ -12,10 +12,12 @@ from typing import Any
 from rlloom.config import ConfigError
 from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
-from rlloom.runtime.ray_plan import GroupSpec, RayOptions
+from rlloom.parallel.mesh import LayoutError
+from rlloom.plan import DeviceGroup
+from rlloom.runtime.ray_plan import RayOptions
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)
 
 
 # -- cluster ---------------------------------------------------------------------------------
@@ -69,34 +71,58 @@ class Cluster:
 # -- faults ----------------------------------------------------------------------------------
 
 class WorkerFailure(RuntimeError):
-    """A worker died or stopped answering; names its group, roles and rank."""
+    """A worker died or stopped answering; names its group, the stages it runs and its rank."""
 
-    def __init__(self, group: str, rank: int, roles: tuple[str, ...], state: str, what: str,
+    def __init__(self, group: str, rank: int, stages: tuple[str, ...], state: str, what: str,
                  step: int, cause: str, detected_after_s: float | None = None) -> None:
-        self.group, self.rank, self.roles, self.state = group, rank, roles, state
+        self.group, self.rank, self.stages, self.state = group, rank, stages, state
         self.what, self.step, self.cause = what, step, cause
         self.detected_after_s = detected_after_s
         self.run_dir: Path | None = None  # set by train_ray
         super().__init__(
-            f"worker rank {rank} of group {group!r} (roles: {', '.join(roles)}) {state} while "
+            f"worker rank {rank} of group {group!r} (stages: {', '.join(stages)}) {state} while "
             f"the driver waited for {what} of step {step}: {cause}")
 
     def record(self) -> dict[str, Any]:
-        return {"group": self.group, "rank": self.rank, "roles": list(self.roles),
+        return {"group": self.group, "rank": self.rank, "stages": list(self.stages),
                 "state": self.state, "what": self.what, "step": self.step,
                 "cause": self.cause[:500], "detected_after_s": self.detected_after_s}
 
 
 @dataclass
+class GroupCall:
+    """One method called on every rank of a group: `refs[rank]` is that rank's ObjectRef, or
+    its tuple of refs for several returns. The group's answer is rank 0's; the others are
+    waited on too, so a rank that fails is seen even while rank 0 waits for it in a
+    collective."""
+    refs: list[Any]
+
+    @property
+    def lead(self) -> Any:
+        return self.refs[0]
+
+    def part(self, i: int) -> "GroupCall":
+        """The i-th of several returns, on every rank."""
+        return GroupCall([r[i] for r in self.refs])
+
+
+@dataclass
 class WorkerGroup:
-    spec: GroupSpec
+    spec: DeviceGroup
     pg: Any
-    actor: Any
-    info: dict[str, Any]  # pid, host
+    actors: list[Any]  # rank -> actor handle
+    infos: list[dict[str, Any]]  # rank -> pid, host
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def call(self, method: str, *args: Any, num_returns: int = 1, control: bool = False
+             ) -> GroupCall:
+        opts: dict[str, Any] = {"num_returns": num_returns}
+        if control:
+            opts["concurrency_group"] = "control"
+        return GroupCall([getattr(a, method).options(**opts).remote(*args) for a in self.actors])
 
 
 def start_error(e: BaseException, group: WorkerGroup | None) -> Exception:
@@ -119,23 +145,25 @@ def first_line(e: BaseException) -> str:
 def diagnose(groups: list[WorkerGroup], what: str, step: int, cause: str,
              actor_id: str | None, waited_on: WorkerGroup | None, ping_s: float,
              detected_after_s: float | None) -> WorkerFailure:
-    """Ping every worker to tell the dead or silent one from those merely waiting."""
+    """Ping every rank of every group to tell the dead or silent one from those merely
+    waiting (the other ranks of its group wait for it in a collective)."""
     import ray
     from ray.exceptions import RayActorError
-    pings = [g.actor.ping.options(concurrency_group="control").remote() for g in groups]
+    ranks = [(g, r, a) for g in groups for r, a in enumerate(g.actors)]
+    pings = [a.ping.options(concurrency_group="control").remote() for _, _, a in ranks]
     ray.wait(pings, num_returns=len(pings), timeout=ping_s)
-    states: dict[str, str] = {}
-    for g, ref in zip(groups, pings):
+    states: dict[tuple[str, int], str] = {}
+    for (g, r, _), ref in zip(ranks, pings):
         try:
             ray.get(ref, timeout=0.01)
-            states[g.name] = "is alive"
+            states[g.name, r] = "is alive"
         except RayActorError:
-            states[g.name] = "died"
+            states[g.name, r] = "died"
         except Exception:
-            states[g.name] = f"did not answer a ping within {ping_s:g}s"
-    by_id = [g for g in groups if actor_id and g.actor._actor_id.hex() == actor_id]
-    dead = [g for g in groups if states[g.name] == "died"]
-    silent = [g for g in groups if states[g.name].startswith("did not")]
-    culprit = (by_id or dead or silent or [waited_on or groups[0]])[0]
-    return WorkerFailure(culprit.name, 0, culprit.spec.roles, states[culprit.name], what,
-                         step, cause, detected_after_s)
+            states[g.name, r] = f"did not answer a ping within {ping_s:g}s"
+    by_id = [(g, r) for g, r, a in ranks if actor_id and a._actor_id.hex() == actor_id]
+    dead = [(g, r) for g, r, _ in ranks if states[g.name, r] == "died"]
+    silent = [(g, r) for g, r, _ in ranks if states[g.name, r].startswith("did not")]
+    g, r = (by_id or dead or silent or [(waited_on or groups[0], 0)])[0]
+    return WorkerFailure(g.name, r, g.spec.stages, states[g.name, r], what, step, cause,
+                         detected_after_s)

@@ -2,13 +2,22 @@
 the checks that refuse what it cannot run (imports neither Ray nor the workers' models)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig
-from rlloom.plan import Plan
+from rlloom.plan import (
+    STAGES,
+    DeviceGroup,
+    Plan,
+    device_groups,
+    generation_layout,
+    placement_problems,
+    stage_group,
+)
 
-STAGE_ROLES = ("generation", "assessment", "training")
+STAGE_ROLES = STAGES
 
 
 @dataclass
@@ -18,29 +27,44 @@ class RayOptions:
     worker_timeout_s: float = 600.0  # longest wait for any worker answer once started
     startup_timeout_s: float = 600.0  # longest wait for a group's resources and models
     max_restarts: int = 0           # times the driver may recreate the groups after a fault
-    group_cpus: dict[str, float] = field(default_factory=dict)  # group -> CPUs (default 1)
+    group_cpus: dict[str, float] = field(default_factory=dict)  # group -> CPUs per rank (1)
     num_cpus: float | None = None   # CPUs of a started instance (default: cores or more)
     fused_chunks: int = 2           # generation requests per step of a fused schedule
-    fault: str | None = None        # test hook "kill|stop:<group>:<step>", first attempt only
+    fault: str | None = None        # test hook "kill|stop:<group>[/rank]:<step>", first try
 
     def cpus(self, group: str) -> float:
         return float(self.group_cpus.get(group, 1.0))
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    name: str
-    roles: tuple[str, ...]  # stage roles hosted: generation, assessment, training
+def run_models(cfg: RunConfig) -> tuple[str, ...]:
+    """The models a run builds (roles of `plan.device_groups`)."""
+    roles = PRESETS[cfg.algo.name].roles
+    return (("actor",) + (("reference",) if cfg.needs_reference else ())
+            + (("critic",) if "critic" in roles else ())
+            + (("reward",) if cfg.reward.model_path else ()))
 
 
-def group_specs(plan: Plan) -> list[GroupSpec]:
-    if plan.placement == "colocated":
-        return [GroupSpec("all", STAGE_ROLES)]
-    if plan.placement == "interleaved":
-        return [GroupSpec("trainable", ("generation", "training")),
-                GroupSpec("frozen", ("assessment",))]
-    return [GroupSpec("rollout", ("generation",)), GroupSpec("actor", ("training",)),
-            GroupSpec("reference", ("assessment",))]
+def group_specs(cfg: RunConfig) -> list[DeviceGroup]:
+    return device_groups(cfg.plan, run_models(cfg))
+
+
+def executor_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
+    """Why the executor cannot run this plan's placement and layouts (empty when it can): the
+    one capability table the planner's default search and `rlloom train` both read."""
+    problems = placement_problems(plan, models)
+    for role, layout in plan.layouts.items():
+        for dim in ("pp", "cp", "ep"):
+            if getattr(layout, dim) > 1:
+                problems.append(f"plan.layouts.{role}.{dim}={getattr(layout, dim)}: the executor "
+                                "applies dp (ZeRO 0-3), tp and activation checkpointing inside "
+                                "a group; set it to 1 (`rlloom plan --price-only` prices such "
+                                "plans without running them)")
+    rollout = plan.layouts.get("rollout")
+    if rollout is not None and rollout.zero:
+        problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "
+                        "no optimizer state and its replicas decode for different numbers of "
+                        "steps, so it is not sharded over dp; set zero=0")
+    return problems
 
 
 def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
@@ -50,17 +74,31 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
         problems.append(f"algo={cfg.algo.name} trains offline (no generation); run it with the "
                         "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
                         "no --ray)")
-    for role, layout in cfg.plan.layouts.items():
-        if layout.world_size != 1 or layout.ep != 1 or layout.zero:
-            problems.append(f"plan.layouts.{role} asks for {layout.world_size} devices "
-                            f"(ep={layout.ep}, zero={layout.zero}); the Ray runtime runs one "
-                            "process per role group: set the layout's degrees to 1 (parallel "
-                            "layouts inside a role run under torchrun)")
-    if cfg.train.device not in ("auto", "cpu"):
-        problems.append(f"train.device={cfg.train.device}: the Ray runtime runs every role on "
-                        "the CPU for now (GPUs are used in one process or under torchrun); "
-                        "set train.device=cpu or auto")
-    if cfg.plan.schedule == "fused" and cfg.algo.dynamic_sampling:
+    plan = cfg.plan
+    problems += executor_problems(plan, run_models(cfg))
+    gen, train = generation_layout(plan), plan.layout("actor")
+    groups = group_specs(cfg)
+    gen_ranks = stage_group(groups, "generation").ranks
+    if gen_ranks > 1 and cfg.algo.dynamic_sampling:
+        problems.append("algo.dynamic_sampling refills the batch from whole-batch rewards in "
+                        "one process; it needs a one-rank generation group")
+    if gen_ranks > 1 and cfg.rollout.stop:
+        problems.append("rollout.stop needs the generation engine's fast path, which runs only "
+                        "unsharded models; remove rollout.stop or generate on one rank")
+    b = cfg.train.prompts_per_step
+    chunks = min(opts.fused_chunks, b) if plan.schedule == "fused" else 1
+    if b // chunks < gen.dp:
+        problems.append(f"{b // chunks} prompts per generation request do not give each of the "
+                        f"{gen.dp} generation replicas one; raise train.prompts_per_step")
+    rows = b * cfg.rollout.n_samples // cfg.algo.minibatches
+    most = max(train.dp, plan.layouts.get("critic", train).dp)
+    if rows < most:
+        problems.append(f"mini-batches of {rows} rows do not give each of the {most} training "
+                        "replicas one; lower algo.minibatches or raise the batch")
+    if cfg.train.device.startswith("cuda:"):
+        problems.append(f"train.device={cfg.train.device}: on Ray every rank gets a GPU of its "
+                        "own; set train.device=cuda (or auto)")
+    if plan.schedule == "fused" and cfg.algo.dynamic_sampling:
         problems.append("plan.schedule=fused streams fixed chunks of prompts, but "
                         "algo.dynamic_sampling refills the batch from whole-batch rewards; "
                         "use plan.schedule=sync or async")
@@ -68,7 +106,7 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
     if opts.worker_timeout_s <= 0 or opts.max_restarts < 0:
         problems.append("--worker-timeout must be > 0 and --max-restarts >= 0")
-    names = {g.name for g in group_specs(cfg.plan)}
+    names = {g.name for g in groups}
     unknown = set(opts.group_cpus) - names
     if unknown:
         problems.append(f"CPUs given for groups {sorted(unknown)}; this plan's groups are "
@@ -88,15 +126,21 @@ def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
 
 
 def needs_ray(cfg: RunConfig) -> bool:
-    """Plans that only the Ray runtime executes."""
-    return cfg.plan.placement != "colocated" or cfg.plan.schedule != "sync"
+    """Plans that only the Ray runtime executes (outside torchrun): placements other than
+    colocated, schedules other than sync, and layouts over more than one device."""
+    return bool(cfg.plan.single_process_problems()) and world_size() == 1
 
 
-def state_keys(roles: tuple[str, ...]) -> set[str]:
-    """The checkpoint entries a group's roles restore."""
+def world_size() -> int:
+    """Processes `torchrun` started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def state_keys(stages: tuple[str, ...]) -> set[str]:
+    """The checkpoint entries a group running `stages` restores."""
     keys = {"step"}
-    if "training" in roles:
+    if "training" in stages:
         keys |= {"policy", "optimizer", "shuffle_gen", "critic", "critic_optimizer"}
-    if "generation" in roles:
+    if "generation" in stages:
         keys |= {"sample_gen", "data_position"}
     return keys

@@ -62,6 +62,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.prompts import load_prompt_sets
 from rlloom.models.hf_io import load_tokenizer, save_checkpoint
+from rlloom.plan import stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.metrics import MetricsLog
@@ -70,6 +71,7 @@ from rlloom.runtime.progress import progress_bar
 from rlloom.runtime.ray_cluster import (
     USER_ERRORS,
     Cluster,
+    GroupCall,
     WorkerFailure,
     WorkerGroup,
     diagnose,
@@ -111,13 +113,25 @@ def _remote_class() -> Any:
 _REMOTE = None
 
 
+def _worker_device(requested: str) -> torch.device:
+    """Every rank's device type: one GPU per rank where the cluster has GPUs (`auto`, `cuda`),
+    else the CPU."""
+    import ray
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if requested == "cuda" and not gpus:
+        raise ConfigError("train.device=cuda but the Ray cluster has no GPUs; set "
+                          "train.device=cpu or auto, or join a cluster with GPUs (--ray-address)")
+    return torch.device("cuda" if requested != "cpu" and gpus else "cpu")
+
+
 # -- the driver ------------------------------------------------------------------------------
 
 class RayRun:
     def __init__(self, cfg: RunConfig, run_dir: Path, opts: RayOptions, model_path: Path
                  ) -> None:
         self.cfg, self.run_dir, self.opts, self.model_path = cfg, run_dir, opts, model_path
-        self.specs = group_specs(cfg.plan)
+        self.specs = group_specs(cfg)
+        self.device = _worker_device(cfg.train.device)
         self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
         self.correct = self.eta > 0 and cfg.algo.policy_loss in DECOUPLED_LOSSES
         self.has_critic = "critic" in PRESETS[cfg.algo.name].roles
@@ -139,7 +153,7 @@ class RayRun:
         self.eval_history: list[tuple[int, float]] = []
 
     def _host(self, stage: str) -> WorkerGroup:
-        return next(self.groups[s.name] for s in self.specs if stage in s.roles)
+        return self.groups[stage_group(self.specs, stage).name]
 
     # -- waiting, with the culprit named ---------------------------------------------------
     def _get(self, refs: Any, what: str, step: int, group: WorkerGroup | None = None,
@@ -154,6 +168,12 @@ class RayRun:
         )
         timeout_s = timeout_s or self.opts.worker_timeout_s
         try:
+            if isinstance(refs, GroupCall):  # every rank's answer waited on, rank 0's returned
+                ray.get(refs.refs, timeout=timeout_s)
+                return ray.get(refs.lead)
+            if isinstance(refs, list) and refs and isinstance(refs[0], GroupCall):
+                ray.get([r for c in refs for r in c.refs], timeout=timeout_s)
+                return [ray.get(c.lead) for c in refs]
             return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
             raise self._failure(what, step, f"no answer within {timeout_s:g}s", None,
@@ -179,33 +199,54 @@ class RayRun:
 
     # -- groups ------------------------------------------------------------------------------
     def _start_groups(self) -> None:
+        """Each group: a placement group of one bundle per rank (one GPU each on GPU machines),
+        one worker per bundle; the ranks meet at rank 0's address and build their models."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         worker = _remote_class()
-        pending = []
+        gpu = self.device.type == "cuda"
+        have = ray.cluster_resources()
+        need = {"CPU": sum(self.opts.cpus(g.name) * g.ranks for g in self.specs),
+                "GPU": sum(g.ranks for g in self.specs) if gpu else 0}
+        short = {k: v for k, v in need.items() if v > have.get(k, 0)}
+        if short:
+            raise ConfigError(
+                f"the plan's groups need {', '.join(f'{v:g} {k}s' for k, v in short.items())} "
+                f"({', '.join(f'{g.name}: {g.ranks} ranks' for g in self.specs)}); the Ray "
+                f"cluster has {', '.join(f'{have.get(k, 0):g} {k}s' for k in short)}: use fewer "
+                "ranks per group, fewer CPUs per rank (--group-cpus), or a larger cluster")
         for spec in self.specs:
             cpus = self.opts.cpus(spec.name)
-            pg = placement_group([{"CPU": cpus}], strategy="STRICT_PACK")
+            bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
+            pg = placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK")
             try:
                 ray.get(pg.ready(), timeout=self.opts.startup_timeout_s)
             except ray.exceptions.GetTimeoutError:
                 ray.util.remove_placement_group(pg)
-                raise ConfigError(f"group {spec.name!r} asks for {cpus:g} CPUs in one node; "
-                                  f"the cluster has {ray.cluster_resources().get('CPU', 0):g} "
-                                  "in all, and they were not free within "
-                                  f"{self.opts.startup_timeout_s:g}s") from None
+                have = ray.cluster_resources()
+                raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
+                                  f"the cluster has {have.get('CPU', 0):g} CPUs and "
+                                  f"{have.get('GPU', 0):g} GPUs in all, and they were not free "
+                                  f"within {self.opts.startup_timeout_s:g}s") from None
             threads = self.cfg.train.threads or max(1, round(cpus))
-            actor = worker.options(
-                num_cpus=cpus, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            ).remote(self.cfg, str(self.model_path), spec.name, 0, spec.roles, threads)
-            self.groups[spec.name] = WorkerGroup(spec, pg, actor, {})
-            pending.append(spec.name)
-        for name in pending:  # building the models happens here
+            actors = [worker.options(
+                num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+            ).remote(self.cfg, str(self.model_path), spec, rank, threads,
+                     "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
+                for rank in range(spec.ranks)]
+            self.groups[spec.name] = WorkerGroup(spec, pg, actors, [])
+        started = {}
+        for name, g in self.groups.items():
+            address = (self._get(g.actors[0].address.options(concurrency_group="control")
+                                 .remote(), "start-up", self.step, g,
+                                 self.opts.startup_timeout_s) if g.spec.ranks > 1 else None)
+            started[name] = g.call("start", address, self.opts.worker_timeout_s)
+        for name, call in started.items():  # building the models happens here
             g = self.groups[name]
-            g.info = self._get(g.actor.ping.options(concurrency_group="control").remote(),
-                               "start-up", self.step, g, self.opts.startup_timeout_s)
+            self._get(call, "start-up", self.step, g, self.opts.startup_timeout_s)
+            g.infos = [ray.get(r) for r in call.refs]
 
     def _stop_groups(self) -> None:
         import ray
@@ -215,14 +256,15 @@ class RayRun:
             except ProcessLookupError:
                 pass
         self._stopped_pids.clear()
-        closing = [g.actor.close.options(concurrency_group="control").remote()
-                   for g in self.groups.values()]
+        closing = [a.close.options(concurrency_group="control").remote()
+                   for g in self.groups.values() for a in g.actors]
         ray.wait(closing, num_returns=len(closing), timeout=PING_S)
         for g in self.groups.values():
-            try:
-                ray.kill(g.actor, no_restart=True)
-            except Exception:
-                pass  # already gone
+            for a in g.actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass  # already gone
             ray.util.remove_placement_group(g.pg)
         self.groups.clear()
         self.inflight.clear()
@@ -239,9 +281,18 @@ class RayRun:
         self.step = state["step"]
         self.kl.value = state["kl_coef"]
         self.eval_history = [tuple(e) for e in state["eval_history"]]
-        loads = [g.actor.load_state.remote({k: v for k, v in state.items()
-                                            if k in state_keys(g.spec.roles)})
-                 for g in self.groups.values() if {"training", "generation"} & set(g.spec.roles)]
+        latest = checkpoint_dirs(self.run_dir)[-1]
+        shards = str(latest) if (latest / "actor").is_dir() else None
+        train = self._host("training")
+        if shards is None and train.spec.ranks > 1:
+            raise ConfigError(f"{latest} holds whole weights (written by a one-rank training "
+                              f"group); group {train.name!r} has {train.spec.ranks} ranks: resume "
+                              "it with plan.layouts.actor on one device, then change layouts at "
+                              "the next checkpoint")
+        loads = [g.call("load_state", {k: v for k, v in state.items()
+                                       if k in state_keys(g.spec.stages)}, shards)
+                 for g in self.groups.values()
+                 if g.spec.runs("training") or g.spec.runs("generation")]
         self._get(loads, "checkpoint loading", self.step)
         self.metrics.truncate_after(self.step)
         self.tracer.drop_after(self.step)
@@ -255,25 +306,30 @@ class RayRun:
         gen = self._host("generation")
         for j in sorted(self.inflight):
             item = self.inflight[j]
-            batch, info = self._get([item.batch, item.ginfo], "generation", j, gen)
-            buffered.append({"step": j, "batch": batch, "info": info})
+            info = self._get(item.ginfo, "generation", j, gen)
+            buffered.append({"step": j, "batch": self._get(item.batch, "generation", j, gen),
+                             "info": info})
         train = self._host("training")
-        tstate, gstate = self._get([train.actor.training_state.remote(),
-                                    gen.actor.generation_state.remote()], "checkpoint", self.step)
+        tstate, gstate = self._get([train.call("training_state"),
+                                    gen.call("generation_state")], "checkpoint", self.step)
         state = {"step": self.step, **tstate, "kl_coef": self.kl.value, **gstate,
                  "eval_history": list(self.eval_history), "ray": {"buffered": buffered}}
-        save_state(self.run_dir, self.step, state, self.cfg.checkpoint.keep)
+
+        def shards(tmp: Path) -> None:  # every training rank writes its own
+            self._get(train.call("save_shards", str(tmp)), "checkpoint", self.step, train)
+        save_state(self.run_dir, self.step, state, self.cfg.checkpoint.keep,
+                   write=shards if train.spec.ranks > 1 else None)
         self.tracer.save()
 
     # -- stages ------------------------------------------------------------------------------
     def _submit(self, step: int, batch: Any = None, ginfo: Any = None) -> None:
         """Generation (unless given) and assessment of `step`; nothing waits here."""
         if batch is None:
-            batch, ginfo = self._host("generation").actor.generate.options(
-                num_returns=2).remote(step)
-        exp, ainfo = self._host("assessment").actor.assess.options(num_returns=2).remote(
-            step, batch, self.kl.value)
-        self.inflight[step] = InFlight(batch, ginfo, exp, ainfo)
+            call = self._host("generation").call("generate", step, num_returns=2)
+            batch, ginfo = call.part(0).lead, call.part(1)
+        assessed = self._host("assessment").call("assess", step, batch, self.kl.value,
+                                                  num_returns=2)
+        self.inflight[step] = InFlight(batch, ginfo, assessed.part(0).lead, assessed.part(1))
 
     def _generated(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
         """Experience ref, generation info and assessment info ref of a sync or async step
@@ -303,8 +359,8 @@ class RayRun:
         sizes = [len(c) for c in torch.arange(b).chunk(min(self.opts.fused_chunks, b))]
         chunks = {}
         for c, n in enumerate(sizes):
-            batch, info = gen.actor.generate.options(num_returns=2).remote(step, n)
-            chunks[info] = (c, batch)
+            call = gen.call("generate", step, n, num_returns=2)
+            chunks[call.part(1).lead] = (c, call)
         self._inject(step)
         pending, infos, assessed = list(chunks), [], []
         while pending:
@@ -314,63 +370,73 @@ class RayRun:
                 raise self._failure("a generated chunk", step, "no chunk within "
                                     f"{self.opts.worker_timeout_s:g}s", None, gen)
             for ref in ready:
-                c, batch = chunks[ref]
-                infos.append(self._get(ref, "generation", step, gen))
-                assessed.append(ass.actor.assess_chunk.remote(step, c, batch))
+                c, call = chunks[ref]
+                infos.append(self._get(call.part(1), "generation", step, gen))
+                assessed.append(ass.call("assess_chunk", step, c, call.part(0).lead))
         # the chunks' results as arguments: a failed chunk fails the merge with its error
-        exp, ainfo = ass.actor.finish_assessment.options(num_returns=2).remote(
-            step, self.kl.value, *assessed)
+        merged = ass.call("finish_assessment", step, self.kl.value,
+                          *[r for a in assessed for r in a.refs], num_returns=2)
+        exp, ainfo = merged.part(0).lead, merged.part(1)
         ginfo = {"gen_s": sum(i["gen_s"] for i in infos),
                  "score_s": sum(i["score_s"] for i in infos), "dropped": 0,
                  "version": min(i["version"] for i in infos)}
         return exp, ginfo, ainfo, infos
 
     def _sync(self, step: int) -> tuple[float, int]:
-        """Push the trainer's weights to copies in other processes; seconds and bytes."""
+        """Push the trainer's weights (gathered whole on training rank 0) to every rank of the
+        groups holding copies; seconds, and the bytes one receiving rank takes in (what the
+        cost model prices: `perf.comm.broadcast_between_groups` of a device's share)."""
+        import ray
         train = self._host("training")
-        pushes = []
         gen, ass = self._host("generation"), self._host("assessment")
+        wanted = []
         if gen is not train:
-            pushes.append((gen, "receive_weights", train.actor.policy_weights.remote()))
+            wanted.append((gen, "receive_weights", "policy_weights"))
         if self.has_critic and ass is not train:
-            pushes.append((ass, "receive_critic", train.actor.critic_weights.remote()))
-        if not pushes:
+            wanted.append((ass, "receive_critic", "critic_weights"))
+        if not wanted:
             return 0.0, 0
         t0 = time.perf_counter()
-        refs = [getattr(g.actor, method).options(concurrency_group="control").remote(
-            step, step, weights, self.opts.worker_timeout_s) for g, method, weights in pushes]
-        done = self._get(refs, "weight sync", step, pushes[0][0])
-        return time.perf_counter() - t0, sum(d["bytes"] for d in done)
+        pushes = []
+        for g, method, source in wanted:
+            weights = train.call(source)  # a collective over the training ranks
+            pushes += [weights, g.call(method, step, step, weights.lead,
+                                       self.opts.worker_timeout_s, control=True)]
+        self._get(pushes, "weight sync", step, wanted[0][0])
+        received = [max(d["bytes"] for d in ray.get(call.refs)) for call in pushes[1::2]]
+        return time.perf_counter() - t0, sum(received)
 
     def _inject(self, step: int) -> None:
         """Test hook: kill (SIGKILL) or stop (SIGSTOP) a group's worker as step `step` runs."""
         if not self.opts.fault or self.attempt > 0 or self._fault_at is not None:
             return
-        kind, group, at = self.opts.fault.split(":")
+        kind, where, at = self.opts.fault.split(":")
         if int(at) != step:
             return
-        g = self.groups[group]
+        group, _, rank = where.partition("/")
+        info = self.groups[group].infos[int(rank or 0)]
         time.sleep(0.2)  # let the step's requests start
-        if g.info["host"] != socket.gethostname():
+        if info["host"] != socket.gethostname():
             raise ConfigError("fault injection signals a local worker; this one runs on "
-                              f"{g.info['host']}")
-        os.kill(g.info["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                              f"{info['host']}")
+        os.kill(info["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         if kind == "stop":
-            self._stopped_pids.append(g.info["pid"])
+            self._stopped_pids.append(info["pid"])
         self._fault_at = time.perf_counter()
-        print(f"fault injection: {kind} worker rank 0 of group {group!r} (pid "
-              f"{g.info['pid']}) during step {step}")
+        print(f"fault injection: {kind} worker rank {info['rank']} of group {group!r} (pid "
+              f"{info['pid']}) during step {step}")
 
     def _drain_spans(self) -> None:
         groups = list(self.groups.values())
-        events = self._get([g.actor.drain_spans.options(concurrency_group="control").remote()
-                            for g in groups], "trace spans", self.step)
+        # rank 0 speaks for its group (the others keep no spans)
+        events = self._get([g.actors[0].drain_spans.options(concurrency_group="control")
+                            .remote() for g in groups], "trace spans", self.step)
         for evs in events:
             self.tracer.events.extend(evs)
 
     def _evaluate(self) -> float:
         train = self._host("training")
-        acc = self._get(train.actor.evaluate.remote(self.step), "evaluation", self.step, train)
+        acc = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
         self.eval_history.append((self.step, acc))
         return acc
 
@@ -380,7 +446,7 @@ class RayRun:
         exp, ginfo, ainfo, infos = (self._fused(step) if self.cfg.plan.schedule == "fused"
                                     else self._generated(step))
         train = self._host("training")
-        stats = train.actor.train.remote(step, exp, self.kl.value, self.correct)
+        stats = train.call("train", step, exp, self.kl.value, self.correct)
         ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
         stats = self._get(stats, "training", step, train)
         self.step = step
@@ -425,9 +491,9 @@ class RayRun:
 
     def _final(self) -> dict[str, float]:
         train = self._host("training")
-        state = self._get(train.actor.training_state.remote(), "the final weights", self.step)
+        weights = self._get(train.call("policy_weights"), "the final weights", self.step)
         policy = _policy(self.cfg, self.model_path)
-        policy.load_state_dict(state["policy"])
+        policy.load_state_dict(weights)
         save_checkpoint(policy, load_tokenizer(self.model_path), self.run_dir / "final")
         self._drain_spans()
         self.tracer.save()
@@ -479,7 +545,7 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
                          d.max_prompt_tokens, d.prompt_file or f"built-in task {d.task}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) for g in group_specs(cfg.plan)))
+    cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) * g.ranks for g in group_specs(cfg)))
     if cluster.note:
         print(cluster.note)
     try:

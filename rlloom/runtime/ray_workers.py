@@ -1,60 +1,68 @@
 """The roles of the multi-model runtime, and the process (a Ray actor) that hosts some of them.
 
-A `GroupWorker` is one process of a device group. It hosts any subset of three roles:
+A `GroupWorker` is one rank of a device group (`plan.device_groups`); the group's ranks form
+one torch.distributed world (`ranks.RankGroup`: NCCL on GPUs, gloo on CPUs) and every model
+on the group uses all of them in its own layout. A worker hosts the stages its group runs:
 
 - generation: the actor's sampling copy, the prompt stream, the sampling RNG and the rewarder
-  (rule verifier, sandbox pool, reward model: rewards are scored as samples finish, as in the
-  single-process runtime, because dynamic sampling needs them);
-- assessment: the frozen reference and, for PPO, a copy of the critic for its forward pass;
+  (rule verifier, sandbox pool, reward model: rewards are scored as samples finish, as in
+  the single-process runtime, because dynamic sampling needs them);
+- assessment: the frozen reference and, for PPO, the critic (the trainer's own, or a copy
+  refreshed by weight sync when the group does not train);
 - training: the policy, the critic, their optimizers and the shuffling RNG; held-out
   evaluation runs here because the newest weights live here.
 
-Each role builds its models with the single-process trainer's loaders and seeds and runs the
-stage functions of `online.py` (`collect`, `assess`, `optimise`), so a synchronous run
-matches `rlloom train` without Ray. Roles in one process share one model object instead of
-a synced copy (generation of a colocated or interleaved group reads the trainer's live
-weights: the process runs one request at a time, so they cannot change mid-request).
+Each stage runs the functions the single-process trainer runs (`generate_group`, `assess`,
+`optimise` of `online.py`) on the group's ranks, so a synchronous run matches `rlloom train`
+without Ray. The driver calls every rank of a group with the same arguments and reads rank
+0's answer. Stages in one group share one model object instead of a synced copy: generation
+of a colocated or interleaved group reads the trainer's live weights (or, when the actor
+generates in another layout or trains data-parallel, a copy resharded after each step).
 
 This module imports no Ray: the driver (`ray_runtime.py`) wraps `GroupWorker` as an actor and
 picks each call's concurrency group ("control" for pings, spans and weight pushes, which must
-answer while a stage runs on the default thread).
+answer while a stage runs on the default thread; they issue no collectives).
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from torch import nn
 
+from rlloom.algos.advantages import ADVANTAGES
 from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import CheckpointError, load_model, load_tokenizer, load_value_model
+from rlloom.parallel.apply import load_sharded, save_sharded
+from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.rollout.generate import cat_rollouts
-from rlloom.runtime.batch import response_logprobs, response_values
+from rlloom.runtime.batch import response_logprobs
 from rlloom.runtime.evaluate import greedy_accuracy
 from rlloom.runtime.online import (
     Experience,
     Rewarder,
     Samples,
-    assess,
     assess_from,
     behaviour_kl,
-    collect,
+    generate_group,
     greedy_baseline,
     optimise,
-    sample_groups,
+    scores,
 )
-from rlloom.runtime.ray_plan import STAGE_ROLES
+from rlloom.runtime.ranks import RankGroup, Share, free_address, leave_world, reshard
 from rlloom.runtime.trainer import DTYPES
 from rlloom.runtime.weight_sync import ShadowModel, SyncStats
 
@@ -71,37 +79,6 @@ class Batch:
     samples: Samples
     baseline: torch.Tensor | None  # [n] ReMax greedy reward, else None
     version: int
-
-
-def merge_samples(parts: list[Samples], pad_id: int) -> Samples:
-    """Chunks of whole groups as one batch (group ids renumbered, responses re-padded)."""
-    offsets, groups = [], 0
-    for s in parts:
-        offsets.append(groups)
-        groups += len(s.problems)
-    return Samples([p for s in parts for p in s.problems],
-                   cat_rollouts([s.rollout for s in parts], pad_id),
-                   torch.cat([s.group_ids + o for s, o in zip(parts, offsets)]),
-                   {k: torch.cat([s.terms[k] for s in parts]) for k in parts[0].terms},
-                   torch.cat([s.scores for s in parts]), max(s.rounds for s in parts),
-                   sum(s.score_s for s in parts))
-
-
-def pad_right(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
-    if x is None:
-        return None
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
-@torch.no_grad()
-def model_outputs(s: Samples, reference: torch.nn.Module | None,
-                  critic: torch.nn.Module | None, cfg: RunConfig
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The forward passes of assessment: reference log-probs and critic values [n, T]."""
-    r = s.rollout
-    ref_logp = (response_logprobs(reference, r, cfg.rollout.temperature)[0]
-                if reference is not None else None)
-    return ref_logp, response_values(critic, r) if critic is not None else None
 
 
 @torch.no_grad()
@@ -146,8 +123,8 @@ class SpanLog:
     """Chrome-trace events of one worker: pid is its group, tid the role's lane. Timestamps are
     wall-clock (time.time()), comparable across processes of one machine."""
 
-    def __init__(self, group: str) -> None:
-        self.group = group
+    def __init__(self, group: str, keep: bool = True) -> None:
+        self.group, self.keep = group, keep  # keep: false on ranks that repeat rank 0's spans
         self._events: list[dict] = []
         self._lock = threading.Lock()
 
@@ -159,10 +136,12 @@ class SpanLog:
             yield info
         finally:
             info["seconds"] = time.perf_counter() - t0
+            event = {"name": name, "ph": "X", "pid": self.group, "tid": lane,
+                     "ts": start * 1e6, "dur": info["seconds"] * 1e6,
+                     "args": {"step": step, **args}}
             with self._lock:
-                self._events.append({"name": name, "ph": "X", "pid": self.group, "tid": lane,
-                                     "ts": start * 1e6, "dur": info["seconds"] * 1e6,
-                                     "args": {"step": step, **args}})
+                if self.keep:
+                    self._events.append(event)
 
     def drain(self) -> list[dict]:
         with self._lock:
@@ -173,7 +152,8 @@ class SpanLog:
 # -- roles ----------------------------------------------------------------------------------
 
 class LiveModel:
-    """The trainer's own weights, read in place (generation in the trainer's process)."""
+    """The trainer's own weights, read in place (generation in the trainer's process): its
+    generation copy for the actor, its critic (or shared actor-critic) for values."""
 
     def __init__(self, training: "TrainingRole", critic: bool = False) -> None:
         self.training, self.critic = training, critic
@@ -181,8 +161,10 @@ class LiveModel:
     @contextmanager
     def read(self) -> Iterator[tuple[int, torch.nn.Module]]:
         t = self.training
-        model = t.critic if self.critic and t.critic is not None else t.policy
-        yield t.version, model
+        if self.critic:
+            yield t.version, t.critic if t.critic is not None else t.policy
+        else:
+            yield t.version, t.generator
 
 
 def _policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
@@ -193,20 +175,35 @@ def _policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
     return policy
 
 
+def _shadow(build: Callable[[], torch.nn.Module], ranks: RankGroup) -> ShadowModel:
+    """A double-buffered copy; a sharded one is built twice (a deep copy of a sharded model
+    would share its meshes' state)."""
+    return ShadowModel(build(), twin=build() if ranks.world > 1 else None)
+
+
 class TrainingRole:
     def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
-                 pool: SandboxPool | None) -> None:
-        self.cfg, self.spans, self.pool = cfg, spans, pool
-        a = cfg.algo
-        self.policy = _policy(cfg, model_path)
+                 pool: SandboxPool | None, ranks: RankGroup, generates: bool) -> None:
+        self.cfg, self.spans, self.pool, self.ranks = cfg, spans, pool, ranks
+        a, plan = cfg.algo, cfg.plan
+        self.layout = plan.layout("actor")
+        self.critic_layout = plan.layouts.get("critic", self.layout)
+        self.policy = _policy(cfg, model_path).to(ranks.device)
         self.tokenizer = load_tokenizer(model_path)
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
-        if "critic" in PRESETS[a.name].roles and cfg.plan.actor_critic != "shared":
+        if "critic" in PRESETS[a.name].roles and plan.actor_critic != "shared":
             self.critic = ValueModel.from_policy(self.policy)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=a.critic_lr)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
+        # generation beside training reads the policy itself, or a copy in its own layout
+        # (always when the actor trains data-parallel: see ranks.RankGroup.generating)
+        gen = generation_layout(plan)
+        self.generator = self.policy
+        if generates and ranks.world > 1 and (gen != self.layout or self.layout.dp > 1):
+            self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
+        self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
+                                       weight_decay=cfg.train.weight_decay)
+        if self.critic is not None:
+            self.critic_optimizer = ranks.trained(self.critic, self.critic_layout, a.critic_lr)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         d = cfg.data
         self.eval_set = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size,
@@ -217,19 +214,32 @@ class TrainingRole:
         self.opt_cfg = (cfg.model_copy(update={"algo": a.model_copy(
             update={"policy_loss": "ppo"})}) if a.policy_loss == "decoupled_ppo" else cfg)
 
+    @property
+    def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        parts = {"actor": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_optimizer)
+        return parts
+
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool
               ) -> dict[str, Any]:
         lane = "actor+critic" if self.critic is not None else "actor"
         extra: dict[str, float] = {}
+        exp = exp.to(self.ranks.device)
         with self.spans.span("training", step, lane) as span:
             if correct:
                 exp, extra["behaviour_kl"] = decoupled(exp, self.policy,
                                                        self.cfg.rollout.temperature,
                                                        self.cfg.algo.minibatches)
+            r = self.ranks
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
-                             self.critic_optimizer, kl_coef, self.opt_cfg, self.shuffle_gen)
+                             self.critic_optimizer, kl_coef, self.opt_cfg, self.shuffle_gen,
+                             r.share(self.layout), r.share(self.critic_layout), r.agree())
+            stats = r.mean({**stats, **extra})
         self.version = step
-        return {**stats, **extra, "train_s": span["seconds"], "version": step}
+        if self.generator is not self.policy:
+            stats["reshard_s"], stats["reshard_bytes"] = reshard(self.policy, self.generator)
+        return {**stats, "train_s": span["seconds"], "version": step}
 
     def evaluate(self, step: int) -> float:
         with self.spans.span("eval", step, "eval"):
@@ -237,32 +247,51 @@ class TrainingRole:
                                    self.pool)
 
     def state(self) -> dict[str, Any]:
-        state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "shuffle_gen": self.shuffle_gen.get_state()}
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        """The loop state, with whole weights and optimizer state when one rank holds them
+        (a group of ranks writes shards instead: `save_shards`)."""
+        state: dict[str, Any] = {"shuffle_gen": self.shuffle_gen.get_state()}
+        if self.ranks.world == 1:
+            state["policy"] = self.policy.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
+            if self.critic is not None:
+                state["critic"] = self.critic.state_dict()
+                state["critic_optimizer"] = self.critic_optimizer.state_dict()
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.version = state["step"]
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        if "policy" not in state:
+            return
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.shuffle_gen.set_state(state["shuffle_gen"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
+    def save_shards(self, path: Path) -> None:
+        for name, (model, optim) in self.parts.items():
+            save_sharded(model, optim, path / name)
+
+    def load_shards(self, path: Path) -> None:
+        for name, (model, optim) in self.parts.items():
+            load_sharded(model, optim, path / name)
+        if self.generator is not self.policy:
+            reshard(self.policy, self.generator)
+
 
 class GenerationRole:
     def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
-                 pool: SandboxPool | None, training: TrainingRole | None) -> None:
-        self.cfg, self.spans = cfg, spans
+                 pool: SandboxPool | None, ranks: RankGroup, training: TrainingRole | None
+                 ) -> None:
+        self.cfg, self.spans, self.ranks = cfg, spans, ranks
         self.tokenizer = load_tokenizer(model_path)
-        self.weights: LiveModel | ShadowModel = (
-            LiveModel(training) if training is not None else ShadowModel(_policy(cfg, model_path)))
-        reward_model = (load_value_model(cfg.reward.model_path, DTYPES[cfg.model.dtype]).eval()
-                        .requires_grad_(False) if cfg.reward.model_path else None)
+        layout = generation_layout(cfg.plan)
+        self.weights: LiveModel | ShadowModel = LiveModel(training) if training else _shadow(
+            lambda: ranks.generating(_policy(cfg, model_path).to(ranks.device), layout), ranks)
+        reward_model = (load_value_model(cfg.reward.model_path, DTYPES[cfg.model.dtype])
+                        .to(ranks.device).eval().requires_grad_(False)
+                        if cfg.reward.model_path else None)
         if reward_model is not None and reward_model.config.vocab_size != len(self.tokenizer):
             raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary of "
                                   f"{reward_model.config.vocab_size}, the policy's tokenizer "
@@ -272,24 +301,27 @@ class GenerationRole:
         sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                                 d.prompt_file, d.eval_fraction, d.columns)
         self.stream = PromptStream(sets.train, cfg.seed)
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed)
+        self.share = ranks.share(layout)
+        # replicas sample their own prompts with their own streams; replica 0's is the one
+        # process's, so a one-replica group samples what `rlloom train` samples
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed + self.share.part)
+        self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
 
-    def generate(self, step: int, prompts: int | None = None) -> tuple[Batch, dict[str, Any]]:
+    def generate(self, step: int, prompts: int | None = None
+                 ) -> tuple[Batch | None, dict[str, Any]]:
         """A step's B prompts x K samples (`collect`, with dynamic sampling), or, for a fused
         schedule, the next chunk of `prompts` prompts; the weights are read once, at the
-        start, so a request never mixes versions."""
+        start, so a request never mixes versions. Rank 0 returns the batch."""
         cfg = self.cfg
         with self.weights.read() as (version, policy):
             with self.spans.span("generation", step, "actor", version=version) as span:
-                if prompts is None:
-                    samples = collect(policy, self.tokenizer, self.stream, cfg, self.rewarder,
-                                      self.sample_gen)
-                else:
-                    samples = sample_groups(policy, self.tokenizer, self.stream.next(prompts),
-                                            cfg, self.rewarder, self.sample_gen)
+                samples = generate_group(policy, self.tokenizer, self.stream, cfg,
+                                         self.rewarder, self.sample_gen, self.ranks, self.share,
+                                         prompts)
                 baseline = (greedy_baseline(policy, self.tokenizer, samples, cfg, self.rewarder)
-                            if cfg.algo.advantage == "remax" else None)
-        return Batch(samples, baseline, version), {
+                            if self.greedy else None)
+        batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)
+        return batch if self.ranks.main else None, {
             "version": version, "gen_s": span["seconds"] - samples.score_s,
             "score_s": samples.score_s, "rollouts": len(samples.scores)}
 
@@ -297,26 +329,41 @@ class GenerationRole:
         return {"sample_gen": self.sample_gen.get_state(), "data_position": self.stream.position}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.sample_gen.set_state(state["sample_gen"])
+        # a checkpoint holds replica 0's stream; other replicas' restart from their seeds'
+        # states at the same position (a run resumed at the same layout samples anew there)
+        if self.share.part == 0:
+            self.sample_gen.set_state(state["sample_gen"])
         self.stream.position = state["data_position"]
 
 
 class AssessmentRole:
-    def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
-                 training: TrainingRole | None) -> None:
-        self.cfg, self.spans = cfg, spans
-        a = cfg.algo
+    def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog, ranks: RankGroup,
+                 group: DeviceGroup, training: TrainingRole | None) -> None:
+        self.cfg, self.spans, self.ranks = cfg, spans, ranks
+        a, plan = cfg.algo, cfg.plan
         dtype = DTYPES[cfg.model.dtype]
-        self.reference = (load_model(model_path, dtype).eval().requires_grad_(False)
+        ref_layout = model_layout(plan, group, "reference")
+        self.ref_share = ranks.share(ref_layout)
+        self.reference = (ranks.frozen(load_model(model_path, dtype).to(ranks.device).eval()
+                                       .requires_grad_(False), ref_layout)
                           if cfg.needs_reference else None)
         self.critic: LiveModel | ShadowModel | None = None
+        self.critic_share = Share()
         if "critic" in PRESETS[a.name].roles:
             if training is not None:
                 self.critic = LiveModel(training, critic=True)
+                self.critic_share = ranks.share(training.critic_layout if training.critic
+                                                else training.layout)
             else:  # a copy of the trainer's critic, refreshed by weight sync after each step
-                policy = _policy(cfg, model_path)
-                self.critic = ShadowModel(policy if isinstance(policy, ActorCritic)
-                                          else ValueModel.from_policy(policy))
+                layout = model_layout(plan, group, "critic")
+                self.critic_share = ranks.share(layout)
+
+                def build() -> torch.nn.Module:
+                    policy = _policy(cfg, model_path)
+                    critic = (policy if isinstance(policy, ActorCritic)
+                              else ValueModel.from_policy(policy))
+                    return ranks.frozen(critic.to(ranks.device), layout)
+                self.critic = _shadow(build, ranks)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         # step -> chunk -> (batch, ref_logp, values) of a fused schedule's assessed chunks
         self._chunks: dict[int, dict[int, tuple[Batch, torch.Tensor | None,
@@ -338,64 +385,93 @@ class AssessmentRole:
         return {"assess_s": seconds, "behaviour_kl_ref": behaviour_kl(exp),
                 "samples": sample_stats(exp.samples)}
 
-    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience, dict]:
-        with self.spans.span("assessment", step, self._lane()) as span, \
-                self._critic() as critic:
-            exp = assess(batch.samples, self.reference, critic, kl_coef, batch.baseline,
-                         self.cfg)
-        return exp, self._info(exp, span["seconds"])
+    def _out(self, exp: Experience, seconds: float) -> tuple[Experience | None, dict]:
+        """Rank 0 returns the experience (every rank computed the same)."""
+        return exp.to("cpu") if self.ranks.main else None, self._info(exp, seconds)
+
+    def _scores(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        with self._critic() as critic:
+            return scores(batch.samples.to(self.ranks.device), self.reference, critic, self.cfg,
+                          self.ranks, self.ref_share, self.critic_share)
+
+    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience | None, dict]:
+        with self.spans.span("assessment", step, self._lane()) as span:
+            samples = batch.samples.to(self.ranks.device)
+            baseline = None if batch.baseline is None else batch.baseline.to(self.ranks.device)
+            exp = assess_from(samples, *self._scores(batch), kl_coef, baseline, self.cfg)
+        return self._out(exp, span["seconds"])
 
     def assess_chunk(self, step: int, chunk: int, batch: Batch) -> int:
         """Fused schedule: the forward passes of one chunk, as soon as it is generated."""
-        with self.spans.span("assessment", step, self._lane(), chunk=chunk) as span, \
-                self._critic() as critic:
-            ref_logp, values = model_outputs(batch.samples, self.reference, critic, self.cfg)
+        with self.spans.span("assessment", step, self._lane(), chunk=chunk) as span:
+            ref_logp, values = self._scores(batch)
         self._chunks.setdefault(step, {})[chunk] = (batch, ref_logp, values)
         self._chunk_s[step] = self._chunk_s.get(step, 0.0) + span["seconds"]
         return chunk
 
-    def finish(self, step: int, kl_coef: float) -> tuple[Experience, dict]:
+    def finish(self, step: int, kl_coef: float) -> tuple[Experience | None, dict]:
         """Fused schedule: advantages over the whole batch once every chunk is assessed."""
         chunks = self._chunks.pop(step)
         parts = [chunks[c] for c in sorted(chunks)]  # in the stream's order
+        device = self.ranks.device
         with self.spans.span("assessment", step, self._lane(), chunk="merge") as span:
-            samples = merge_samples([b.samples for b, _, _ in parts], self.pad_id)
+            samples = Samples.cat([b.samples for b, _, _ in parts], self.pad_id).to(device)
             width = samples.rollout.response_ids.shape[1]
-            ref = [pad_right(r, width) for _, r, _ in parts]
-            val = [pad_right(v, width) for _, _, v in parts]
+
+            def joined(outs: list[torch.Tensor | None]) -> torch.Tensor | None:
+                if outs[0] is None:
+                    return None
+                return torch.cat([nn.functional.pad(x, (0, width - x.shape[1])) for x in outs])
             baselines = [b.baseline for b, _, _ in parts]
-            exp = assess_from(samples, None if ref[0] is None else torch.cat(ref),
-                              None if val[0] is None else torch.cat(val), kl_coef,
-                              None if baselines[0] is None else torch.cat(baselines), self.cfg)
-        return exp, self._info(exp, span["seconds"] + self._chunk_s.pop(step, 0.0))
+            exp = assess_from(samples, joined([r for _, r, _ in parts]),
+                              joined([v for _, _, v in parts]), kl_coef,
+                              None if baselines[0] is None else torch.cat(baselines).to(device),
+                              self.cfg)
+        return self._out(exp, span["seconds"] + self._chunk_s.pop(step, 0.0))
 
 
 # -- the process ----------------------------------------------------------------------------
 
 class GroupWorker:
-    """One process of a device group, hosting the roles named in `roles`."""
+    """One rank of a device group, hosting the stages its group runs. Constructed light;
+    `start` joins the group's world and builds the models (every rank at once)."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, group: str, rank: int,
-                 roles: tuple[str, ...], threads: int) -> None:
-        unknown = set(roles) - set(STAGE_ROLES)
-        if unknown:
-            raise ValueError(f"unknown roles {sorted(unknown)}")
+    def __init__(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
+                 threads: int, device: str) -> None:
         torch.set_num_threads(threads)
-        self.group, self.rank, self.roles = group, rank, roles
-        self.spans = SpanLog(group)
-        path = Path(model_path)
-        needs_pool = cfg.data.task == "code" and {"generation", "training"} & set(roles)
-        self.pool = SandboxPool(cfg.reward.sandbox_workers) if needs_pool else None
-        self.training = (TrainingRole(cfg, path, self.spans, self.pool)
-                         if "training" in roles else None)
-        self.generation = (GenerationRole(cfg, path, self.spans, self.pool, self.training)
-                           if "generation" in roles else None)
-        self.assessment = (AssessmentRole(cfg, path, self.spans, self.training)
-                           if "assessment" in roles else None)
+        self.cfg, self.path, self.group, self.rank = cfg, Path(model_path), group, rank
+        self.device = torch.device(device)
+        # one rank speaks for the group in the trace
+        self.spans = SpanLog(group.name, keep=rank == 0)
+        self.pool: SandboxPool | None = None
+        self.training: TrainingRole | None = None
+        self.generation: GenerationRole | None = None
+        self.assessment: AssessmentRole | None = None
 
-    # control calls (answered while a stage runs)
+    def address(self) -> str:
+        """Where the group's ranks meet (asked of rank 0, whose host it is)."""
+        return free_address()
+
+    def start(self, address: str | None, timeout_s: float) -> dict[str, Any]:
+        cfg, group = self.cfg, self.group
+        self.ranks = RankGroup.join(self.device, self.rank, group.ranks, address, timeout_s)
+        needs_pool = cfg.data.task == "code" and (group.runs("generation")
+                                                  or group.runs("training"))
+        self.pool = SandboxPool(cfg.reward.sandbox_workers) if needs_pool else None
+        if group.runs("training"):
+            self.training = TrainingRole(cfg, self.path, self.spans, self.pool, self.ranks,
+                                         group.runs("generation"))
+        if group.runs("generation"):
+            self.generation = GenerationRole(cfg, self.path, self.spans, self.pool, self.ranks,
+                                             self.training)
+        if group.runs("assessment"):
+            self.assessment = AssessmentRole(cfg, self.path, self.spans, self.ranks, group,
+                                             self.training)
+        return self.ping()
+
+    # control calls (answered while a stage runs; no collectives)
     def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "group": self.group,
+        return {"pid": os.getpid(), "host": socket.gethostname(), "group": self.group.name,
                 "rank": self.rank}
 
     def drain_spans(self) -> list[dict]:
@@ -416,18 +492,18 @@ class GroupWorker:
             stats: SyncStats = shadow.publish(version, state, timeout_s)
         return {"bytes": stats.bytes, "seconds": stats.seconds, "wait_s": stats.wait_s}
 
-    # stage calls (default thread, in submission order)
-    def generate(self, step: int, prompts: int | None = None) -> tuple[Batch, dict]:
+    # stage calls (default thread, in submission order; every rank of the group alike)
+    def generate(self, step: int, prompts: int | None = None) -> tuple[Batch | None, dict]:
         return self.generation.generate(step, prompts)
 
-    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience, dict]:
+    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience | None, dict]:
         return self.assessment.assess(step, batch, kl_coef)
 
     def assess_chunk(self, step: int, chunk: int, batch: Batch) -> int:
         return self.assessment.assess_chunk(step, chunk, batch)
 
     def finish_assessment(self, step: int, kl_coef: float, *chunks: int
-                          ) -> tuple[Experience, dict]:
+                          ) -> tuple[Experience | None, dict]:
         return self.assessment.finish(step, kl_coef)
 
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool) -> dict:
@@ -437,11 +513,12 @@ class GroupWorker:
         return self.training.evaluate(step)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return self.training.policy.state_dict()
+        """The whole policy on rank 0 ({} elsewhere; every training rank takes part)."""
+        return self.ranks.full_state(self.training.policy)
 
     def critic_weights(self) -> dict[str, torch.Tensor]:
         t = self.training
-        return (t.critic if t.critic is not None else t.policy).state_dict()
+        return self.ranks.full_state(t.critic if t.critic is not None else t.policy)
 
     def training_state(self) -> dict[str, Any]:
         return self.training.state()
@@ -449,12 +526,18 @@ class GroupWorker:
     def generation_state(self) -> dict[str, Any]:
         return self.generation.state()
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def save_shards(self, path: str) -> None:
+        self.training.save_shards(Path(path))
+
+    def load_state(self, state: dict[str, Any], shards: str | None = None) -> None:
         if self.training is not None:
             self.training.load_state(state)
+            if shards is not None:
+                self.training.load_shards(Path(shards))
         if self.generation is not None:
             self.generation.load_state(state)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        leave_world()

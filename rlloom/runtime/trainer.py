@@ -49,7 +49,7 @@ from rlloom.runtime.offline import preference_step
 from rlloom.runtime.online import (
     Rewarder,
     Samples,
-    assess_group,
+    assess,
     behaviour_kl,
     generate_group,
     greedy_baseline,
@@ -60,7 +60,7 @@ from rlloom.runtime.progress import progress_bar
 from rlloom.runtime.ranks import RankGroup, leave_world, reshard
 from rlloom.runtime.tracing import Tracer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")
 
 
@@ -283,8 +283,8 @@ class Trainer:
         with self.tracer.span("assessment", step, "reference+reward+critic") as ass:
             critic = self.critic or (self.policy if isinstance(self.policy, ActorCritic)
                                      else None)
-            exp = assess_group(samples, self.reference, ranks.share(self.frozen_layout), critic,
-                               ranks.share(train), self.kl.value, baseline, cfg, ranks)
+            exp = assess(samples, self.reference, critic, self.kl.value, baseline, cfg, ranks,
+                         ranks.share(self.frozen_layout), ranks.share(train))
         with self.tracer.span("training", step, "actor+critic") as tr:
             # in a group every rank runs as many micro-batches as the others (in assessment
             # too), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up

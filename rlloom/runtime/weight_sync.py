@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 class SyncTimeout(TimeoutError):
@@ -39,9 +40,10 @@ class SyncStats:
 
 
 def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    """Bytes of distinct storages (tied weights, e.g. embedding and LM head, count once)."""
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in tensors.values()}
+    """Bytes of distinct storages (tied weights, e.g. embedding and LM head, count once); of a
+    sharded tensor, this rank's shard."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}
     return sum(seen.values())
 
 
@@ -99,7 +101,7 @@ class DoubleBuffer:
                 raise KeyError(f"published weights lack {sorted(missing)[:3]}")
             with torch.no_grad():
                 for name, dst in slot.items():
-                    dst.copy_(tensors[name])
+                    _write(dst, tensors[name])
             with self._cond:
                 self._versions[back] = version
                 self._latest = back
@@ -107,11 +109,25 @@ class DoubleBuffer:
             return SyncStats(version, tensor_bytes(slot), time.perf_counter() - t0, waited)
 
 
-class ShadowModel:
-    """Two copies of a model behind a DoubleBuffer; `read()` lends the newest complete one."""
+def _write(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy whole weights into a slot tensor; a sharded one (a DTensor of a TP or ZeRO-3 copy)
+    takes its own slice, cut locally: a publisher runs beside the reader's stage, so it must
+    not issue collectives on the group's process group."""
+    if isinstance(dst, DTensor):
+        dst.to_local().copy_(distribute_tensor(full.to(dst.device), dst.device_mesh,
+                                               dst.placements, src_data_rank=None).to_local())
+    else:
+        dst.copy_(full)
 
-    def __init__(self, model: torch.nn.Module, version: int = 0) -> None:
-        self.models = (model, copy.deepcopy(model))
+
+class ShadowModel:
+    """Two copies of a model behind a DoubleBuffer; `read()` lends the newest complete one.
+    `twin` is the second copy when it cannot be deep-copied from the first (a sharded model
+    is built twice instead)."""
+
+    def __init__(self, model: torch.nn.Module, version: int = 0,
+                 twin: torch.nn.Module | None = None) -> None:
+        self.models = (model, twin if twin is not None else copy.deepcopy(model))
         for m in self.models:
             m.eval().requires_grad_(False)
         # state_dict() tensors share storage with the parameters and buffers

@@ -1,4 +1,5 @@
-"""A local Ray instance shared by the tests of one module."""
+"""A local Ray instance shared by the tests of one module (8 CPUs on 2 cores: groups of
+several one-thread ranks oversubscribe them, as Ray allows)."""
 import shutil
 import tempfile
 
@@ -9,7 +10,7 @@ import pytest
 def ray_cluster():
     import ray
     temp = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")  # short: Ray's socket path limit
-    ray.init(num_cpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)

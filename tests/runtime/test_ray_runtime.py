@@ -83,13 +83,21 @@ def test_disaggregated_sync_matches_single_process(tmp_path, tiny, algo):
     assert single[-1]["grad_norm"] > 0 and single[-1]["kl"] != 0  # it really trained
 
 
-def test_ray_path_refuses_layouts_inside_a_role(tmp_path, tiny, capsys):
+def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):
-        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.actor.dp=2",
+        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.actor.pp=2",
               f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert "plan.layouts.actor asks for 2 devices" in err and "torchrun" in err
+    assert "plan.layouts.actor.pp=2" in err and "--price-only" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cluster_too_small_for_the_groups_is_refused_at_once(tmp_path, tiny, capsys):
+    with pytest.raises(SystemExit):  # 8 + 1 + 1 ranks of one CPU on a 8-CPU cluster
+        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.rollout.dp=8",
+              "train.prompts_per_step=8", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert "need 10 CPUs" in err and "rollout: 8 ranks" in err and "has 8 CPUs" in err
 
 
 def test_long_run_dir_gets_a_short_ray_temp_dir(tmp_path):

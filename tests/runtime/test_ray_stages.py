@@ -11,13 +11,8 @@ from rlloom.models.heads import ValueModel
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.online import Rewarder, assess, assess_from, sample_groups
-from rlloom.runtime.ray_workers import (
-    decoupled,
-    merge_samples,
-    model_outputs,
-    pad_right,
-)
+from rlloom.runtime.online import Rewarder, Samples, assess, assess_from, sample_groups, scores
+from rlloom.runtime.ray_workers import decoupled
 from tests.conftest import TINY
 
 
@@ -47,14 +42,17 @@ def test_fused_assessment_equals_assess_on_the_merged_batch(algo):
     reference = CausalLM(policy.config)
     reference.init_weights(seed=5)
     parts = _chunks(cfg, tok, policy, 3)
-    whole = merge_samples(parts, tok.pad_token_id)
+    whole = Samples.cat(parts, tok.pad_token_id)
     assert whole.group_ids.tolist() == [g for g in range(6) for _ in range(4)]
     uses_critic = critic if algo == "ppo" else None
     expected = assess(whole, reference, uses_critic, 0.05, None, cfg)
     width = whole.rollout.response_ids.shape[1]
-    outs = [model_outputs(s, reference, uses_critic, cfg) for s in parts]   # per chunk
-    ref = torch.cat([pad_right(r, width) for r, _ in outs])
-    values = torch.cat([pad_right(v, width) for _, v in outs]) if uses_critic else None
+    outs = [scores(s, reference, uses_critic, cfg) for s in parts]   # per chunk
+
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+    ref = torch.cat([pad(r) for r, _ in outs])
+    values = torch.cat([pad(v) for _, v in outs]) if uses_critic else None
     got = assess_from(whole, ref, values, 0.05, None, cfg)
     mask = whole.rollout.response_mask.bool()
     for name in ("advantages", "returns", "ref_logp", "old_values", "loss_mask"):
@@ -88,7 +86,7 @@ def test_decoupled_correction_equals_decoupled_ppo():
 
 def test_decoupled_uses_current_weights_as_proximal_policy():
     cfg, tok, policy, _ = _setup()
-    samples = merge_samples(_chunks(cfg, tok, policy, 1), tok.pad_token_id)
+    samples = Samples.cat(_chunks(cfg, tok, policy, 1), tok.pad_token_id)
     exp = assess(samples, None, None, 0.0, None, cfg)
     fixed, kl = decoupled(exp, policy, cfg.rollout.temperature, 2)
     # the samples came from these very weights: proximal == behaviour up to float rounding

@@ -7,6 +7,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.batch import _joined
 from rlloom.runtime.online import Samples, assess
+from rlloom.runtime.ranks import RankGroup
 from rlloom.runtime.shared_prompt import SharedPrompts
 
 FAMILIES = {"llama": dict(qkv_bias=True), "qwen3": dict(qk_norm=True)}
@@ -51,13 +52,24 @@ def test_logits_match_the_joined_forward():
         assert (shared - joined[rows])[keep].abs().max() < 1e-12
 
 
-def test_assessment_with_shared_prompts_equals_torchrun_micro_batches():
+class _PairedRank(RankGroup):
+    """A rank of a two-rank group whose peer needs one more micro-batch (gathers return this
+    rank's part alone): the plain micro-batch path of a group, run in one process."""
+
+    def most(self, n: int) -> int:
+        return n + 1
+
+    def gather(self, obj):
+        return [obj]
+
+
+def test_assessment_with_shared_prompts_equals_group_micro_batches():
     r = grouped_rollout()
     m = model("qwen3")
     cfg = load_config(None, ["algo.kl_coef=0.1"])
     s = Samples([], r, torch.arange(3).repeat_interleave(3), {}, torch.rand(9))
     a = assess(s, m, None, 0.1, None, cfg)
-    b = assess(s, m, None, 0.1, None, cfg, agree=lambda n: n + 1)
+    b = assess(s, m, None, 0.1, None, cfg, _PairedRank(world=2))
     keep = r.response_mask.bool()  # past a row's end each path leaves what it computed
     assert (a.ref_logp - b.ref_logp)[keep].abs().max() < 1e-6
     assert a.ref_logp.abs().sum() > 0
