@@ -111,7 +111,8 @@ def _request(args: argparse.Namespace) -> "Request":
     from rlloom.perf.report import Request
     return Request(args.model, args.algo, args.gpus, args.prompts, args.samples, args.prompt_len,
                    args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None,
-                   args.epochs, args.minibatches, args.objective, args.runtime)
+                   args.epochs, args.minibatches, args.objective, args.runtime,
+                   getattr(args, "price_only", False))
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--json", action="store_true", help="emit JSON")
     p.add_argument("--write-plan", metavar="FILE", help="save the best plan as a config file")
+    p.add_argument("--price-only", action="store_true", help="also search pipeline, context "
+                   "and expert parallelism, which are priced but do not run yet (a plan file "
+                   "written then may not run)")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("simulate", help="simulate steps of a plan with sampled lengths; "
                        "writes a Chrome trace and a Gantt chart")

@@ -170,3 +170,33 @@ def _sizer(plan: Plan, group: DeviceGroup) -> str:
         return "actor"
     return "rollout" if group.runs("generation") and "rollout" in plan.layouts else (
         "actor" if group.runs("generation") else "reference")
+
+
+# -- what the executor runs: the one capability table `rlloom plan` and `rlloom train` read ----
+
+# dimensions the executor's groups apply to a model in the RL stages (rlloom.parallel also
+# has pipeline, context and expert parallelism for a model alone; the stages do not run them)
+EXECUTOR_DEGREES = ("dp", "tp")
+
+
+def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
+    """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
+    problems = placement_problems(plan, models)
+    for role, layout in plan.layouts.items():
+        for dim in ("pp", "cp", "ep"):
+            if getattr(layout, dim) > 1:
+                problems.append(f"plan.layouts.{role}.{dim}={getattr(layout, dim)}: the executor "
+                                f"applies {' and '.join(EXECUTOR_DEGREES)} (ZeRO 0-3 and "
+                                "activation checkpointing) inside a group; set it to 1 "
+                                "(`rlloom plan --price-only` prices such plans without "
+                                "running them)")
+    if plan.actor_critic == "shared" and "critic" in models and plan.layout("actor").world_size > 1:
+        problems.append("plan.actor_critic=shared trains the value head through the actor's own "
+                        "forward, which a sharded actor does not expose yet; use "
+                        "plan.actor_critic=separate or train the actor on one device")
+    rollout = plan.layouts.get("rollout")
+    if rollout is not None and rollout.zero:
+        problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "
+                        "no optimizer state and its replicas decode for different numbers of "
+                        "steps, so it is not sharded over dp; set zero=0")
+    return problems

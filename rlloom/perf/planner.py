@@ -25,7 +25,7 @@ from rlloom.perf.compose import TRAINABLE, Priced, price, role_models
 from rlloom.perf.hardware import Hardware
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
-from rlloom.plan import Layout, Plan
+from rlloom.plan import Layout, Plan, runnable_problems
 
 TOP_K = 3
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -35,30 +35,41 @@ INF = float("inf")
 
 @dataclass
 class Search:
-    """Feasible plans fastest first, and (description, reason) for the rejected ones."""
+    """Feasible plans fastest first, and (description, reason) for the rejected ones.
+    `runnable`: rank only plans the executor runs (`plan.runnable_problems`)."""
     ranked: list[Priced]
     rejected: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    runnable: bool = True
 
     def add(self, p: Priced) -> None:
-        if p.feasible:
+        problems = list(p.problems)
+        if self.runnable:
+            models = tuple(r for r in p.plan.layouts if r != "rollout")
+            problems += runnable_problems(p.plan, models)
+        if not problems:
             self.ranked.append(p)
         else:
             self.rejected.append((describe(p.plan, p.gen_layout, p.micro_batch),
-                                  "; ".join(p.problems)))
+                                  "; ".join(problems)))
 
 
-def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool) -> list[Layout]:
-    """Candidate layouts on n devices."""
+def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
+            runnable: bool = False) -> list[Layout]:
+    """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
+    ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too)."""
     out = []
     tp = 1
+    splits = [(1, 1)] if runnable else list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
     while tp <= min(n, hw.devices_per_node):
-        for pp, cp in itertools.product((1, 2, 4), CONTEXT_PARALLEL):
+        for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
+                continue
+            if runnable and not _torchrun_applies(Layout(tp=tp), shape):
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
-            eps = _ep_degrees(shape, dp * cp)
+            eps = [1] if runnable else _ep_degrees(shape, dp * cp)
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
                 for ckpt in (False, True) if trainable else (False,):
                     out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
@@ -80,7 +91,8 @@ def describe(p: Plan, gen: Layout | None, micro_batch: int) -> str:
         s += (f"xcp{x.cp}" if x.cp > 1 else "") + (f"-ep{x.ep}" if x.ep > 1 else "")
         ckpt = "-ckpt" if x.activation_checkpointing else ""
         return s + (f"-z{x.zero}" if x.zero else "") + ckpt
-    roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items())
+    roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items() if r != "rollout")
+    gen = gen or p.layouts.get("rollout")
     rollout = f", rollout={short(gen)}" if gen else ""
     return f"{p.placement}/{p.schedule}/{p.actor_critic}/mb{micro_batch}: {roles}{rollout}"
 
@@ -112,14 +124,15 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
 
 
 def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_gen: bool,
-         rollout_only: bool, cache: dict, torchrun: bool = False) -> list[Layout]:
+         rollout_only: bool, cache: dict, torchrun: bool = False, runnable: bool = False
+         ) -> list[Layout]:
     """The TOP_K fastest layouts of a role alone on n devices that fit; `torchrun`: only
-    those the torchrun trainer applies."""
-    key = (role, n, with_gen, rollout_only, torchrun)
+    those the torchrun trainer applies; `runnable`: only those the executor applies."""
+    key = (role, n, with_gen, rollout_only, torchrun, runnable)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only
         # a generation-only layout holds no optimizer state: ZeRO would only add gathers
-        candidates = [x for x in layouts(n, shape, hw, trainable)
+        candidates = [x for x in layouts(n, shape, hw, trainable, runnable)
                       if not (rollout_only and x.zero)
                       and (not torchrun or _torchrun_applies(x, shape))]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
@@ -144,14 +157,16 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
            reward: ModelShape | None = None, objective: str = "time",
-           runtime: str = "any") -> Search:
+           runtime: str = "any", price_only: bool = False) -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
     devices can cost less). Runtime "torchrun": only the plans `rlloom train` runs under
-    torchrun (`torchrun_plans`)."""
+    torchrun (`torchrun_plans`). By default only plans the executor runs are searched and
+    ranked; `price_only` widens the search to pipeline, context and expert parallelism, which
+    the model prices but the executor does not run yet."""
     start = time.perf_counter()
-    result = Search([])
+    result = Search([], runnable=not price_only)
     if objective == "cost" and hw.price_per_hour <= 0:
         raise ValueError(f"hardware {hw.name} has no price per device-hour; use --objective "
                          "time or a hardware file with price_per_hour")
@@ -210,14 +225,16 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
     models = role_models(actor, roles, reward)
     active = [r for r, m in models.items() if m is not None]
     ref = ["reference"] if "reference" in active else []
-    ac_modes = ("separate", "shared") if "critic" in active else ("separate",)
+    # a shared actor-critic changes the algorithm (one backbone for policy and values): the
+    # planner keeps the critic the algorithm asks for
+    ac_modes = ("separate",)
     unit = devices // 8 if devices % 8 == 0 and devices >= 8 else 1
     units = devices // unit
     cache: dict = {}
 
     def top(role: str, n: int, with_gen: bool = False, rollout: bool = False) -> list[Layout]:
         shape = models[role] if role in models and models[role] else actor
-        return _top(role, shape, n, wl, hw, with_gen, rollout, cache)
+        return _top(role, shape, n, wl, hw, with_gen, rollout, cache, runnable=result.runnable)
 
     def add(plan_kw: dict, choice: dict[str, list[Layout]], gen: list[Layout] | None) -> None:
         names = list(choice)

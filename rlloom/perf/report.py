@@ -54,6 +54,7 @@ class Request:
     minibatches: int = 1  # optimizer steps per epoch
     objective: str = "time"  # rank by step time, or by cost per step ("cost")
     runtime: str = "any"  # "torchrun": only plans `torchrun ... rlloom train PLAN_FILE` runs
+    price_only: bool = False  # also plans the executor does not run yet (pp, cp, ep)
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -69,7 +70,7 @@ class Request:
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
-                      runtime=self.runtime)
+                      runtime=self.runtime, price_only=self.price_only)
 
     def cluster(self) -> tuple[int, Hardware]:
         devices, hw_name = parse_gpus(self.gpus)
@@ -132,7 +133,9 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
                            "ranked": [_row(p, hw) for p in found.ranked[:top]],
                            "naive": _row(base, hw) if base else None,
                            "rejected": found.rejected[:20]}, indent=2)
-    runnable = " (plans torchrun runs)" if req.runtime == "torchrun" else ""
+    runnable = (" (plans torchrun runs)" if req.runtime == "torchrun" else
+                " (PRICE ONLY: plans with pp, cp or ep do not run yet)" if req.price_only
+                else " (plans the executor runs)")
     lines = [f"{model} {algo} on {devices} x {hw.name}{runnable}, ranked by "
              f"{OBJECTIVES[req.objective]}: "
              f"searched in {found.seconds:.2f} s, {len(found.ranked)} feasible plans, "

@@ -13,7 +13,7 @@ from rlloom.plan import (
     Plan,
     device_groups,
     generation_layout,
-    placement_problems,
+    runnable_problems,
     stage_group,
 )
 
@@ -48,25 +48,6 @@ def group_specs(cfg: RunConfig) -> list[DeviceGroup]:
     return device_groups(cfg.plan, run_models(cfg))
 
 
-def executor_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
-    """Why the executor cannot run this plan's placement and layouts (empty when it can): the
-    one capability table the planner's default search and `rlloom train` both read."""
-    problems = placement_problems(plan, models)
-    for role, layout in plan.layouts.items():
-        for dim in ("pp", "cp", "ep"):
-            if getattr(layout, dim) > 1:
-                problems.append(f"plan.layouts.{role}.{dim}={getattr(layout, dim)}: the executor "
-                                "applies dp (ZeRO 0-3), tp and activation checkpointing inside "
-                                "a group; set it to 1 (`rlloom plan --price-only` prices such "
-                                "plans without running them)")
-    rollout = plan.layouts.get("rollout")
-    if rollout is not None and rollout.zero:
-        problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "
-                        "no optimizer state and its replicas decode for different numbers of "
-                        "steps, so it is not sharded over dp; set zero=0")
-    return problems
-
-
 def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
     """Why the Ray runtime cannot run this configuration (empty when it can)."""
     problems = []
@@ -75,7 +56,7 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
                         "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
                         "no --ray)")
     plan = cfg.plan
-    problems += executor_problems(plan, run_models(cfg))
+    problems += runnable_problems(plan, run_models(cfg))
     gen, train = generation_layout(plan), plan.layout("actor")
     groups = group_specs(cfg)
     gen_ranks = stage_group(groups, "generation").ranks

@@ -13,12 +13,26 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_prints_ranked_plans_without_torch():
     out = _plan("--gpus", "64xH100", "--top", "3").stdout
-    assert "qwen2.5-7b grpo on 64 x h100, ranked by step time: searched in" in out
+    assert ("qwen2.5-7b grpo on 64 x h100 (plans the executor runs), ranked by step time: "
+            "searched in") in out
     assert "faster than the naive plan (co-located, data parallel only, sync" in out
     # the explanation names the slowest stage, what bounds it, memory and the alternatives
     assert "  bottleneck: generation" in out and "-bound: compute" in out
     assert "  peak memory per device: all" in out
     assert "  best of each other placement/schedule: disaggregated/" in out
+
+
+def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
+    """The executor applies dp (ZeRO 0-3) and tp in its groups: by default no ranked plan uses
+    pp, cp or ep; --price-only adds them and says the plans do not run yet."""
+    def dims(data):
+        return {d for p in data["ranked"] for lay in p["plan_json"]["layouts"].values()
+                for d in ("pp", "cp", "ep") if lay[d] > 1}
+    moe = ["--model", "qwen3-30b-a3b", "--json", "--top", "2000"]
+    assert dims(json.loads(_plan(*moe).stdout)) == set()
+    assert dims(json.loads(_plan(*moe, "--price-only").stdout)) == {"pp", "cp", "ep"}
+    assert "(PRICE ONLY: plans with pp, cp or ep do not run yet)" in _plan(
+        "--price-only", "--top", "1").stdout
 
 
 def test_cost_objective_may_leave_devices_unused():
