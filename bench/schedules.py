@@ -1,19 +1,21 @@
-"""Schedules on Ray with long-tailed response lengths, measured next to the performance model:
-``python bench/schedules.py [--steps 8] [--max-new 128] [--temperature 1.3] [--cpus 2]``.
+"""Colocated sync against disaggregated async at equal devices, with long-tailed response
+lengths, measured next to the performance model:
+``python bench/schedules.py [--steps 10] [--max-new 256] [--temperature 1.3]``.
 
-One task setting (the built-in arith task on a tiny, barely warm-started model sampled hot, so
-response lengths spread from a few tokens to the cap), run four ways with the same total CPUs
-given to Ray: sync colocated (one group with all CPUs), and sync, fused and async (eta=1)
-disaggregated (generation gets half the CPUs, training and the reference a quarter each).
+Both arms run 2 one-thread ranks of one CPU each on Ray:
+- colocated sync dp2: one group of 2 ranks; each generates half the prompts (the K samples
+  of a prompt stay together) on its copy and trains on half of every mini-batch;
+- disaggregated async (eta=1) 1:1: a generation rank and a training rank; generation of step
+  i+1 runs while step i trains, fed by weight sync.
+No reference model (kl_coef=0), so no third group. The task is the built-in arith task on a
+tiny, barely warm-started model sampled hot, so most responses end within a few dozen
+tokens and a few run to the cap (the script prints p50 and p99).
 
-Step time is the simulator's definition, the interval between the ends of consecutive
-training spans (trace.json) after the warm-up steps (their median), so driver overhead
-between steps counts alike for every schedule and an async pipeline's overlap shows.
-Predicted ratios come from `rlloom.perf.compose.price` with the workload built from the
-lengths the colocated run generated (`Lengths.empirical`) and this machine's hardware file
-(`rlloom bench hw`). The model gives every group its own device, while here the groups share
-the machine's cores (and any other load on it), so overlapping schedules gain less than
-predicted when cores are short.
+Step time is the interval between the ends of consecutive training spans (trace.json) after
+the warm-up steps (their median), the simulator's definition, so an async pipeline's overlap
+shows. Predicted step times come from `rlloom.perf.compose.price` for the same two plans,
+with the lengths the colocated run generated (`Lengths.empirical`) and this machine's
+hardware file (`rlloom bench hw`; calibrate it with `rlloom perf calibrate` on a run).
 """
 from __future__ import annotations
 
@@ -31,16 +33,15 @@ from rlloom.perf.compose import price, role_models
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.validate import run_roles
 from rlloom.perf.workload import Lengths, Workload
-from rlloom.plan import Layout, Plan
+from rlloom.plan import Plan
 from rlloom.runtime.ray_plan import RayOptions
 from rlloom.runtime.ray_runtime import train_ray
 
 WARMUP = 2
-CONFIGS = {  # name -> (placement, schedule, staleness)
-    "sync colocated": ("colocated", "sync", 0),
-    "sync disaggregated": ("disaggregated", "sync", 0),
-    "fused disaggregated": ("disaggregated", "fused", 0),
-    "async eta=1 disaggregated": ("disaggregated", "async", 1),
+ARMS = {  # name -> plan overrides
+    "colocated sync dp2": ["plan.layouts.actor.dp=2"],
+    "disaggregated async 1:1": ["plan.placement=disaggregated", "plan.schedule=async",
+                                "plan.staleness=1"],
 }
 
 
@@ -54,89 +55,82 @@ def step_interval(run: Path, warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
-def predicted(run: Path, cfg_overrides: list[str]) -> dict[str, float] | None:
+def predicted(run: Path, overrides: list[str]) -> dict[str, float] | None:
     from rlloom.perf.hardware import hardware
     try:
         hw = hardware("local")
     except KeyError as e:
         print(f"no predicted column: {e.args[0]}")
         return None
-    cfg = load_config(None, cfg_overrides)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lengths = [n for r in rows for n in r["response_lens"]]
     shape = ModelShape.from_hf_config(json.loads((run / "final" / "config.json").read_text()))
-    rollouts = len(rows[0]["response_lens"])
-    wl = Workload(prompts=rollouts // cfg.rollout.n_samples, samples=cfg.rollout.n_samples,
-                  prompt_len=round(statistics.mean(r["prompt_len"] for r in rows)),
-                  response=Lengths.empirical(lengths), ppo_epochs=cfg.algo.epochs,
-                  minibatches=cfg.algo.minibatches,
-                  micro_batch=-(-rollouts // cfg.algo.minibatches), dtype="fp32")
-    models = role_models(shape, run_roles(cfg))
     out = {}
-    for name, (placement, schedule, eta) in CONFIGS.items():
-        plan = Plan(placement=placement, schedule=schedule, staleness=eta)
-        # the Ray runtime gives generation of a disaggregated plan its own group
-        gen = Layout() if placement == "disaggregated" else None
-        out[name] = price(plan, models, wl, hw, gen_layout=gen).step_s
+    for name, plan_overrides in ARMS.items():
+        cfg = load_config(None, [*overrides, *plan_overrides])
+        rollouts = cfg.train.prompts_per_step * cfg.rollout.n_samples
+        wl = Workload(prompts=cfg.train.prompts_per_step, samples=cfg.rollout.n_samples,
+                      prompt_len=round(statistics.mean(r["prompt_len"] for r in rows)),
+                      response=Lengths.empirical(lengths), ppo_epochs=cfg.algo.epochs,
+                      minibatches=cfg.algo.minibatches,
+                      micro_batch=-(-rollouts // cfg.algo.minibatches), dtype="fp32")
+        plan = Plan(**cfg.plan.model_dump())
+        out[name] = price(plan, role_models(shape, run_roles(cfg)), wl, hw).step_s
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=128, help="rollout.max_new_tokens")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
     ap.add_argument("--temperature", type=float, default=1.3)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--cpus", type=float, default=2.0, help="total CPUs given to Ray")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
     a = ap.parse_args()
     import ray
     base = Path(a.out or tempfile.mkdtemp(prefix="rlloom-bench-"))
     temp = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
-    ray.init(num_cpus=a.cpus, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     overrides = ["model.hidden_size=64", "model.layers=2", "model.heads=2", "model.kv_heads=1",
-                 "data.difficulty=1", "data.train_size=200", "data.eval_size=16",
+                 "data.difficulty=1", "data.train_size=400", "data.eval_size=16",
                  "sft.steps=20", "sft.batch_size=16", f"train.steps={a.steps}",
                  f"train.prompts_per_step={a.prompts}", f"rollout.n_samples={a.samples}",
                  f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
-                 "eval.max_new_tokens=16", "eval.every=1000", "checkpoint.every=1000",
-                 "train.threads=1"]
-    half, quarter = a.cpus / 2, a.cpus / 4
+                 "algo.kl_coef=0", "eval.max_new_tokens=16", "eval.every=1000",
+                 "checkpoint.every=1000", "train.threads=1"]
     measured: dict[str, float] = {}
     try:
-        for name, (placement, schedule, eta) in CONFIGS.items():
-            run = base / name.replace(" ", "_").replace("=", "")
+        for name, plan_overrides in ARMS.items():
+            run = base / name.replace(" ", "_").replace(":", "-")
             shutil.rmtree(run, ignore_errors=True)
-            cpus = ({"all": a.cpus} if placement == "colocated" else
-                    {"rollout": half, "actor": quarter, "reference": quarter})
-            cfg = load_config(None, [*overrides, f"run_dir={run}",
-                                     f"plan.placement={placement}",
-                                     f"plan.schedule={schedule}", f"plan.staleness={eta}"])
+            cfg = load_config(None, [*overrides, *plan_overrides, f"run_dir={run}"])
             t0 = time.perf_counter()
-            train_ray(cfg, None, RayOptions(worker_timeout_s=300, group_cpus=cpus))
+            train_ray(cfg, None, RayOptions(worker_timeout_s=600))
             measured[name] = step_interval(run, WARMUP + 1)
             print(f"{name}: {measured[name]:.3f} s/step ({time.perf_counter() - t0:.0f}s "
                   "with start-up)", flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-    first = base / "sync_colocated"
-    pred = predicted(first, [*overrides, f"run_dir={first}"])
+    first = base / "colocated_sync_dp2"
+    pred = predicted(first, overrides)
     lens = sorted(n for line in (first / "metrics.jsonl").read_text().splitlines()
                   for n in json.loads(line)["response_lens"])
-    q = [lens[int(p * (len(lens) - 1))] for p in (0.1, 0.5, 0.9, 1.0)]
-    print(f"\nresponse lengths (sync colocated run): p10 {q[0]}, p50 {q[1]}, p90 {q[2]}, "
-          f"max {q[3]} of {a.max_new}; {a.prompts}x{a.samples} rollouts/step, "
-          f"{a.cpus:g} CPUs in all (os.cpu_count()={os.cpu_count()})")
-    print(f"step time after {WARMUP} warm-up steps, as a ratio to sync colocated")
-    print(f"{'schedule':<28}{'measured s':>11}{'ratio':>8}{'predicted s':>13}{'ratio':>8}")
-    ref = measured["sync colocated"]
+    q = {p: lens[int(p * (len(lens) - 1))] for p in (0.5, 0.9, 0.99)}
+    print(f"\nresponse lengths (colocated run): p50 {q[0.5]}, p90 {q[0.9]}, p99 {q[0.99]} "
+          f"(p99/p50 {q[0.99] / q[0.5]:.1f}) of {a.max_new}; {a.prompts}x{a.samples} "
+          f"rollouts/step; 2 ranks of 1 thread per arm (os.cpu_count()={os.cpu_count()})")
+    print(f"step time after {WARMUP} warm-up steps")
+    print(f"{'arm':<26}{'measured s':>11}{'predicted s':>13}")
     for name, s in measured.items():
-        line = f"{name:<28}{s:>11.3f}{s / ref:>8.2f}"
-        if pred:
-            line += f"{pred[name]:>13.4f}{pred[name] / pred['sync colocated']:>8.2f}"
-        print(line)
+        print(f"{name:<26}{s:>11.3f}" + (f"{pred[name]:>13.4f}" if pred else ""))
+    coloc, disagg = measured["colocated sync dp2"], measured["disaggregated async 1:1"]
+    line = f"speed-up of async over colocated sync: measured {coloc / disagg:.2f}x"
+    if pred:
+        p = pred["colocated sync dp2"] / pred["disaggregated async 1:1"]
+        line += f", predicted {p:.2f}x ({100 * (p / (coloc / disagg) - 1):+.0f}%)"
+    print(line)
     if a.out is None:
         shutil.rmtree(base, ignore_errors=True)
 

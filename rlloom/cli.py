@@ -155,7 +155,8 @@ def cmd_perf(args: argparse.Namespace) -> None:
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b")
+    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b, or a "
+                   "Hugging Face checkpoint directory / config.json")
     p.add_argument("--algo", default="grpo", choices=list(PRESETS), help="algorithm preset")
     p.add_argument("--gpus", default="64xH100",
                    help="cluster, e.g. 64xH100; 1xlocal is this machine (`rlloom bench hw`)")

@@ -24,7 +24,8 @@ def _require_dir(path: Path) -> None:
                               "built-in tiny model")
 
 
-def _read_config(path: Path) -> ModelConfig:
+def read_model_config(path: Path) -> ModelConfig:
+    """The architecture of the checkpoint at `path` (its config.json), without its weights."""
     _require_dir(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -88,7 +89,7 @@ def _load_into(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> CausalLM:
     """Build rlloom's language model from a checkpoint directory and load its weights."""
-    model = CausalLM(_read_config(Path(path)))
+    model = CausalLM(read_model_config(Path(path)))
     _load_into(model, Path(path), dtype)
     return model
 
@@ -96,7 +97,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> C
 def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> ValueModel:
     """A reward model / critic: a `*ForSequenceClassification` checkpoint with one label."""
     path = Path(path)
-    cfg = _read_config(path)
+    cfg = read_model_config(path)
     labels = json.loads((path / "config.json").read_text()).get("id2label", {"0": ""})
     if len(labels) != 1:
         raise CheckpointError(f"{path} has {len(labels)} labels; a reward model has one scalar "

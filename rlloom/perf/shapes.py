@@ -1,7 +1,9 @@
 """Transformer shapes the cost model prices: parameter counts and per-token sizes."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ACT_PER_LAYER = (50, 5)  # non-matmul elements moved per token and layer: x hidden, x ffn
@@ -149,8 +151,15 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in [
 
 
 def model_shape(name: str) -> ModelShape:
-    """Look up a named preset; the error lists the known names."""
+    """A named preset, or a Hugging Face `config.json` (the file, or a checkpoint directory
+    holding it); the error lists the known names."""
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        return ModelShape.from_hf_config(json.loads(path.read_text()), name=str(name))
     try:
         return MODELS[name]
     except KeyError:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}, or a checkpoint "
+                       "directory / config.json") from None

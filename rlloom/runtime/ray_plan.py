@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig
+from rlloom.models.config import ModelConfig
+from rlloom.parallel.mesh import layout_problems
 from rlloom.plan import (
     STAGES,
     DeviceGroup,
     Plan,
     device_groups,
     generation_layout,
+    model_layout,
     runnable_problems,
     stage_group,
 )
@@ -104,6 +107,21 @@ def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
         raise ConfigError("the Ray runtime cannot run this configuration: " + "; ".join(problems))
     # the registry checks of the single-process runtime, for a plan it can run
     check_runnable(cfg.model_copy(update={"plan": Plan(actor_critic=cfg.plan.actor_critic)}))
+
+
+def check_group_layouts(cfg: RunConfig, model: ModelConfig) -> None:
+    """Refuse, before any group starts, a layout that does not fit the policy's architecture
+    on its group's ranks (the reward model is scored data-parallel, whatever its shape)."""
+    problems = []
+    for g in group_specs(cfg):
+        layouts = {m: model_layout(cfg.plan, g, m) for m in g.models if m != "reward"}
+        if g.runs("generation") and g.runs("training"):
+            layouts["rollout"] = generation_layout(cfg.plan)
+        for m, layout in layouts.items():
+            problems += [f"group {g.name!r}, {m}: {p}"
+                         for p in layout_problems(layout, model, g.ranks)]
+    if problems:
+        raise ConfigError("the plan's layouts do not fit the model: " + "; ".join(problems))
 
 
 def needs_ray(cfg: RunConfig) -> bool:

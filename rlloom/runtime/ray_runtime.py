@@ -61,7 +61,7 @@ from rlloom.algos.kl import AdaptiveKLController, FixedKLController
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.prompts import load_prompt_sets
-from rlloom.models.hf_io import load_tokenizer, save_checkpoint
+from rlloom.models.hf_io import load_tokenizer, read_model_config, save_checkpoint
 from rlloom.plan import stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
@@ -80,6 +80,7 @@ from rlloom.runtime.ray_cluster import (
 )
 from rlloom.runtime.ray_plan import (
     RayOptions,
+    check_group_layouts,
     check_ray_runnable,
     group_specs,
     state_keys,
@@ -538,6 +539,7 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     run_dir = resume_dir or new_run_dir(cfg)
     model_path = (Path(cfg.model.path) if cfg.model.path
                   else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU
+    check_group_layouts(cfg, read_model_config(model_path))
     d = cfg.data
     sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                             d.prompt_file, d.eval_fraction, d.columns)

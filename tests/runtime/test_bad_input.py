@@ -71,6 +71,7 @@ def test_prompt_longer_than_limit(tmp_path, tiny, capsys):
     assert not run.exists()
 
 
-def test_plan_the_single_process_runtime_cannot_run(tiny, capsys):
+def test_a_layout_that_does_not_fit_the_model_is_refused_before_any_group_starts(tiny,
+                                                                                capsys):
     _fails(["train", *tiny, "plan.layouts.actor.tp=2"], capsys,
-           "plan.layouts.actor asks for 2 devices")
+           "group 'all', actor: tp=2 does not divide the model's num_kv_heads=1")
