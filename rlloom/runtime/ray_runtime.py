@@ -114,15 +114,13 @@ def _remote_class() -> Any:
 _REMOTE = None
 
 
-def _worker_device(requested: str) -> torch.device:
+def worker_device(requested: str, cluster_gpus: float) -> torch.device:
     """Every rank's device type: one GPU per rank where the cluster has GPUs (`auto`, `cuda`),
     else the CPU."""
-    import ray
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if requested == "cuda" and not gpus:
+    if requested == "cuda" and not cluster_gpus:
         raise ConfigError("train.device=cuda but the Ray cluster has no GPUs; set "
                           "train.device=cpu or auto, or join a cluster with GPUs (--ray-address)")
-    return torch.device("cuda" if requested != "cpu" and gpus else "cpu")
+    return torch.device("cuda" if requested != "cpu" and cluster_gpus else "cpu")
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -132,7 +130,8 @@ class RayRun:
                  ) -> None:
         self.cfg, self.run_dir, self.opts, self.model_path = cfg, run_dir, opts, model_path
         self.specs = group_specs(cfg)
-        self.device = _worker_device(cfg.train.device)
+        import ray
+        self.device = worker_device(cfg.train.device, ray.cluster_resources().get("GPU", 0))
         self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
         self.correct = self.eta > 0 and cfg.algo.policy_loss in DECOUPLED_LOSSES
         self.has_critic = "critic" in PRESETS[cfg.algo.name].roles

@@ -36,8 +36,13 @@ def test_torchrun_picks_the_gpu_itself():
         torchrun_device("cuda:1")
 
 
-def test_ray_runtime_refuses_cuda():
-    cfg = load_config(None, ["train.device=cuda"])
-    assert any("train.device=cuda: the Ray runtime runs every role on the CPU" in p
-               for p in ray_problems(cfg, RayOptions()))
-    assert ray_problems(load_config(None, ["train.device=auto"]), RayOptions()) == []
+def test_ray_ranks_get_a_gpu_each_where_the_cluster_has_gpus():
+    from rlloom.runtime.ray_runtime import worker_device
+    assert any("train.device=cuda:1: on Ray every rank gets a GPU of its own" in p
+               for p in ray_problems(load_config(None, ["train.device=cuda:1"]), RayOptions()))
+    for device in ("auto", "cuda", "cpu"):
+        assert ray_problems(load_config(None, [f"train.device={device}"]), RayOptions()) == []
+    assert worker_device("auto", 8) == torch.device("cuda")
+    assert worker_device("cpu", 8) == worker_device("auto", 0) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="the Ray cluster has no GPUs"):
+        worker_device("cuda", 0)
