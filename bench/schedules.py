@@ -1,6 +1,6 @@
 """Colocated sync against disaggregated async at equal devices, with long-tailed response
 lengths, measured next to the performance model:
-``python bench/schedules.py [--steps 10] [--max-new 256] [--temperature 1.3]``.
+``python bench/schedules.py [--steps 12] [--max-new 512] [--temperature 1.6]``.
 
 Both arms run 2 one-thread ranks of one CPU each on Ray:
 - colocated sync dp2: one group of 2 ranks; each generates half the prompts (the K samples
@@ -13,9 +13,9 @@ tokens and a few run to the cap (the script prints p50 and p99).
 
 Step time is the interval between the ends of consecutive training spans (trace.json) after
 the warm-up steps (their median), the simulator's definition, so an async pipeline's overlap
-shows. Predicted step times come from `rlloom.perf.compose.price` for the same two plans,
-with the lengths the colocated run generated (`Lengths.empirical`) and this machine's
-hardware file (`rlloom bench hw`; calibrate it with `rlloom perf calibrate` on a run).
+shows. Predicted step times come from `rlloom.perf.compose.price` of each run's own plan and
+each step's own response lengths, as `rlloom perf validate` prices a run, with this machine's
+hardware file (`rlloom bench hw`, then `rlloom perf calibrate` on runs of this setting).
 """
 from __future__ import annotations
 
@@ -29,11 +29,8 @@ import time
 from pathlib import Path
 
 from rlloom.config import load_config
-from rlloom.perf.compose import price, role_models
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.validate import run_roles
-from rlloom.perf.workload import Lengths, Workload
-from rlloom.plan import Plan
+from rlloom.perf.compose import price
+from rlloom.perf.validate import load_run
 from rlloom.runtime.ray_plan import RayOptions
 from rlloom.runtime.ray_runtime import train_ray
 
@@ -55,37 +52,31 @@ def step_interval(run: Path, warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
-def predicted(run: Path, overrides: list[str]) -> dict[str, float] | None:
+def predicted(runs: dict[str, Path]) -> dict[str, float] | None:
+    """Each arm's mean predicted step time over its steps after the warm-up, priced as
+    `rlloom perf validate` prices a run: its plan, each step's own lengths."""
     from rlloom.perf.hardware import hardware
     try:
         hw = hardware("local")
     except KeyError as e:
         print(f"no predicted column: {e.args[0]}")
         return None
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    lengths = [n for r in rows for n in r["response_lens"]]
-    shape = ModelShape.from_hf_config(json.loads((run / "final" / "config.json").read_text()))
     out = {}
-    for name, plan_overrides in ARMS.items():
-        cfg = load_config(None, [*overrides, *plan_overrides])
-        rollouts = cfg.train.prompts_per_step * cfg.rollout.n_samples
-        wl = Workload(prompts=cfg.train.prompts_per_step, samples=cfg.rollout.n_samples,
-                      prompt_len=round(statistics.mean(r["prompt_len"] for r in rows)),
-                      response=Lengths.empirical(lengths), ppo_epochs=cfg.algo.epochs,
-                      minibatches=cfg.algo.minibatches,
-                      micro_batch=-(-rollouts // cfg.algo.minibatches), dtype="fp32")
-        plan = Plan(**cfg.plan.model_dump())
-        out[name] = price(plan, role_models(shape, run_roles(cfg)), wl, hw).step_s
+    for name, run in runs.items():
+        loaded = load_run(run, skip=WARMUP)
+        out[name] = statistics.mean(price(loaded.plan, loaded.models, wl, hw).step_s
+                                    for _, wl, _ in loaded.steps)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
-    ap.add_argument("--temperature", type=float, default=1.3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--max-new", type=int, default=512, help="rollout.max_new_tokens")
+    ap.add_argument("--temperature", type=float, default=1.6)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--sft-steps", type=int, default=20, help="warm start of the tiny model")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
     a = ap.parse_args()
     import ray
@@ -93,8 +84,8 @@ def main() -> None:
     temp = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
     ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     overrides = ["model.hidden_size=64", "model.layers=2", "model.heads=2", "model.kv_heads=1",
-                 "data.difficulty=1", "data.train_size=400", "data.eval_size=16",
-                 "sft.steps=20", "sft.batch_size=16", f"train.steps={a.steps}",
+                 "data.difficulty=1", "data.train_size=200", "data.eval_size=16",
+                 f"sft.steps={a.sft_steps}", "sft.batch_size=16", f"train.steps={a.steps}",
                  f"train.prompts_per_step={a.prompts}", f"rollout.n_samples={a.samples}",
                  f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
                  "algo.kl_coef=0", "eval.max_new_tokens=16", "eval.every=1000",
@@ -113,8 +104,9 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-    first = base / "colocated_sync_dp2"
-    pred = predicted(first, overrides)
+    runs = {name: base / name.replace(" ", "_").replace(":", "-") for name in ARMS}
+    pred = predicted(runs)
+    first = runs["colocated sync dp2"]
     lens = sorted(n for line in (first / "metrics.jsonl").read_text().splitlines()
                   for n in json.loads(line)["response_lens"])
     q = {p: lens[int(p * (len(lens) - 1))] for p in (0.5, 0.9, 0.99)}

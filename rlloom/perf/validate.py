@@ -3,8 +3,8 @@ this machine's hardware file, next to what the run measured. `rlloom perf calibr
 compute and memory efficiencies that fit some runs best, to validate on others.
 
 Each step is priced with its own workload: its number of rollouts, mean prompt length and the
-exact response lengths it generated (metrics.jsonl), on one device (the single-process runtime),
-in the run's dtype. Measured times are the run's stage spans (the same spans as trace.json, with
+exact response lengths it generated (metrics.jsonl), with the run's plan (placement, layouts,
+schedule), in the run's dtype. Measured times are the run's stage spans (the same spans as trace.json, with
 reward scoring counted under assessment as the runtime logs it).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LoadedRun:
     """What pricing a finished run's steps needs, read once."""
     name: str
     models: dict[str, ModelShape | None]
-    plan: Plan
+    plan: Plan  # as the run ran it
     steps: list[tuple[int, Workload, dict[str, float]]]  # step, its workload, measured s
 
 
@@ -100,8 +100,7 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
                              "support, run it again")
         steps.append((row["step"], step_workload(row, cfg),
                       {stage: row[key] for stage, key in STAGES}))
-    return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg)),
-                     Plan(actor_critic=cfg.plan.actor_critic), steps)
+    return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg)), cfg.plan, steps)
 
 
 def price_run(run: LoadedRun, hw: Hardware) -> list[StagePoint]:
@@ -149,6 +148,7 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
 
 
 EFFICIENCIES = tuple(round(0.05 * i, 2) for i in range(2, 21))  # 0.10, 0.15, ..., 1.00
+LAUNCH_SCALES = (1, 2, 4, 8)
 
 
 def _median_error(runs: list[LoadedRun], hw: Hardware) -> float:
@@ -160,16 +160,21 @@ def _median_error(runs: list[LoadedRun], hw: Hardware) -> float:
 
 def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1
               ) -> tuple[Hardware, float, float]:
-    """`hw` with the compute and memory efficiencies (each of EFFICIENCIES) that minimise the
-    median |error| over the runs' stages; that error before and after. Matmul and memory
+    """`hw` with the compute and memory efficiencies (each of EFFICIENCIES) and the operator
+    dispatch cost (the measured one times each of LAUNCH_SCALES) that minimise the median
+    |error| over the runs' stages; that error before and after. Matmul and memory
     microbenchmarks run hot in cache, unlike a run's kernels, so their rates overstate what
-    a run gets by a machine-dependent factor: fit it on some runs, validate on others."""
+    a run gets by a machine-dependent factor; an empty-operator loop likewise understates
+    what dispatching a run's operators costs (autograd, allocation, several processes on a
+    core). Fit on some runs, validate on others."""
     runs = [load_run(d, skip) for d in run_dirs]
     before = _median_error(runs, hw)
-    after, compute, memory = min(
-        (_median_error(runs, replace(hw, compute_eff=c, mem_eff=m)), c, m)
-        for c, m in itertools.product(EFFICIENCIES, EFFICIENCIES))
-    return replace(hw, compute_eff=compute, mem_eff=memory), before, after
+    after, compute, memory, launch = min(
+        (_median_error(runs, replace(hw, compute_eff=c, mem_eff=m, launch_s=hw.launch_s * k)),
+         c, m, hw.launch_s * k)
+        for c, m, k in itertools.product(EFFICIENCIES, EFFICIENCIES,
+                                         LAUNCH_SCALES if hw.launch_s else (1,)))
+    return replace(hw, compute_eff=compute, mem_eff=memory, launch_s=launch), before, after
 
 
 def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1) -> str:
@@ -177,5 +182,6 @@ def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int 
     fitted.save(out)
     names = ", ".join(d.name for d in run_dirs)
     return (f"calibrated on {names}: compute_eff {fitted.compute_eff:.2f}, mem_eff "
-            f"{fitted.mem_eff:.2f}; median |error| over their stages {before:.1%} -> "
+            f"{fitted.mem_eff:.2f}, operator dispatch {fitted.launch_s * 1e6:.1f} us; "
+            f"median |error| over their stages {before:.1%} -> "
             f"{after:.1%}\nsaved {out}; check it on other runs: rlloom perf validate RUN_DIR...")

@@ -95,10 +95,10 @@ PING_S = 5.0
 @dataclass
 class InFlight:
     """A step's generation and assessment, submitted but not yet consumed."""
-    batch: Any        # ObjectRef[Batch]
-    ginfo: Any        # ObjectRef[dict] (version, seconds)
-    exp: Any          # ObjectRef[Experience]
-    ainfo: Any        # ObjectRef[dict]
+    batch: Any        # ObjectRef[Batch] (rank 0's)
+    ginfo: Any        # GroupCall or ObjectRef of dict (version, seconds)
+    exp: Any          # ObjectRef[Experience] (rank 0's); None until assessment is submitted
+    ainfo: Any        # GroupCall of dict; None until then
 
 
 def _remote_class() -> Any:
@@ -323,13 +323,23 @@ class RayRun:
 
     # -- stages ------------------------------------------------------------------------------
     def _submit(self, step: int, batch: Any = None, ginfo: Any = None) -> None:
-        """Generation (unless given) and assessment of `step`; nothing waits here."""
+        """Generation (unless given) and, on a group of its own, assessment of `step`; nothing
+        waits here. Assessment that shares the training group is submitted with its own step
+        (`_assessed`): a worker runs calls in submission order, so a prefetched assessment
+        would queue ahead of the training it should overlap and wait for the next batch."""
         if batch is None:
             call = self._host("generation").call("generate", step, num_returns=2)
             batch, ginfo = call.part(0).lead, call.part(1)
-        assessed = self._host("assessment").call("assess", step, batch, self.kl.value,
-                                                  num_returns=2)
-        self.inflight[step] = InFlight(batch, ginfo, assessed.part(0).lead, assessed.part(1))
+        self.inflight[step] = InFlight(batch, ginfo, None, None)
+        if self._host("assessment") is not self._host("training"):
+            self._assessed(step, self.inflight[step])
+
+    def _assessed(self, step: int, item: InFlight) -> InFlight:
+        if item.exp is None:
+            call = self._host("assessment").call("assess", step, item.batch, self.kl.value,
+                                                 num_returns=2)
+            item.exp, item.ainfo = call.part(0).lead, call.part(1)
+        return item
 
     def _generated(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
         """Experience ref, generation info and assessment info ref of a sync or async step
@@ -349,6 +359,7 @@ class RayRun:
             dropped += ginfo["rollouts"]
             self._submit(step)
         ginfo["dropped"] = dropped
+        item = self._assessed(step, item)
         return item.exp, ginfo, item.ainfo, [ginfo]
 
     def _fused(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
