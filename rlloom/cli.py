@@ -62,6 +62,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(dump_config(cfg), end="")
         return
+    if args.dry_run:
+        from rlloom.runtime.dry_run import dry_run
+        from rlloom.runtime.ray_plan import RayOptions
+        print(dry_run(cfg, args.hardware, RayOptions(group_cpus=_group_cpus(args.group_cpus))))
+        print("dry run: every check passed; nothing was built or run")
+        return
     import os
 
     from rlloom.runtime import ray_plan
@@ -193,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("train", help="RL-train a policy (default: GRPO on the arith task)")
     _config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="check the plan (runtime, layouts, "
+                   "resources; memory with --hardware) and print its device groups, then exit")
+    p.add_argument("--hardware", metavar="NAME", help="--dry-run: price memory per device on "
+                   "this hardware (h100, a100-80gb, local, ...)")
     p.add_argument("--ray", action="store_true", help="run on Ray (the default for plans with "
                    "placement other than colocated or schedule other than sync)")
     p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. auto, "

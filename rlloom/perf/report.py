@@ -21,6 +21,12 @@ from rlloom.perf.simulate import simulate
 from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
 
 
+def _sec(x: float) -> str:
+    """Seconds with one decimal, or three significant digits below one second (a tiny model's
+    step on a CPU)."""
+    return f"{x:.1f}" if x >= 1 or x == 0 else f"{x:.3g}"
+
+
 def parse_gpus(spec: str) -> tuple[int, str]:
     """'64xH100' -> (64, 'h100')."""
     m = re.fullmatch(r"(\d+)x([\w.-]+)", spec.strip(), flags=re.IGNORECASE)
@@ -113,7 +119,7 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
     plot_gantt(sim, out / "gantt.png", f"{which} plan")
     idle = ", ".join(f"{g} {f:.0%}" for g, f in sorted(sim.idle.items()))
     return (f"{which} plan {label}\n{steps} simulated steps: steady-state step "
-            f"{sim.step_s:.1f} s (priced at the workload's p50/p99: {chosen.step_s:.1f} s); "
+            f"{_sec(sim.step_s)} s (priced at the workload's p50/p99: {_sec(chosen.step_s)} s); "
             f"idle: {idle}\nwrote {out / 'trace.json'} and {out / 'gantt.png'}")
 
 
@@ -125,7 +131,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
         write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {best.devices} x "
-                                        f"{hw.name}, predicted {best.step_s:.1f} s per step",
+                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step",
                                         req.runtime))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
@@ -143,7 +149,8 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
              f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8} {'$/step':>8} "
              f"{'devices':>7}  plan"]
     for p in found.ranked[:top]:
-        lines.append(f"{p.step_s:8.1f} {p.gen_s:8.1f} {p.assess_s:8.1f} {p.train_s:8.1f} "
+        lines.append(f"{_sec(p.step_s):>8} {_sec(p.gen_s):>8} {_sec(p.assess_s):>8} "
+                     f"{_sec(p.train_s):>8} "
                      f"{cost_per_step(p, hw):8.2f} {p.devices:7d}  "
                      f"{describe(p.plan, p.gen_layout, p.micro_batch)}")
     if found.ranked and base is not None:
@@ -174,17 +181,17 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
     if objective == "cost":
         head = (f"why: ${cost_per_step(best, hw):.2f} per step on {best.devices} devices, "
                 f"{cost_per_step(base, hw) / cost_per_step(best, hw):.2f}x cheaper than "
-                f"{naive_plan}: ${cost_per_step(base, hw):.2f} and {base.step_s:.1f} s per step; ")
+                f"{naive_plan}: ${cost_per_step(base, hw):.2f} and {_sec(base.step_s)} s per step; ")
     else:
         head = (f"why: {base.step_s / best.step_s:.2f}x faster than {naive_plan}: "
-                f"{base.step_s:.1f} s per step; ")
+                f"{_sec(base.step_s)} s per step; ")
     lines = [
-        head + f"generation {base.gen_s:.1f} -> {best.gen_s:.1f} s, assessment "
-        f"{base.assess_s:.1f} -> {best.assess_s:.1f} s, training {base.train_s:.1f} -> "
-        f"{best.train_s:.1f} s" + (f", weight sync {best.sync_s:.1f} s" if best.sync_s else ""),
+        head + f"generation {_sec(base.gen_s)} -> {_sec(best.gen_s)} s, assessment "
+        f"{_sec(base.assess_s)} -> {_sec(best.assess_s)} s, training {_sec(base.train_s)} -> "
+        f"{_sec(best.train_s)} s" + (f", weight sync {_sec(best.sync_s)} s" if best.sync_s else ""),
         f"  bottleneck: {stage}, {split[stage] / best.step_s:.0%} of the step; its slowest part "
-        f"({worst.role}) is {bound}-bound: compute {worst.compute_s:.1f} s, memory "
-        f"{worst.memory_s:.1f} s, communication {worst.comm_s:.1f} s",
+        f"({worst.role}) is {bound}-bound: compute {_sec(worst.compute_s)} s, memory "
+        f"{_sec(worst.memory_s)} s, communication {_sec(worst.comm_s)} s",
         "  peak memory per device: " + ", ".join(
             f"{g} {gib:.1f} GiB" for g, gib in sorted(best.mem_gib.items()))
         + f" of {usable:.1f} usable"]
@@ -193,7 +200,7 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
         others.setdefault(f"{p.plan.placement}/{p.plan.schedule}", p)
     mine = f"{best.plan.placement}/{best.plan.schedule}"
     alternatives = [f"{k} ${cost_per_step(p, hw):.2f} ({p.devices} devices)"
-                    if objective == "cost" else f"{k} {p.step_s:.1f} s"
+                    if objective == "cost" else f"{k} {_sec(p.step_s)} s"
                     for k, p in others.items() if k != mine]
     if alternatives:
         lines.append("  best of each other placement/schedule: " + ", ".join(alternatives))

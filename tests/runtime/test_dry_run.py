@@ -1,0 +1,36 @@
+"""`rlloom train --dry-run`: the planner's plan for 64 GPUs passes every check the executor
+makes, and a layout that cannot run fails the same way a real start would, without building
+or running anything."""
+import pytest
+
+from rlloom.cli import main
+from rlloom.perf.hardware import hardware
+from rlloom.perf.planner import search
+from rlloom.perf.report import plan_file
+from rlloom.perf.shapes import model_shape
+from rlloom.perf.workload import Lengths, Workload
+
+# the built-in model with heads a TP of 4 can split
+WIDE = ["model.hidden_size=64", "model.heads=4", "model.kv_heads=4"]
+
+
+def test_the_planners_64_gpu_plan_passes_the_executors_checks(tmp_path, capsys):
+    found = search(model_shape("qwen2.5-7b"), "grpo",
+                   Workload(512, 8, 512, Lengths("lognormal", 2048, 16384)), hardware("h100"), 64)
+    plan = tmp_path / "best.yaml"
+    plan.write_text(plan_file(found.ranked[0], "best"))
+    main(["train", str(plan), *WIDE, f"run_dir={tmp_path / 'run'}", "--dry-run",
+          "--hardware", "h100"])
+    out = capsys.readouterr().out
+    assert "runs on Ray: all (64 ranks)" in out
+    assert "actor pp=1 dp=32 cp=1 tp=2 ep=1 zero=2" in out and "generation pp=1 dp=16" in out
+    assert "resources: 64 ranks, 64 CPUs" in out and "memory per device on h100" in out
+    assert "dry run: every check passed" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_layout_that_cannot_run_fails_the_dry_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "plan.layouts.actor.tp=2", "model.kv_heads=1", "--dry-run"])
+    assert e.value.code == 2
+    assert "tp=2 does not divide the model's num_kv_heads=1" in capsys.readouterr().err
