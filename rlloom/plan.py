@@ -175,21 +175,25 @@ def _sizer(plan: Plan, group: DeviceGroup) -> str:
 # -- what the executor runs: the one capability table `rlloom plan` and `rlloom train` read ----
 
 # dimensions the executor's groups apply to a model in the RL stages (rlloom.parallel also
-# has pipeline, context and expert parallelism for a model alone; the stages do not run them)
-EXECUTOR_DEGREES = ("dp", "tp")
+# has pipeline and expert parallelism for a model alone; the stages do not run them yet)
+EXECUTOR_DEGREES = ("dp", "tp", "cp")
 
 
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)
     for role, layout in plan.layouts.items():
-        for dim in ("pp", "cp", "ep"):
+        for dim in ("pp", "ep"):
             if getattr(layout, dim) > 1:
                 problems.append(f"plan.layouts.{role}.{dim}={getattr(layout, dim)}: the executor "
-                                f"applies {' and '.join(EXECUTOR_DEGREES)} (ZeRO 0-3 and "
+                                f"applies {', '.join(EXECUTOR_DEGREES)} (ZeRO 0-3 and "
                                 "activation checkpointing) inside a group; set it to 1 "
                                 "(`rlloom plan --price-only` prices such plans without "
                                 "running them)")
+        if layout.cp > 1 and (role not in TRAINABLE or layout.tp > 1):
+            problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
+                            "the sequences of the models that train (actor, critic), with "
+                            "tp=1; set cp=1 here")
     if plan.actor_critic == "shared" and "critic" in models and plan.layout("actor").world_size > 1:
         problems.append("plan.actor_critic=shared trains the value head through the actor's own "
                         "forward, which a sharded actor does not expose yet; use "

@@ -8,7 +8,8 @@
     state = full_state_dict(model)               # rank 0: plain tensors for HF export
 
 The order is fixed: tensor parallel first (it replaces Linear/RMSNorm weights by DTensors
-sharded over `tp`), then activation checkpointing (it wraps whole layers, whatever is
+sharded over `tp`), then context parallel (it swaps the backbone for a wrapper over sequence
+shards of `cp`, holding the same modules), then activation checkpointing (it wraps whole layers, whatever is
 inside), then data parallel (FSDP2 shards the already-TP DTensors again over `dp` and groups
 each checkpointed layer).
 """
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from rlloom.models.hf_io import replace_dir
 from rlloom.parallel.checkpointing import apply_activation_checkpointing
+from rlloom.parallel.context_parallel import apply_context_parallel
 from rlloom.parallel.data_parallel import Zero1AdamW, apply_data_parallel, local_tensor
 from rlloom.parallel.mesh import LayoutError, build_mesh, validate_layout
 from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
@@ -57,17 +59,22 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
     `mixed_precision=None` uses bf16 compute where the device supports it (see
     `data_parallel.mixed_precision_policy`); it only applies when dp > 1.
     """
-    missing = [f"{d}={getattr(layout, d)}" for d in ("pp", "cp", "ep") if getattr(layout, d) > 1]
+    missing = [f"{d}={getattr(layout, d)}" for d in ("pp", "ep") if getattr(layout, d) > 1]
     if missing:
-        raise LayoutError(f"{', '.join(missing)} is not implemented in rlloom.parallel yet "
-                          "(dp with zero 0-3, tp with sequence parallel and activation "
-                          "checkpointing are); set those degrees to 1")
+        raise LayoutError(f"{', '.join(missing)} is not applied by parallelize yet (dp with "
+                          "zero 0-3, tp with sequence parallel, cp and activation checkpointing "
+                          "are); set those degrees to 1")
+    if layout.cp > 1 and layout.tp > 1:
+        raise LayoutError(f"cp={layout.cp} with tp={layout.tp}: sequence-parallel TP norms and "
+                          "context-parallel shards would both split the sequence; use one")
     if layout.world_size > 1 and mesh is None:
         mesh = build_mesh(layout)
     # A 1-process layout applies to this process's own copy, whatever else is running.
     validate_layout(layout, backbone_of(model).config, mesh.size() if mesh is not None else 1)
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if layout.cp > 1:
+        apply_context_parallel(model, mesh["cp"].get_group())
     if layout.activation_checkpointing:
         apply_activation_checkpointing(model)
     if layout.dp > 1:

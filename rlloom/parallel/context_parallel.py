@@ -129,6 +129,32 @@ class ContextParallelBackbone(nn.Module):
         return self.norm(x)
 
 
+def context_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The cp group `model` runs its sequence shards over (None without context parallelism)."""
+    backbone = getattr(model, "model", None)
+    return backbone.group if isinstance(backbone, ContextParallelBackbone) else None
+
+
+def on_shards(model: nn.Module, forward: Any, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor) -> Any:
+    """`forward(input_ids, attention_mask)` over whole sequences: directly, or under context
+    parallelism on this rank's shard (right-padded to a multiple of cp with masked
+    positions), its outputs (a tensor or a tuple, sequence in dim 1) gathered back
+    differentiably. Every cp rank then holds the whole outputs, so a loss on them is counted
+    cp times: average the parameter gradients over the cp group (`ranks.Share`)."""
+    group = context_group(model)
+    if group is None:
+        return forward(input_ids, attention_mask)
+    seq, cp = input_ids.shape[1], dist.get_world_size(group)
+    pad = (0, -seq % cp)
+    out = forward(shard_sequence(nn.functional.pad(input_ids, pad), group),
+                  shard_sequence(nn.functional.pad(attention_mask, pad), group))
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x.contiguous(), 1, group)[:, :seq]
+    return tuple(whole(x) for x in out) if isinstance(out, tuple) else whole(out)
+
+
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup | None = None
                            ) -> nn.Module:
     """Make `model` (CausalLM, ValueModel or ActorCritic: anything with a `.model` backbone)

@@ -34,11 +34,13 @@ from rlloom.models.transformer import MLP, Attention, Backbone
 
 
 def backbone_of(model: nn.Module) -> Backbone:
-    """The decoder backbone of a CausalLM / ValueModel / ActorCritic (or the backbone itself)."""
-    if isinstance(model, Backbone):
+    """The decoder backbone of a CausalLM / ValueModel / ActorCritic (or the backbone itself;
+    under context parallelism its wrapper, which holds the same modules)."""
+    from rlloom.parallel.context_parallel import ContextParallelBackbone
+    if isinstance(model, (Backbone, ContextParallelBackbone)):
         return model
     backbone = getattr(model, "model", None)
-    if not isinstance(backbone, Backbone):
+    if not isinstance(backbone, (Backbone, ContextParallelBackbone)):
         raise TypeError(f"{type(model).__name__} has no rlloom Backbone at .model")
     return backbone
 

@@ -57,15 +57,18 @@ class Search:
 def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
-    ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too)."""
+    ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles cp
+    without tp; see `plan.runnable_problems`)."""
     out = []
     tp = 1
-    splits = [(1, 1)] if runnable else list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
+    splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
+    if runnable:
+        splits = [(1, cp) for cp in (CONTEXT_PARALLEL if trainable else (1,))]
     while tp <= min(n, hw.devices_per_node):
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
-            if runnable and not _torchrun_applies(Layout(tp=tp), shape):
+            if runnable and (not _torchrun_applies(Layout(tp=tp), shape) or (tp > 1 and cp > 1)):
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
@@ -280,8 +283,9 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
         # disaggregated: generation, training and the reference each on their own share
         for split in _splits(units, 2 + len(ref)):
             n_gen, n_train, *n_ref = [s * unit for s in split]
-            # separate groups do not share memory: each role's own best layout is best
-            choice = {r: top(r, n_train)[:1] for r in trained}
+            # separate groups do not share memory: each role's own best layout is best, but
+            # actor and critic share the training devices, so they keep their TOP_K there
+            choice = {r: top(r, n_train)[:1 if len(trained) == 1 else TOP_K] for r in trained}
             if ref:
                 choice["reference"] = top("reference", n_ref[0])[:1]
             gen = top("actor", n_gen, rollout=True)[:1]

@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.algos.policy_losses import entropy_from_logits
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
+from rlloom.parallel.context_parallel import on_shards
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.rollout.sampling import policy_logprobs
 from rlloom.runtime.shared_prompt import SharedPrompts
@@ -68,10 +69,10 @@ def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
     else:
         ids, mask, span = _joined(r)
         if isinstance(model, ActorCritic):
-            logits, values = model.logits_and_values(ids, mask)
+            logits, values = on_shards(model, model.logits_and_values, ids, mask)
             values = values[:, span]
         else:
-            logits = model(ids, mask)
+            logits = on_shards(model, model, ids, mask)
         logits = logits[:, span]
     logits = logits.float() / (temperature or 1.0)
     logp = policy_logprobs(logits, 1.0).gather(-1, r.response_ids[..., None]).squeeze(-1)
@@ -84,8 +85,9 @@ def response_values(critic: ValueModel | ActorCritic, r: Rollout) -> torch.Tenso
     logits, also for a shared actor-critic)."""
     ids, mask, span = _joined(r)
     if isinstance(critic, ActorCritic):
-        return critic.score(critic.model(ids, mask)).squeeze(-1)[:, span]
-    return critic(ids, mask)[:, span]
+        return on_shards(critic, lambda i, m: critic.score(critic.model(i, m)).squeeze(-1),
+                         ids, mask)[:, span]
+    return on_shards(critic, critic, ids, mask)[:, span]
 
 
 def sequence_scores(model: ValueModel, r: Rollout) -> torch.Tensor:

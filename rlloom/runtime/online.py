@@ -325,6 +325,7 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
             optimizer.zero_grad(set_to_none=True)
             stats = policy_backward(policy, exp, share.rows(idx), _norm(tokens, seqs, share, cfg),
                                     kl_coef, cfg, budget, share_prompts, agree)
+            share.reduce_context(policy)
             stats["grad_norm"] = clip_grad_norm(
                 policy.parameters(), cfg.train.grad_clip).item()
             optimizer.step()
@@ -333,6 +334,7 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
                 stats["value_loss"] = critic_backward(
                     critic, exp, critic_share.rows(idx), _norm(tokens, seqs, critic_share, cfg),
                     cfg, budget, agree)
+                critic_share.reduce_context(critic)
                 clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():

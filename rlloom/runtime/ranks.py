@@ -51,10 +51,25 @@ def free_address() -> str:
 @dataclass(frozen=True)
 class Share:
     """This rank's part of the work of one layout: its data-parallel replica `part` of
-    `parts`, and whether it leads the replica (TP/CP ranks of a replica hold copies)."""
+    `parts`, whether it leads the replica (TP/CP ranks of a replica hold copies), and the cp
+    group whose ranks each hold a sequence shard of the replica's rows."""
     parts: int = 1
     part: int = 0
     leader: bool = True
+    context: Any = None  # torch.distributed ProcessGroup of the cp ranks, None without cp
+
+    def reduce_context(self, model: nn.Module) -> None:
+        """Average `model`'s gradients over the cp group: each cp rank computed the loss on
+        outputs gathered from every shard (`context_parallel.on_shards`), so its gradients
+        are cp times its shard's part of the whole; the average sums the parts."""
+        if self.context is None:
+            return
+        cp = dist.get_world_size(self.context)
+        for p in model.parameters():
+            if p.grad is not None:
+                grad = local_tensor(p.grad)
+                dist.all_reduce(grad, group=self.context)  # gloo has no AVG
+                grad.div_(cp)
 
     def of(self, n: int) -> slice:
         """The replica's contiguous share of n items (the first n % parts replicas get one
@@ -111,7 +126,8 @@ class RankGroup:
         if mesh is None:
             return Share()
         return Share(mesh["dp"].size(), mesh["dp"].get_local_rank(),
-                     mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0)
+                     mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0,
+                     mesh["cp"].get_group() if layout.cp > 1 else None)
 
     # -- collectives (identities for one rank) -------------------------------------------------
     def most(self, n: int) -> int:

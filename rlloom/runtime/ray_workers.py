@@ -194,11 +194,13 @@ class TrainingRole:
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if "critic" in PRESETS[a.name].roles and plan.actor_critic != "shared":
             self.critic = ValueModel.from_policy(self.policy)
-        # generation beside training reads the policy itself, or a copy in its own layout
-        # (always when the actor trains data-parallel: see ranks.RankGroup.generating)
-        gen = generation_layout(plan)
+        # generation beside training (and held-out evaluation) reads the policy itself, or a
+        # copy in its own layout: always when the actor trains data-parallel (see
+        # ranks.RankGroup.generating) or on sequence shards, which a KV cache cannot decode
+        gen = generation_layout(plan) if generates else self.layout
         self.generator = self.policy
-        if generates and ranks.world > 1 and (gen != self.layout or self.layout.dp > 1):
+        if ranks.world > 1 and (self.layout.cp > 1 or (generates and (
+                gen != self.layout or self.layout.dp > 1))):
             self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
         self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
                                        weight_decay=cfg.train.weight_decay)
@@ -243,7 +245,7 @@ class TrainingRole:
 
     def evaluate(self, step: int) -> float:
         with self.spans.span("eval", step, "eval"):
-            return greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg,
+            return greedy_accuracy(self.generator, self.tokenizer, self.eval_set, self.cfg,
                                    self.pool)
 
     def state(self) -> dict[str, Any]:
