@@ -1,5 +1,6 @@
-"""What the Ray runtime runs: its options, the device groups a plan's placement makes, and
-the checks that refuse what it cannot run (imports neither Ray nor the workers' models)."""
+"""What the executor runs before it starts anything: its options, the device groups of a run
+(`plan.device_groups` over the models it builds), and the checks that refuse, with the fix,
+what it cannot run (imports no Ray)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,6 @@ from rlloom.config import ConfigError, RunConfig
 from rlloom.models.config import ModelConfig
 from rlloom.parallel.mesh import layout_problems
 from rlloom.plan import (
-    STAGES,
     DeviceGroup,
     Plan,
     device_groups,
@@ -19,8 +19,6 @@ from rlloom.plan import (
     runnable_problems,
     stage_group,
 )
-
-STAGE_ROLES = STAGES
 
 
 @dataclass

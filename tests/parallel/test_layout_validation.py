@@ -54,7 +54,9 @@ def test_experts_must_split_evenly():
 
 
 def test_parallelize_refuses_what_is_not_implemented():
-    with pytest.raises(LayoutError, match="pp=2 is not implemented"):
+    with pytest.raises(LayoutError, match="pp=2 is not applied by parallelize yet"):
         parallelize(tiny_model(), Layout(pp=2))
+    with pytest.raises(LayoutError, match="cp=2 with tp=2: sequence-parallel TP norms"):
+        parallelize(tiny_model(), Layout(cp=2, tp=2))
     with pytest.raises(LayoutError, match="needs torch.distributed initialised"):
         parallelize(tiny_model(), Layout(dp=2))
