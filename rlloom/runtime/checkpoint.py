@@ -43,6 +43,28 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
     return final
 
 
+# checkpoint keys of a trained model and its optimizer, by part ("actor", "critic")
+WHOLE_KEYS = {"actor": ("policy", "optimizer"), "critic": ("critic", "critic_optimizer")}
+Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+
+
+def whole_state(parts: Parts) -> dict[str, Any]:
+    """Trained models' and optimizers' state dicts under their checkpoint keys (a process
+    that holds them whole; a group of ranks writes DCP shards instead)."""
+    state = {}
+    for name, (model, optim) in parts.items():
+        model_key, optim_key = WHOLE_KEYS[name]
+        state[model_key], state[optim_key] = model.state_dict(), optim.state_dict()
+    return state
+
+
+def load_whole_state(parts: Parts, state: dict[str, Any]) -> None:
+    for name, (model, optim) in parts.items():
+        model_key, optim_key = WHOLE_KEYS[name]
+        model.load_state_dict(state[model_key])
+        optim.load_state_dict(state[optim_key])
+
+
 def load_latest(run_dir: Path) -> dict[str, Any] | None:
     """The newest checkpoint's state, on the CPU whatever device saved it (RNG states must be
     CPU tensors; `load_state_dict` copies weights and optimizer state to the model's device)."""

@@ -50,6 +50,7 @@ from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.evaluate import greedy_accuracy
 from rlloom.runtime.online import (
     Experience,
@@ -253,23 +254,14 @@ class TrainingRole:
         (a group of ranks writes shards instead: `save_shards`)."""
         state: dict[str, Any] = {"shuffle_gen": self.shuffle_gen.get_state()}
         if self.ranks.world == 1:
-            state["policy"] = self.policy.state_dict()
-            state["optimizer"] = self.optimizer.state_dict()
-            if self.critic is not None:
-                state["critic"] = self.critic.state_dict()
-                state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            state.update(whole_state(self.parts))
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.version = state["step"]
         self.shuffle_gen.set_state(state["shuffle_gen"])
-        if "policy" not in state:
-            return
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        if "policy" in state:
+            load_whole_state(self.parts, state)
 
     def save_shards(self, path: Path) -> None:
         for name, (model, optim) in self.parts.items():

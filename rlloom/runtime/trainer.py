@@ -31,7 +31,7 @@ from rlloom.parallel.mesh import layout_problems, layout_summary
 from rlloom.plan import Layout
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.batch import encode
-from rlloom.runtime.checkpoint import load_latest
+from rlloom.runtime.checkpoint import load_latest, load_whole_state, whole_state
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device
@@ -207,7 +207,7 @@ class Trainer:
         """The process that writes files and prints (rank 0, or the only one)."""
         return self.ranks.main
 
-    def _sharded_parts(self) -> dict:
+    def _trained_parts(self) -> dict:
         parts = {"actor": (self.policy, self.optimizer)}
         if self.critic is not None:
             parts["critic"] = (self.critic, self.critic_optimizer)
@@ -220,21 +220,13 @@ class Trainer:
                  "shuffle_gen": self.shuffle_gen.get_state(),
                  "data_position": self.stream.position, "eval_history": self.eval_history}
         if self.layouts is None:  # sharded runs save model and optimizer state with DCP
-            state["policy"] = self.policy.state_dict()
-            state["optimizer"] = self.optimizer.state_dict()
-            if self.critic is not None:
-                state["critic"] = self.critic.state_dict()
-                state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            state.update(whole_state(self._trained_parts()))
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         if "policy" in state:
-            self.policy.load_state_dict(state["policy"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.critic is not None:
-                self.critic.load_state_dict(state["critic"])
-                self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            load_whole_state(self._trained_parts(), state)
         self.kl.value = state["kl_coef"]
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
@@ -244,7 +236,7 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the newest checkpoint; forget metrics and spans logged after it."""
         state = (load_latest(self.run_dir) if self.layouts is None else
-                 load_sharded_checkpoint(self.run_dir, self._sharded_parts()))
+                 load_sharded_checkpoint(self.run_dir, self._trained_parts()))
         if state is None:
             return False
         self.load_state_dict(state)
@@ -329,7 +321,7 @@ class Trainer:
             save_state(self.run_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep)
         else:
             save_sharded_checkpoint(self.ranks, self.run_dir, self.step, self.state_dict(),
-                                    self._sharded_parts(), self.cfg.checkpoint.keep)
+                                    self._trained_parts(), self.cfg.checkpoint.keep)
         if self.main:
             self.tracer.save()
 
