@@ -194,10 +194,6 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of the models that train (actor, critic), with "
                             "tp=1; set cp=1 here")
-    if plan.actor_critic == "shared" and "critic" in models and plan.layout("actor").world_size > 1:
-        problems.append("plan.actor_critic=shared trains the value head through the actor's own "
-                        "forward, which a sharded actor does not expose yet; use "
-                        "plan.actor_critic=separate or train the actor on one device")
     rollout = plan.layouts.get("rollout")
     if rollout is not None and rollout.zero:
         problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "

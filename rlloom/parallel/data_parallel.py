@@ -45,7 +45,7 @@ from rlloom.parallel.tensor_parallel import backbone_of
 # Methods that stand in for forward() on rlloom models (ActorCritic's shared-trunk pass).
 # Calling submodules directly (e.g. `critic.score(critic.model(x))`) bypasses the root's hooks
 # and is wrong under data parallelism: call the model itself or one of these.
-FORWARD_METHODS = ("logits_and_values",)
+FORWARD_METHODS = ("logits_and_values", "values")
 
 
 def mixed_precision_policy(device_type: str, enabled: bool | None = None

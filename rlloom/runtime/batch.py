@@ -85,8 +85,7 @@ def response_values(critic: ValueModel | ActorCritic, r: Rollout) -> torch.Tenso
     logits, also for a shared actor-critic)."""
     ids, mask, span = _joined(r)
     if isinstance(critic, ActorCritic):
-        return on_shards(critic, lambda i, m: critic.score(critic.model(i, m)).squeeze(-1),
-                         ids, mask)[:, span]
+        return on_shards(critic, critic.values, ids, mask)[:, span]
     return on_shards(critic, critic, ids, mask)[:, span]
 
 

@@ -45,10 +45,6 @@ def distributed_problems(cfg: RunConfig, world: int) -> list[str]:
         if role in plan.layouts:
             problems.append(f"plan.layouts.{role}: under torchrun the {role} follows the actor's "
                             "layout (forward-only roles keep zero 0); remove the entry")
-    if plan.actor_critic == "shared" and world > 1:
-        problems.append("plan.actor_critic=shared is single-process only; use separate")
-    if cfg.algo.dynamic_sampling and world > 1:
-        problems.append("algo.dynamic_sampling is single-process only")
     if cfg.rollout.stop and world > 1:
         problems.append("rollout.stop needs the generation engine's fast path, which runs only "
                         "unsharded models; remove rollout.stop or run in one process")

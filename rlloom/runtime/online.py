@@ -154,12 +154,12 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
                    score_s=time.perf_counter() - t0)
 
 
-def collect(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
-            cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
-    """B prompts x K samples; with dynamic sampling, groups whose rewards are all equal are
-    dropped and fresh prompts generated, for at most `algo.max_sample_rounds` rounds."""
+def collect(sample_round: Callable[[int], Samples], cfg: RunConfig, pad_id: int) -> Samples:
+    """B prompts x K samples, each round of `sample_round(prompts)`; with dynamic sampling,
+    groups whose rewards are all equal are dropped and fresh prompts generated, for at most
+    `algo.max_sample_rounds` rounds."""
     b = cfg.train.prompts_per_step
-    first = sample_groups(policy, tokenizer, stream.next(b), cfg, rewarder, generator)
+    first = sample_round(b)
     if not cfg.algo.dynamic_sampling:
         return first
     kept: list[Samples] = []
@@ -169,30 +169,32 @@ def collect(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: Prompt
         kept += [batch.groups([g]) for g in batch.group_ids[keep].unique().tolist()]
         if len(kept) >= b or rounds == cfg.algo.max_sample_rounds:
             break
-        batch = sample_groups(policy, tokenizer, stream.next(b), cfg, rewarder, generator)
+        batch = sample_round(b)
         score_s += batch.score_s
         rounds += 1
     kept = kept[:b] or [first.groups([g]) for g in range(b)]  # nothing learnable: round 1
-    return replace(Samples.cat(kept, tokenizer.pad_token_id), rounds=rounds, score_s=score_s)
+    return replace(Samples.cat(kept, pad_id), rounds=rounds, score_s=score_s)
 
 
 def generate_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
                    cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator,
                    ranks: RankGroup, share: Share, prompts: int | None = None) -> Samples:
-    """The step's scored samples on every rank of a group: `collect` in one rank; else each
-    generation replica samples its `share` of the `prompts` (default: the step's B) that every
-    rank draws alike, and the shares are all-gathered in replica order."""
-    if ranks.world == 1 and prompts is None:
-        return collect(policy, tokenizer, stream, cfg, rewarder, generator)
-    problems = stream.next(prompts or cfg.train.prompts_per_step)
-    part = sample_groups(policy, tokenizer, problems[share.of(len(problems))], cfg, rewarder,
-                         generator)
-    if ranks.world == 1:
-        return part
-    got = [p for p in ranks.gather(part.to("cpu") if share.leader else None) if p is not None]
-    # replicas score at the same time: the stage waits for the slowest
-    return replace(Samples.cat(got, tokenizer.pad_token_id),
-                   score_s=max(p.score_s for p in got)).to(ranks.device)
+    """The step's scored samples on every rank of a group (`collect`, with dynamic sampling),
+    or a fused schedule's chunk of `prompts` prompts. Each round every rank draws the same
+    prompts; each generation replica samples its `share` of them and the shares are
+    all-gathered in replica order, so every rank filters the same groups alike."""
+    def sample_round(n: int) -> Samples:
+        problems = stream.next(n)
+        part = sample_groups(policy, tokenizer, problems[share.of(n)], cfg, rewarder, generator)
+        if ranks.world == 1:
+            return part
+        got = [p for p in ranks.gather(part.to("cpu") if share.leader else None)
+               if p is not None]
+        # replicas score at the same time: the stage waits for the slowest
+        return replace(Samples.cat(got, tokenizer.pad_token_id),
+                       score_s=max(p.score_s for p in got)).to(ranks.device)
+    return sample_round(prompts) if prompts else collect(sample_round, cfg,
+                                                         tokenizer.pad_token_id)
 
 
 def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,

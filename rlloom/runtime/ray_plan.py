@@ -61,9 +61,6 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
     gen, train = generation_layout(plan), plan.layout("actor")
     groups = group_specs(cfg)
     gen_ranks = stage_group(groups, "generation").ranks
-    if gen_ranks > 1 and cfg.algo.dynamic_sampling:
-        problems.append("algo.dynamic_sampling refills the batch from whole-batch rewards in "
-                        "one process; it needs a one-rank generation group")
     if gen_ranks > 1 and cfg.rollout.stop:
         problems.append("rollout.stop needs the generation engine's fast path, which runs only "
                         "unsharded models; remove rollout.stop or generate on one rank")

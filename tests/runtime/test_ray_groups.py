@@ -102,6 +102,31 @@ def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
     assert all(m["reshard_bytes"] > 0 and m["sync_bytes"] == 0 for m in metrics)
 
 
+@pytest.mark.parametrize("algo, plan", [
+    ("ppo", ["plan.actor_critic=shared", "plan.layouts.actor.dp=2",
+             "plan.layouts.rollout.tp=2"]),
+    ("dapo", ["plan.placement=disaggregated", "plan.layouts.rollout.tp=2",
+              "plan.layouts.rollout.dp=2", "train.prompts_per_step=4"]),
+])
+def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, single, algo,
+                                                                plan):
+    """PPO with the value head on a data-parallel actor equals one process; DAPO's dynamic
+    sampling with 2 TP x 2 DP generation ranks refills whole-batch rounds on every rank alike
+    (its replicas sample their own streams, so it runs, and is not compared)."""
+    run = tmp_path / "ray"
+    main(["train", *tiny, f"algo={algo}", *EXACT, *plan, f"run_dir={run}",
+          "--worker-timeout", "300"])
+    rows = _rows(run)
+    if algo == "ppo":
+        shared = tmp_path / "single"
+        main(["train", *tiny, "algo=ppo", *EXACT, "plan.actor_critic=shared",
+              f"run_dir={shared}"])
+        _assert_same(_rows(shared), rows)
+    else:
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in rows)
+
+
 def test_killed_rank_of_a_training_group_is_named_and_the_run_resumes(tmp_path, tiny, single,
                                                                       monkeypatch, capsys):
     monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:actor/1:2")  # SIGKILL rank 1 during step 2
