@@ -33,7 +33,7 @@ from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.generate import Rollout
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.stages.batch import response_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from generate import DTYPES, sync  # noqa: E402

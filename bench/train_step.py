@@ -14,7 +14,7 @@ log-prob of the response tokens at temperature 1, the core of every policy loss.
   `--budget` padded tokens, each trimmed to its own widths, gradients accumulated (what
   the trainer does under torchrun, and for value heads);
 - rlloom, shared: each distinct prompt once, then the responses in buckets attending to it,
-  and one backward through the prompt pass (what `runtime.online.optimise` does).
+  and one backward through the prompt pass (what `runtime.stages.online.optimise` does).
 tok/s counts real (unpadded) prompt + response tokens of the K rows. On a GPU (`--device
 cuda`, default dtype bfloat16 there) timings wait for the device, and the four losses agree
 to bf16 rounding instead of 1e-4.
@@ -33,9 +33,9 @@ from rlloom.config import load_config
 from rlloom.models.hf_io import save_checkpoint
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
-from rlloom.runtime.batch import response_logprobs
-from rlloom.runtime.packing import micro_batches, trim
-from rlloom.runtime.shared_prompt import SharedPrompts
+from rlloom.runtime.stages.batch import response_logprobs
+from rlloom.runtime.stages.packing import micro_batches, trim
+from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from generate import (  # noqa: E402

@@ -63,17 +63,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(dump_config(cfg), end="")
         return
     if args.dry_run:
-        from rlloom.runtime.dry_run import dry_run
-        from rlloom.runtime.ray_plan import RayOptions
+        from rlloom.runtime.executor.dry_run import dry_run
+        from rlloom.runtime.executor.ray_plan import RayOptions
         print(dry_run(cfg, args.hardware, RayOptions(group_cpus=_group_cpus(args.group_cpus))))
         print("dry run: every check passed; nothing was built or run")
         return
     import os
 
-    from rlloom.runtime import ray_plan
+    from rlloom.runtime.executor import ray_plan
     if args.ray or args.ray_address or ray_plan.needs_ray(cfg):
-        from rlloom.runtime import ray_runtime as rr
-        from rlloom.runtime.ray_cluster import WorkerFailure
+        from rlloom.runtime.executor import ray_runtime as rr
+        from rlloom.runtime.executor.ray_cluster import WorkerFailure
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                   f"rlloom train --resume {e.run_dir}", file=sys.stderr)
             sys.exit(1)
         return
-    from rlloom.runtime.trainer import train
+    from rlloom.runtime.executor.trainer import train
     train(cfg, resume)
 
 

@@ -9,9 +9,9 @@
 
 The order is fixed: tensor parallel first (it replaces Linear/RMSNorm weights by DTensors
 sharded over `tp`), then context parallel (it swaps the backbone for a wrapper over sequence
-shards of `cp`, holding the same modules), then activation checkpointing (it wraps whole layers, whatever is
-inside), then data parallel (FSDP2 shards the already-TP DTensors again over `dp` and groups
-each checkpointed layer).
+shards of `cp`, holding the same modules), then activation checkpointing (it wraps whole
+layers, whatever is inside), then data parallel (FSDP2 shards the already-TP DTensors again
+over `dp` and groups each checkpointed layer).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""How rlloom cuts a batch of sequences into length-bucketed micro-batches: the runtime's split
-(runtime/packing.py) and the cost model's padding estimate (workload.py) both call this, so
-the model prices exactly what runs. Pure Python: the perf package must not import torch.
+"""How rlloom cuts a batch of sequences into length-bucketed micro-batches: the runtime's
+split (runtime/stages/packing.py) and the cost model's padding estimate (workload.py) both
+call this, so the model prices exactly what runs. Pure Python: the perf package must not
+import torch.
 
 Rows come sorted by length. A micro-batch is a contiguous run of them, padded to its longest
 prompt plus its longest response, so it computes rows x (max prompt + max response) tokens.
@@ -23,7 +24,7 @@ def split_sorted(prompt_lens: list[float], response_lens: list[float], budget: f
                  ) -> list[tuple[int, int]]:
     """[start, end) bounds of the micro-batches of rows already sorted by length.
 
-    `prompts_done`: the prompts ran in a shared pass (runtime/shared_prompt.py), so a
+    `prompts_done`: the prompts ran in a shared pass (runtime/stages/shared_prompt.py), so a
     micro-batch computes only its responses, but still holds its prompts' keys and values:
     they count against the budget, not in the cost."""
     if budget < 1:

@@ -140,8 +140,8 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
                            "naive": _row(base, hw) if base else None,
                            "rejected": found.rejected[:20]}, indent=2)
     runnable = (" (plans torchrun runs)" if req.runtime == "torchrun" else
-                " (PRICE ONLY: plans with pp, ep or a cp the executor lacks do not run yet)" if req.price_only
-                else " (plans the executor runs)")
+                " (PRICE ONLY: plans with pp, ep or a cp the executor lacks do not run yet)"
+                if req.price_only else " (plans the executor runs)")
     lines = [f"{model} {algo} on {devices} x {hw.name}{runnable}, ranked by "
              f"{OBJECTIVES[req.objective]}: "
              f"searched in {found.seconds:.2f} s, {len(found.ranked)} feasible plans, "
@@ -181,7 +181,8 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
     if objective == "cost":
         head = (f"why: ${cost_per_step(best, hw):.2f} per step on {best.devices} devices, "
                 f"{cost_per_step(base, hw) / cost_per_step(best, hw):.2f}x cheaper than "
-                f"{naive_plan}: ${cost_per_step(base, hw):.2f} and {_sec(base.step_s)} s per step; ")
+                f"{naive_plan}: ${cost_per_step(base, hw):.2f} and {_sec(base.step_s)} s per "
+                "step; ")
     else:
         head = (f"why: {base.step_s / best.step_s:.2f}x faster than {naive_plan}: "
                 f"{_sec(base.step_s)} s per step; ")

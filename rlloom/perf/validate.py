@@ -4,8 +4,8 @@ compute and memory efficiencies that fit some runs best, to validate on others.
 
 Each step is priced with its own workload: its number of rollouts, mean prompt length and the
 exact response lengths it generated (metrics.jsonl), with the run's plan (placement, layouts,
-schedule), in the run's dtype. Measured times are the run's stage spans (the same spans as trace.json, with
-reward scoring counted under assessment as the runtime logs it).
+schedule), in the run's dtype. Measured times are the run's stage spans (the same spans as
+trace.json, with reward scoring counted under assessment as the runtime logs it).
 """
 from __future__ import annotations
 

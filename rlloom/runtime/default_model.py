@@ -17,7 +17,7 @@ from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.device import resolve_device
-from rlloom.runtime.sft import mix_direct_answers, supervised_finetune
+from rlloom.runtime.stages.sft import mix_direct_answers, supervised_finetune
 
 # SFT problems come from their own seed so they do not overlap the RL prompt stream by design.
 SFT_SEED_OFFSET = 7_777_777

@@ -7,7 +7,7 @@ from rlloom.algos.policy_losses import POLICY_LOSSES
 from rlloom.algos.presets import PRESETS
 from rlloom.algos.registry import NEEDS, Registry
 from rlloom.config import ConfigError, load_config
-from rlloom.runtime.trainer import check_runnable
+from rlloom.runtime.executor.trainer import check_runnable
 
 
 def cfg(*overrides):

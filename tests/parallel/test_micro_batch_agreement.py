@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 from harness import spawn
 
-from rlloom.runtime.packing import micro_batches
-from rlloom.runtime.ranks import RankGroup
+from rlloom.runtime.executor.ranks import RankGroup
+from rlloom.runtime.stages.packing import micro_batches
 
 BUDGET = 60
 

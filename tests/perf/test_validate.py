@@ -112,7 +112,7 @@ def test_length_buckets_pad_like_the_runtime():
     (3 x 10 = 30) and puts the 30-token one alone (the other feasible cut, [2, 2] + [10, 30],
     pads to 4 + 60): 40 + 60 tokens in 1 + 2 passes. The runtime's plain (torchrun) path
     cuts prompt + response widths the same way."""
-    from rlloom.runtime.packing import micro_batches
+    from rlloom.runtime.stages.packing import micro_batches
     wl = Workload(4, 1, 10, Lengths.empirical([2, 2, 10, 30]), micro_batch_tokens=60)
     assert wl.teacher_forced(4, prompts_once=True) == (100, 3)
     # a value head runs prompt + response: [12, 12, 20] (3 x 20) and [40]

@@ -7,8 +7,8 @@ from rlloom.rollout.engine import Engine, EngineConfig, engine_generate, prompt_
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms, uniforms
 from rlloom.rollout.slot_cache import kv_bytes_per_slot
-from rlloom.runtime.batch import response_logprobs
-from rlloom.runtime.shared_prompt import SharedPrompts
+from rlloom.runtime.stages.batch import response_logprobs
+from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 K = 4
 BASE = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3, 4, 5, 6, 7, 8, 9, 10, 11], [17],

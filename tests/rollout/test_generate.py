@@ -4,7 +4,7 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.batch import response_logprobs
+from rlloom.runtime.stages.batch import response_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
 

@@ -38,7 +38,7 @@ def test_logprob_is_of_the_tempered_untruncated_policy():
 
 def test_prompts_use_the_chat_template_when_the_tokenizer_has_one():
     from rlloom.models.tokenizer import build_char_tokenizer
-    from rlloom.runtime.batch import encode
+    from rlloom.runtime.stages.batch import encode
 
     tok = build_char_tokenizer()
     assert tok.decode(encode(tok, ["Q:1+1="])[0]) == "Q:1+1="

@@ -12,17 +12,17 @@ from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
 from rlloom.perf.buckets import padded_tokens, split_sorted
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
-from rlloom.runtime.batch import response_logprobs, response_values
-from rlloom.runtime.online import (
+from rlloom.runtime.executor.ranks import Share
+from rlloom.runtime.stages.batch import response_logprobs, response_values
+from rlloom.runtime.stages.online import (
     Experience,
     Samples,
     critic_backward,
     optimise,
     policy_backward,
 )
-from rlloom.runtime.packing import micro_batches, trim
-from rlloom.runtime.ranks import Share
-from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
+from rlloom.runtime.stages.packing import micro_batches, trim
+from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
 
 N = 12
 CFG = ModelConfig(family="qwen3", vocab_size=30, hidden_size=16, intermediate_size=32,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlloom.cli import main
-from rlloom.runtime.ray_cluster import MAX_TEMP_DIR_CHARS, ray_temp_dir
+from rlloom.runtime.executor.ray_cluster import MAX_TEMP_DIR_CHARS, ray_temp_dir
 
 ray = pytest.importorskip("ray")
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from rlloom.runtime.weight_sync import DoubleBuffer, ShadowModel, SyncTimeout, tensor_bytes
+from rlloom.runtime.executor.weight_sync import DoubleBuffer, ShadowModel, SyncTimeout, tensor_bytes
 
 SHAPES = {"a": (256, 256), "b": (1000,), "c": (64, 64, 4)}
 

@@ -5,10 +5,10 @@ from rlloom.config import load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
-from rlloom.runtime.batch import _joined
-from rlloom.runtime.online import Samples, assess
-from rlloom.runtime.ranks import RankGroup
-from rlloom.runtime.shared_prompt import SharedPrompts
+from rlloom.runtime.executor.ranks import RankGroup
+from rlloom.runtime.stages.batch import _joined
+from rlloom.runtime.stages.online import Samples, assess
+from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 FAMILIES = {"llama": dict(qkv_bias=True), "qwen3": dict(qk_norm=True)}
 

@@ -83,7 +83,7 @@ def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, tiny):
 
 def test_stop_strings_are_refused_before_a_torchrun_starts():
     from rlloom.config import load_config
-    from rlloom.runtime.distributed import distributed_problems
+    from rlloom.runtime.executor.distributed import distributed_problems
     cfg = load_config(None, ["rollout.stop=['=']", "plan.layouts.actor.dp=2"])
     assert any("rollout.stop" in p for p in distributed_problems(cfg, 2))
     assert not any("rollout.stop" in p for p in distributed_problems(cfg, 1))
@@ -99,7 +99,7 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
     from rlloom.perf.report import plan_file
     from rlloom.perf.shapes import model_shape
     from rlloom.perf.workload import Lengths, Workload
-    from rlloom.runtime.distributed import distributed_problems
+    from rlloom.runtime.executor.distributed import distributed_problems
     wl = Workload(512, 8, 512, Lengths("lognormal", 2048, 16384))
     for model, devices in (("qwen2.5-7b", 64), ("qwen2.5-1.5b", 8)):  # 1.5b: 2 KV heads
         shape = model_shape(model)

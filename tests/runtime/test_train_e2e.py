@@ -12,9 +12,9 @@ import torch
 from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.models.hf_io import load_model
-from rlloom.runtime.batch import decode_responses
-from rlloom.runtime.online import sample_groups
-from rlloom.runtime.trainer import Trainer, train
+from rlloom.runtime.executor.trainer import Trainer, train
+from rlloom.runtime.stages.batch import decode_responses
+from rlloom.runtime.stages.online import sample_groups
 
 TIMING = {"gen_s", "assess_s", "train_s", "step_s"}
 

@@ -28,16 +28,16 @@ from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.batch import (
+from rlloom.runtime.executor.ranks import RankGroup, Share
+from rlloom.runtime.stages.batch import (
     decode_responses,
     encode,
     response_logprobs,
     response_values,
     sequence_scores,
 )
-from rlloom.runtime.packing import Agree, micro_batches, trim
-from rlloom.runtime.ranks import RankGroup, Share
-from rlloom.runtime.shared_prompt import SharedPrompts, prompt_chunks
+from rlloom.runtime.stages.packing import Agree, micro_batches, trim
+from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
 
 
 @dataclass
@@ -310,7 +310,7 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     ranks: as many plain micro-batches as every other rank), accumulating the mini-batch's
     gradient. In a group every rank holds the whole batch and draws the same shuffle; each
     trains on its data-parallel `share` of every mini-batch (`critic_share` for the critic's
-    layout) with the whole mini-batch's normalisers over dp (runtime/ranks.py)."""
+    layout) with the whole mini-batch's normalisers over dp (runtime/executor/ranks.py)."""
     r = exp.samples.rollout
     budget = cfg.train.micro_batch_tokens
     share_prompts = agree is None and not isinstance(policy, ActorCritic)

@@ -49,10 +49,13 @@ from rlloom.models.hf_io import CheckpointError, load_model, load_tokenizer, loa
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.runtime.batch import response_logprobs
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
-from rlloom.runtime.evaluate import greedy_accuracy
-from rlloom.runtime.online import (
+from rlloom.runtime.executor.ranks import RankGroup, Share, free_address, leave_world, reshard
+from rlloom.runtime.executor.trainer import DTYPES
+from rlloom.runtime.executor.weight_sync import ShadowModel, SyncStats
+from rlloom.runtime.stages.batch import response_logprobs
+from rlloom.runtime.stages.evaluate import greedy_accuracy
+from rlloom.runtime.stages.online import (
     Experience,
     Rewarder,
     Samples,
@@ -63,9 +66,6 @@ from rlloom.runtime.online import (
     optimise,
     scores,
 )
-from rlloom.runtime.ranks import RankGroup, Share, free_address, leave_world, reshard
-from rlloom.runtime.trainer import DTYPES
-from rlloom.runtime.weight_sync import ShadowModel, SyncStats
 
 # losses whose stale samples the trainer corrects as decoupled PPO (see `decoupled`)
 DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")

@@ -17,8 +17,8 @@ from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.plan import Layout
 from rlloom.runtime.checkpoint import checkpoint_dirs
 from rlloom.runtime.device import torchrun_device
-from rlloom.runtime.ranks import RankGroup
-from rlloom.runtime.ray_plan import world_size
+from rlloom.runtime.executor.ranks import RankGroup
+from rlloom.runtime.executor.ray_plan import world_size
 
 
 def distributed_problems(cfg: RunConfig, world: int) -> list[str]:

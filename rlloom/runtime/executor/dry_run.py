@@ -16,7 +16,7 @@ from rlloom.perf.validate import run_roles
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import generation_layout, model_layout
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.ray_plan import (
+from rlloom.runtime.executor.ray_plan import (
     RayOptions,
     check_group_layouts,
     check_ray_runnable,
@@ -35,7 +35,7 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RayOptions | None =
     """The checks' verdict and what the run would use; raises ConfigError on a problem.
     `hardware_name` prices memory per device (worst case: every prompt at
     data.max_prompt_tokens, every response at rollout.max_new_tokens)."""
-    from rlloom.runtime.trainer import check_runnable
+    from rlloom.runtime.executor.trainer import check_runnable
     opts = opts or RayOptions()
     on_ray = needs_ray(cfg)
     if on_ray:

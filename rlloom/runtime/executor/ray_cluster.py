@@ -14,7 +14,7 @@ from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
 from rlloom.parallel.mesh import LayoutError
 from rlloom.plan import DeviceGroup
-from rlloom.runtime.ray_plan import RayOptions
+from rlloom.runtime.executor.ray_plan import RayOptions
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
 USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)

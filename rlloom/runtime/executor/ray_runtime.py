@@ -65,10 +65,7 @@ from rlloom.models.hf_io import load_tokenizer, read_model_config, save_checkpoi
 from rlloom.plan import stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
-from rlloom.runtime.metrics import MetricsLog
-from rlloom.runtime.plots import plot_run
-from rlloom.runtime.progress import progress_bar
-from rlloom.runtime.ray_cluster import (
+from rlloom.runtime.executor.ray_cluster import (
     USER_ERRORS,
     Cluster,
     GroupCall,
@@ -78,15 +75,18 @@ from rlloom.runtime.ray_cluster import (
     first_line,
     start_error,
 )
-from rlloom.runtime.ray_plan import (
+from rlloom.runtime.executor.ray_plan import (
     RayOptions,
     check_group_layouts,
     check_ray_runnable,
     group_specs,
     state_keys,
 )
-from rlloom.runtime.ray_workers import DECOUPLED_LOSSES, GroupWorker, _policy
-from rlloom.runtime.tracing import Tracer
+from rlloom.runtime.executor.ray_workers import DECOUPLED_LOSSES, GroupWorker, _policy
+from rlloom.runtime.outputs.metrics import MetricsLog
+from rlloom.runtime.outputs.plots import plot_run
+from rlloom.runtime.outputs.progress import progress_bar
+from rlloom.runtime.outputs.tracing import Tracer
 
 PROGRESS_KEYS = ("reward", "accuracy", "kl", "eval_accuracy", "step_s", "staleness")
 PING_S = 5.0
@@ -543,7 +543,7 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
               opts: RayOptions | None = None) -> dict[str, float]:
     """`rlloom train` on Ray: validate, start or join a cluster, run, shut down."""
     from rlloom.runtime.default_model import ensure_default_model
-    from rlloom.runtime.trainer import check_prompt_lengths, new_run_dir
+    from rlloom.runtime.executor.trainer import check_prompt_lengths, new_run_dir
     opts = opts or RayOptions()
     check_ray_runnable(cfg, opts)
     run_dir = resume_dir or new_run_dir(cfg)

@@ -10,9 +10,9 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
-from rlloom.runtime.batch import response_logprobs, teacher_forced
 from rlloom.runtime.device import model_device
-from rlloom.runtime.progress import progress_bar
+from rlloom.runtime.outputs.progress import progress_bar
+from rlloom.runtime.stages.batch import response_logprobs, teacher_forced
 
 
 def mix_direct_answers(problems: list[Problem], fraction: float, seed: int) -> list[Problem]:

@@ -30,12 +30,11 @@ from rlloom.parallel.apply import full_state_dict
 from rlloom.parallel.mesh import layout_problems, layout_summary
 from rlloom.plan import Layout
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.runtime.batch import encode
 from rlloom.runtime.checkpoint import load_latest, load_whole_state, whole_state
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device
-from rlloom.runtime.distributed import (
+from rlloom.runtime.executor.distributed import (
     TorchrunLayouts,
     distributed_problems,
     join_torchrun,
@@ -43,10 +42,15 @@ from rlloom.runtime.distributed import (
     save_sharded_checkpoint,
     world_size,
 )
-from rlloom.runtime.evaluate import greedy_accuracy
-from rlloom.runtime.metrics import MetricsLog
-from rlloom.runtime.offline import preference_step
-from rlloom.runtime.online import (
+from rlloom.runtime.executor.ranks import RankGroup, leave_world, reshard
+from rlloom.runtime.outputs.metrics import MetricsLog
+from rlloom.runtime.outputs.plots import plot_run
+from rlloom.runtime.outputs.progress import progress_bar
+from rlloom.runtime.outputs.tracing import Tracer
+from rlloom.runtime.stages.batch import encode
+from rlloom.runtime.stages.evaluate import greedy_accuracy
+from rlloom.runtime.stages.offline import preference_step
+from rlloom.runtime.stages.online import (
     Rewarder,
     Samples,
     assess,
@@ -55,10 +59,6 @@ from rlloom.runtime.online import (
     greedy_baseline,
     optimise,
 )
-from rlloom.runtime.plots import plot_run
-from rlloom.runtime.progress import progress_bar
-from rlloom.runtime.ranks import RankGroup, leave_world, reshard
-from rlloom.runtime.tracing import Tracer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")

@@ -10,7 +10,7 @@ from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.batch import decode_responses, encode
+from rlloom.runtime.stages.batch import decode_responses, encode
 
 EVAL_BATCH = 256
 

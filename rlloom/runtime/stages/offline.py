@@ -9,8 +9,8 @@ from rlloom.config import AlgoSection
 from rlloom.data.preferences import PreferencePair
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout
-from rlloom.runtime.batch import response_logprobs, teacher_forced
 from rlloom.runtime.device import model_device
+from rlloom.runtime.stages.batch import response_logprobs, teacher_forced
 
 
 def pair_batch(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair]) -> Rollout:

@@ -96,7 +96,7 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
 
 
 def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
-    from rlloom.runtime.trainer import check_runnable
+    from rlloom.runtime.executor.trainer import check_runnable
     problems = ray_problems(cfg, opts)
     if problems:
         raise ConfigError("the Ray runtime cannot run this configuration: " + "; ".join(problems))

@@ -10,7 +10,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.parallel.context_parallel import on_shards
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.rollout.sampling import policy_logprobs
-from rlloom.runtime.shared_prompt import SharedPrompts
+from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
