@@ -69,6 +69,14 @@ class AdaptiveKLController:
         self.value *= 1 + error * n_steps / self.horizon
 
 
+def kl_controller(kl_coef: float, kl_target: float | None, kl_horizon: int
+                  ) -> "AdaptiveKLController | FixedKLController":
+    """Adaptive toward `kl_target` when one is given, else the fixed `kl_coef`."""
+    if kl_target is not None:
+        return AdaptiveKLController(kl_coef, kl_target, kl_horizon)
+    return FixedKLController(kl_coef)
+
+
 class FixedKLController:
     """A constant KL coefficient with the adaptive controller's interface."""
 

@@ -24,6 +24,10 @@ def _require_dir(path: Path) -> None:
                               "built-in tiny model")
 
 
+# `model.dtype` names -> torch dtypes of the weights a checkpoint is loaded in
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
 def read_model_config(path: Path) -> ModelConfig:
     """The architecture of the checkpoint at `path` (its config.json), without its weights."""
     _require_dir(path)

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from rlloom.algos.kl import AdaptiveKLController, FixedKLController
+from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.prompts import load_prompt_sets
@@ -147,8 +147,7 @@ class RayRun:
 
     def _reset_state(self) -> None:
         a = self.cfg.algo
-        self.kl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
-                   if a.kl_target is not None else FixedKLController(a.kl_coef))
+        self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
         self.step = 0
         self.eval_history: list[tuple[int, float]] = []
 

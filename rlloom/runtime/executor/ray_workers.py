@@ -45,13 +45,12 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import CheckpointError, load_model, load_tokenizer, load_value_model
+from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.executor.ranks import RankGroup, Share, free_address, leave_world, reshard
-from rlloom.runtime.executor.trainer import DTYPES
 from rlloom.runtime.executor.weight_sync import ShadowModel, SyncStats
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import greedy_accuracy
@@ -103,19 +102,6 @@ def decoupled(exp: Experience, policy: torch.nn.Module, temperature: float, mini
     kl = (((old - prox) * mask).sum() / mask.sum().clamp(min=1)).item()
     samples = replace(exp.samples, rollout=replace(r, logprobs=prox))
     return replace(exp, samples=samples, advantages=exp.advantages * weight), kl
-
-
-def sample_stats(s: Samples) -> dict[str, Any]:
-    """The single-process trainer's per-step sample metrics."""
-    r = s.rollout
-    return {"reward": s.scores.mean().item(),
-            **{f"reward/{k}": v.float().mean().item() for k, v in s.terms.items()},
-            "accuracy": s.correct.float().mean().item(),
-            "response_len": r.response_lengths.float().mean().item(),
-            "truncated": (~r.finished).float().mean().item(),
-            "sample_rounds": s.rounds,
-            "prompt_len": r.prompt_mask.sum(1).float().mean().item(),
-            "response_lens": r.response_lengths.tolist()}
 
 
 # -- tracing --------------------------------------------------------------------------------
@@ -283,14 +269,7 @@ class GenerationRole:
         layout = generation_layout(cfg.plan)
         self.weights: LiveModel | ShadowModel = LiveModel(training) if training else _shadow(
             lambda: ranks.generating(_policy(cfg, model_path).to(ranks.device), layout), ranks)
-        reward_model = (load_value_model(cfg.reward.model_path, DTYPES[cfg.model.dtype])
-                        .to(ranks.device).eval().requires_grad_(False)
-                        if cfg.reward.model_path else None)
-        if reward_model is not None and reward_model.config.vocab_size != len(self.tokenizer):
-            raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary of "
-                                  f"{reward_model.config.vocab_size}, the policy's tokenizer "
-                                  f"{len(self.tokenizer)}; they must share the tokenizer")
-        self.rewarder = Rewarder(cfg, self.tokenizer, reward_model, pool)
+        self.rewarder = Rewarder.build(cfg, self.tokenizer, pool, ranks.device)
         d = cfg.data
         sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                                 d.prompt_file, d.eval_fraction, d.columns)
@@ -377,7 +356,7 @@ class AssessmentRole:
 
     def _info(self, exp: Experience, seconds: float) -> dict[str, Any]:
         return {"assess_s": seconds, "behaviour_kl_ref": behaviour_kl(exp),
-                "samples": sample_stats(exp.samples)}
+                "samples": exp.samples.stats()}
 
     def _out(self, exp: Experience, seconds: float) -> tuple[Experience | None, dict]:
         """Rank 0 returns the experience (every rank computed the same)."""

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.contracts import algo_problems
-from rlloom.algos.kl import AdaptiveKLController, FixedKLController
+from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.preferences import read_preference_file
@@ -19,10 +19,9 @@ from rlloom.data.prompts import DataError, PromptStream, load_prompt_sets
 from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import (
-    CheckpointError,
+    DTYPES,
     load_model,
     load_tokenizer,
-    load_value_model,
     save_checkpoint,
 )
 from rlloom.models.transformer import CausalLM
@@ -60,7 +59,6 @@ from rlloom.runtime.stages.online import (
     optimise,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")
 
 
@@ -136,17 +134,10 @@ class Trainer:
                                                           lr=a.critic_lr)
         self.reference = (load_model(model_path, dtype).to(self.device).eval()
                           .requires_grad_(False) if cfg.needs_reference else None)
-        reward_model = (load_value_model(cfg.reward.model_path, dtype).to(self.device).eval()
-                        .requires_grad_(False) if cfg.reward.model_path else None)
-        if reward_model is not None and reward_model.config.vocab_size != len(self.tokenizer):
-            raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary of "
-                                  f"{reward_model.config.vocab_size}, the policy's tokenizer "
-                                  f"{len(self.tokenizer)}; they must share the tokenizer")
         self.pool = (SandboxPool(cfg.reward.sandbox_workers) if cfg.data.task == "code"
                      else None)
-        self.rewarder = Rewarder(cfg, self.tokenizer, reward_model, self.pool)
-        self.kl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
-                   if a.kl_target is not None else FixedKLController(a.kl_coef))
+        self.rewarder = Rewarder.build(cfg, self.tokenizer, self.pool, self.device)
+        self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
         d = cfg.data
         sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                                 d.prompt_file, d.eval_fraction, d.columns)
@@ -285,20 +276,12 @@ class Trainer:
                              ranks.share(train), ranks.share(train), ranks.agree())
         stats = ranks.mean({**stats, "behaviour_kl": behaviour_kl(exp)})
         kl_now = stats.pop("behaviour_kl")
-        row = {"reward": samples.scores.mean().item(),
-               **{f"reward/{k}": v.float().mean().item() for k, v in samples.terms.items()},
-               "accuracy": samples.correct.float().mean().item(),
-               "response_len": samples.rollout.response_lengths.float().mean().item(),
-               "truncated": (~samples.rollout.finished).float().mean().item(),
-               "kl": stats.pop("kl", kl_now), "kl_coef": self.kl.value,
-               "sample_rounds": samples.rounds, **stats,
+        row = {**samples.stats(), "kl": stats.pop("kl", kl_now), "kl_coef": self.kl.value,
+               **stats,
                # rewards are computed as samples finish (dynamic sampling needs them): they are
                # Assessment work even though they run inside the generation span
                "gen_s": gen.seconds - samples.score_s,
-               "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds,
-               # what the performance model needs to price this step (`rlloom perf validate`)
-               "prompt_len": samples.rollout.prompt_mask.sum(1).float().mean().item(),
-               "response_lens": samples.rollout.response_lengths.tolist(), **sync}
+               "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds, **sync}
         self.kl.update(kl_now, len(samples.scores))
         return row
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +21,7 @@ from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
+from rlloom.models.hf_io import DTYPES, CheckpointError, load_value_model
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.apply import clip_grad_norm
 from rlloom.rewards.sandbox import SandboxPool
@@ -55,6 +56,18 @@ class Samples:
     def correct(self) -> torch.Tensor:
         """[n] bool: the verifier's full marks."""
         return self.terms["correct"] >= 1.0
+
+    def stats(self) -> dict[str, Any]:
+        """The per-step sample metrics of metrics.jsonl (the lengths feed `perf validate`)."""
+        r = self.rollout
+        return {"reward": self.scores.mean().item(),
+                **{f"reward/{k}": v.float().mean().item() for k, v in self.terms.items()},
+                "accuracy": self.correct.float().mean().item(),
+                "response_len": r.response_lengths.float().mean().item(),
+                "truncated": (~r.finished).float().mean().item(),
+                "sample_rounds": self.rounds,
+                "prompt_len": r.prompt_mask.sum(1).float().mean().item(),
+                "response_lens": r.response_lengths.tolist()}
 
     def to(self, device: torch.device | str) -> "Samples":
         return replace(self, rollout=self.rollout.to(device),
@@ -96,6 +109,21 @@ class Rewarder:
                  reward_model: ValueModel | None, pool: SandboxPool | None) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.reward_model, self.pool = reward_model, pool
+
+    @classmethod
+    def build(cls, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool | None,
+              device: torch.device) -> "Rewarder":
+        """The run's rewarder, with its reward model (when `reward.model_path` is set) loaded
+        frozen on `device`; the model must share the policy's tokenizer."""
+        model = None
+        if cfg.reward.model_path:
+            model = load_value_model(cfg.reward.model_path, DTYPES[cfg.model.dtype]).to(
+                device).eval().requires_grad_(False)
+            if model.config.vocab_size != len(tokenizer):
+                raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary "
+                                      f"of {model.config.vocab_size}, the policy's tokenizer "
+                                      f"{len(tokenizer)}; they must share the tokenizer")
+        return cls(cfg, tokenizer, model, pool)
 
     def terms(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
               ) -> dict[str, torch.Tensor]:
