@@ -127,6 +127,19 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
         assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in rows)
 
 
+def test_a_resumed_multi_replica_generation_group_continues_every_stream(tmp_path, tiny,
+                                                                         monkeypatch):
+    """Two generation replicas sample their own RNG streams; a checkpoint holds both, so a
+    run whose replica 1 is killed during step 2 resumes with an uninterrupted run's numbers."""
+    plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", "plan.layouts.rollout.dp=2"]
+    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
+    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:rollout/1:2")
+    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'killed'}", "--worker-timeout", "120",
+          "--max-restarts", "1"])
+    assert (tmp_path / "killed" / "failures.jsonl").is_file()
+    _assert_same(_rows(tmp_path / "whole"), _rows(tmp_path / "killed"))
+
+
 def test_killed_rank_of_a_training_group_is_named_and_the_run_resumes(tmp_path, tiny, single,
                                                                       monkeypatch, capsys):
     monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:actor/1:2")  # SIGKILL rank 1 during step 2

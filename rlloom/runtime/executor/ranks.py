@@ -163,6 +163,24 @@ class RankGroup:
         dist.all_gather_object(out, obj)
         return out
 
+    def sampling_state(self, generator: torch.Generator) -> dict[str, Any]:
+        """The sampling RNG for a checkpoint: this rank's (rank 0's is the one written), and
+        with several ranks every rank's, since each generation replica has its own stream
+        (a collective)."""
+        own = generator.get_state()
+        return {"sample_gen": own, **({"sample_gens": self.gather(own)} if self.world > 1
+                                      else {})}
+
+    def load_sampling_state(self, generator: torch.Generator, state: dict[str, Any]) -> None:
+        """Each rank's own stream when the checkpoint has one per rank of a group this size;
+        else rank 0 takes the written one and other ranks keep their seeds' (a resume at
+        another layout samples anew there)."""
+        streams = state.get("sample_gens")
+        if streams is not None and len(streams) == self.world:
+            generator.set_state(streams[self.rank])
+        elif self.rank == 0:
+            generator.set_state(state["sample_gen"])
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

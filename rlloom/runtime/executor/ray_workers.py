@@ -299,13 +299,11 @@ class GenerationRole:
             "score_s": samples.score_s, "rollouts": len(samples.scores)}
 
     def state(self) -> dict[str, Any]:
-        return {"sample_gen": self.sample_gen.get_state(), "data_position": self.stream.position}
+        return {**self.ranks.sampling_state(self.sample_gen),
+                "data_position": self.stream.position}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        # a checkpoint holds replica 0's stream; other replicas' restart from their seeds'
-        # states at the same position (a run resumed at the same layout samples anew there)
-        if self.share.part == 0:
-            self.sample_gen.set_state(state["sample_gen"])
+        self.ranks.load_sampling_state(self.sample_gen, state)
         self.stream.position = state["data_position"]
 
 

@@ -149,7 +149,9 @@ class Trainer:
         self.stream = PromptStream(train_items, cfg.seed)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed)
+        # generation replicas sample their own streams; replica 0's is the one process's
+        replica = self.ranks.share(self.layouts.gen).part if self.layouts else 0
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed + replica)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.step = 0
         self.eval_history: list[tuple[int, float]] = []
@@ -207,7 +209,7 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         state = {"step": self.step, "kl_coef": self.kl.value,
-                 "sample_gen": self.sample_gen.get_state(),
+                 **self.ranks.sampling_state(self.sample_gen),
                  "shuffle_gen": self.shuffle_gen.get_state(),
                  "data_position": self.stream.position, "eval_history": self.eval_history}
         if self.layouts is None:  # sharded runs save model and optimizer state with DCP
@@ -219,7 +221,7 @@ class Trainer:
         if "policy" in state:
             load_whole_state(self._trained_parts(), state)
         self.kl.value = state["kl_coef"]
-        self.sample_gen.set_state(state["sample_gen"])
+        self.ranks.load_sampling_state(self.sample_gen, state)
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.stream.position = state["data_position"]
         self.eval_history = state["eval_history"]
