@@ -37,7 +37,7 @@ def test_torchrun_picks_the_gpu_itself():
 
 
 def test_ray_ranks_get_a_gpu_each_where_the_cluster_has_gpus():
-    from rlloom.runtime.executor.ray_runtime import worker_device
+    from rlloom.runtime.executor.ray_cluster import worker_device
     assert any("train.device=cuda:1: on Ray every rank gets a GPU of its own" in p
                for p in ray_problems(load_config(None, ["train.device=cuda:1"]), RayOptions()))
     for device in ("auto", "cuda", "cpu"):

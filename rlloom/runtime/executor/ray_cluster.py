@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlloom.config import ConfigError
+import torch
+
+from rlloom.config import ConfigError, RunConfig
 from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
 from rlloom.parallel.mesh import LayoutError
@@ -123,6 +125,71 @@ class WorkerGroup:
         if control:
             opts["concurrency_group"] = "control"
         return GroupCall([getattr(a, method).options(**opts).remote(*args) for a in self.actors])
+
+
+def worker_device(requested: str, cluster_gpus: float) -> torch.device:
+    """Every rank's device type: one GPU per rank where the cluster has GPUs (`auto`, `cuda`),
+    else the CPU."""
+    if requested == "cuda" and not cluster_gpus:
+        raise ConfigError("train.device=cuda but the Ray cluster has no GPUs; set "
+                          "train.device=cpu or auto, or join a cluster with GPUs (--ray-address)")
+    return torch.device("cuda" if requested != "cpu" and cluster_gpus else "cpu")
+
+
+def place_groups(cfg: RunConfig, opts: RayOptions, specs: list[DeviceGroup], model_path: Path,
+                 device: torch.device, worker: Any) -> dict[str, WorkerGroup]:
+    """Each group: a placement group of one bundle per rank (one GPU each on GPU machines)
+    and one (not yet started) `worker` actor per bundle; refused at once when the cluster
+    cannot hold every rank."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    gpu = device.type == "cuda"
+    have = ray.cluster_resources()
+    need = {"CPU": sum(opts.cpus(g.name) * g.ranks for g in specs),
+            "GPU": sum(g.ranks for g in specs) if gpu else 0}
+    short = {k: v for k, v in need.items() if v > have.get(k, 0)}
+    if short:
+        raise ConfigError(
+            f"the plan's groups need {', '.join(f'{v:g} {k}s' for k, v in short.items())} "
+            f"({', '.join(f'{g.name}: {g.ranks} ranks' for g in specs)}); the Ray cluster has "
+            f"{', '.join(f'{have.get(k, 0):g} {k}s' for k in short)}: use fewer ranks per "
+            "group, fewer CPUs per rank (--group-cpus), or a larger cluster")
+    groups = {}
+    for spec in specs:
+        cpus = opts.cpus(spec.name)
+        bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
+        pg = placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=opts.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
+                              f"they were not free within {opts.startup_timeout_s:g}s") from None
+        threads = cfg.train.threads or max(1, round(cpus))
+        actors = [worker.options(
+            num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+        ).remote(cfg, str(model_path), spec, rank, threads,
+                 "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
+            for rank in range(spec.ranks)]
+        groups[spec.name] = WorkerGroup(spec, pg, actors, [])
+    return groups
+
+
+def remove_groups(groups: list[WorkerGroup], wait_s: float) -> None:
+    """Close every rank (its sandbox pool and process group), kill it and free its bundle."""
+    import ray
+    closing = [a.close.options(concurrency_group="control").remote()
+               for g in groups for a in g.actors]
+    ray.wait(closing, num_returns=len(closing), timeout=wait_s)
+    for g in groups:
+        for a in g.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass  # already gone
+        ray.util.remove_placement_group(g.pg)
 
 
 def start_error(e: BaseException, group: WorkerGroup | None) -> Exception:

@@ -1,48 +1,23 @@
-"""The multi-model runtime on Ray: roles as actor groups on placement groups, the driver runs
-the plan's schedule, and batches move through the Ray object store.
+"""The driver of the executor on Ray: it starts the plan's device groups
+(`plan.device_groups`, each a group of ranks: `ray_cluster`, `ray_workers`), runs the
+plan's schedule over them and moves batches and weights through the object store.
 
-Groups (named like the performance model's device groups, `perf.compose.group_of`):
+Schedules, one loop (`train_step`):
+- sync: generation -> assessment -> training with barriers (eta = 0).
+- fused: generation runs in `fused_chunks` requests of whole prompts; each chunk's
+  assessment forwards are submitted as the chunk arrives (`ray.wait`), then advantages are
+  computed over the whole batch and training follows.
+- async (staleness eta): generation of step i+eta is submitted once step i-1's weights are
+  synced, so it runs while step i trains; samples more than eta versions old are generated
+  again; stale samples are corrected as decoupled PPO (`roles.decoupled`) for ppo and
+  decoupled_ppo. Assessment on a group of its own is prefetched too; on the training group
+  it is submitted with its own step, or it would queue ahead of the training it overlaps.
+  Groups that generate and train take turns (FIFO order keeps the staleness semantics).
 
-| placement     | group: roles it hosts                                                      |
-|---------------|----------------------------------------------------------------------------|
-| colocated     | all: generation, assessment, training (time-multiplexed in one process)    |
-| interleaved   | trainable: generation + training; frozen: assessment (reference, critic)   |
-| disaggregated | rollout: generation; actor: training (+ critic); reference: assessment     |
-
-Each group is a placement group of one bundle of `RayOptions.group_cpus` CPUs holding one
-`GroupWorker` (rank 0): layouts with more than one device inside a role are refused here.
-The reward model, if any, sits with generation (rewards are scored as samples finish, as in
-the single-process runtime); the critic trains with the actor, and its forward pass for
-assessment runs on a synced copy in the assessment group when that is another process.
-
-What is copied: each hop of a batch (generation -> assessment -> training) pickles its
-tensors once into the object store and once out (token ids, masks, log-probs, rewards,
-advantages: small next to the models), also when both ends are the same process. Weights move
-only from training to a generation or assessment copy in another process: pickled once by
-the trainer, read once by the receiver, copied into the receiver's free buffer
-(`weight_sync.DoubleBuffer`). Moving idle roles' weights or optimizer state to host memory
-is a no-op on CPU, where they already live.
-
-Schedules:
-- sync: generation -> assessment -> training with barriers (eta = 0 in the loop below).
-- fused: generation runs in `fused_chunks` requests of whole prompts; the driver submits
-  each chunk's assessment forward passes as the chunk arrives (`ray.wait`) while later chunks
-  generate, then advantages are computed over the whole batch and training follows.
-- async (staleness eta): generation and assessment for step i+eta are submitted when step
-  i-1's weights are synced, so they run while step i trains. A step whose samples come from
-  a version more than eta behind is dropped and generated again with the newest weights.
-  Stale samples are corrected as decoupled PPO (`ray_workers.decoupled`) when the loss is
-  ppo or decoupled_ppo; other losses use the behaviour log-probs as their importance base
-  (gspo, cispo) or none (reinforce) and are not corrected. Assessment of step i+eta uses the
-  KL coefficient of its submission time (adaptive KL lags by eta steps).
-  In a colocated or interleaved group generation and training share one process, so they
-  take turns: the staleness semantics hold (FIFO order makes generation read the version a
-  separate worker would have), but nothing overlaps.
-
-Faults: every wait has a timeout (`--worker-timeout`); a dead or silent worker is reported
-with its group, roles and rank; with `--max-restarts N` the driver recreates the groups,
-reloads the last checkpoint (the single-process trainer's format, so runs resume either way)
-and continues.
+Faults: every wait has a timeout (`--worker-timeout`) and waits on every rank; a dead or
+silent rank is named by group, stages and rank; with `--max-restarts N` the driver
+recreates the groups, reloads the last checkpoint (whole weights from a one-rank training
+group, DCP shards from a larger one) and continues. Details: docs/ray.md.
 """
 from __future__ import annotations
 
@@ -73,7 +48,10 @@ from rlloom.runtime.executor.ray_cluster import (
     WorkerGroup,
     diagnose,
     first_line,
+    place_groups,
+    remove_groups,
     start_error,
+    worker_device,
 )
 from rlloom.runtime.executor.ray_plan import (
     RayOptions,
@@ -82,7 +60,8 @@ from rlloom.runtime.executor.ray_plan import (
     group_specs,
     state_keys,
 )
-from rlloom.runtime.executor.ray_workers import DECOUPLED_LOSSES, GroupWorker, _policy
+from rlloom.runtime.executor.ray_workers import GroupWorker
+from rlloom.runtime.executor.roles import DECOUPLED_LOSSES, build_policy
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
@@ -112,15 +91,6 @@ def _remote_class() -> Any:
 
 
 _REMOTE = None
-
-
-def worker_device(requested: str, cluster_gpus: float) -> torch.device:
-    """Every rank's device type: one GPU per rank where the cluster has GPUs (`auto`, `cuda`),
-    else the CPU."""
-    if requested == "cuda" and not cluster_gpus:
-        raise ConfigError("train.device=cuda but the Ray cluster has no GPUs; set "
-                          "train.device=cpu or auto, or join a cluster with GPUs (--ray-address)")
-    return torch.device("cuda" if requested != "cpu" and cluster_gpus else "cpu")
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -198,44 +168,11 @@ class RayRun:
 
     # -- groups ------------------------------------------------------------------------------
     def _start_groups(self) -> None:
-        """Each group: a placement group of one bundle per rank (one GPU each on GPU machines),
-        one worker per bundle; the ranks meet at rank 0's address and build their models."""
+        """Place every group's ranks, then let the ranks meet at rank 0's address and build
+        their models (the start-up waits name a group whose rank fails)."""
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        worker = _remote_class()
-        gpu = self.device.type == "cuda"
-        have = ray.cluster_resources()
-        need = {"CPU": sum(self.opts.cpus(g.name) * g.ranks for g in self.specs),
-                "GPU": sum(g.ranks for g in self.specs) if gpu else 0}
-        short = {k: v for k, v in need.items() if v > have.get(k, 0)}
-        if short:
-            raise ConfigError(
-                f"the plan's groups need {', '.join(f'{v:g} {k}s' for k, v in short.items())} "
-                f"({', '.join(f'{g.name}: {g.ranks} ranks' for g in self.specs)}); the Ray "
-                f"cluster has {', '.join(f'{have.get(k, 0):g} {k}s' for k in short)}: use fewer "
-                "ranks per group, fewer CPUs per rank (--group-cpus), or a larger cluster")
-        for spec in self.specs:
-            cpus = self.opts.cpus(spec.name)
-            bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
-            pg = placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK")
-            try:
-                ray.get(pg.ready(), timeout=self.opts.startup_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                ray.util.remove_placement_group(pg)
-                have = ray.cluster_resources()
-                raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
-                                  f"the cluster has {have.get('CPU', 0):g} CPUs and "
-                                  f"{have.get('GPU', 0):g} GPUs in all, and they were not free "
-                                  f"within {self.opts.startup_timeout_s:g}s") from None
-            threads = self.cfg.train.threads or max(1, round(cpus))
-            actors = [worker.options(
-                num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
-            ).remote(self.cfg, str(self.model_path), spec, rank, threads,
-                     "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
-                for rank in range(spec.ranks)]
-            self.groups[spec.name] = WorkerGroup(spec, pg, actors, [])
+        self.groups = place_groups(self.cfg, self.opts, self.specs, self.model_path,
+                                   self.device, _remote_class())
         started = {}
         for name, g in self.groups.items():
             address = (self._get(g.actors[0].address.options(concurrency_group="control")
@@ -248,23 +185,13 @@ class RayRun:
             g.infos = [ray.get(r) for r in call.refs]
 
     def _stop_groups(self) -> None:
-        import ray
         for pid in self._stopped_pids:  # a stopped process ignores everything but SIGKILL
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self._stopped_pids.clear()
-        closing = [a.close.options(concurrency_group="control").remote()
-                   for g in self.groups.values() for a in g.actors]
-        ray.wait(closing, num_returns=len(closing), timeout=PING_S)
-        for g in self.groups.values():
-            for a in g.actors:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:
-                    pass  # already gone
-            ray.util.remove_placement_group(g.pg)
+        remove_groups(list(self.groups.values()), PING_S)
         self.groups.clear()
         self.inflight.clear()
 
@@ -502,7 +429,7 @@ class RayRun:
     def _final(self) -> dict[str, float]:
         train = self._host("training")
         weights = self._get(train.call("policy_weights"), "the final weights", self.step)
-        policy = _policy(self.cfg, self.model_path)
+        policy = build_policy(self.cfg, self.model_path)
         policy.load_state_dict(weights)
         save_checkpoint(policy, load_tokenizer(self.model_path), self.run_dir / "final")
         self._drain_spans()

@@ -421,7 +421,7 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
                                                       with_entropy=True, prompts=prompts, rows=part)
             # one process and torchrun train on samples of the weights this step starts from,
             # so the proximal policy is the behaviour policy: decoupled_ppo is ppo, as on Ray
-            # at staleness 0 (a stale Ray step corrects its samples first: ray_workers.decoupled)
+            # at staleness 0 (a stale Ray step corrects its samples first: roles.decoupled)
             per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask,
                                          pl_cfg, prox_logp=mb.logprobs)
             sums["clip_frac"] += _masked_sum(clipped.float(), mask)

@@ -1,0 +1,380 @@
+"""The stages a rank hosts (generation, assessment, training) with the models, streams and
+RNGs each needs, built with the single-process loaders and seeds over the rank's group
+(`ranks.RankGroup`); the batch that passes between them; trace spans. No Ray here: a
+`ray_workers.GroupWorker` hosts the stages its group runs."""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlloom.algos.advantages import ADVANTAGES
+from rlloom.algos.kl import LOG_RATIO_CLAMP
+from rlloom.algos.presets import PRESETS
+from rlloom.config import RunConfig
+from rlloom.data.prompts import PromptStream, load_prompt_sets
+from rlloom.models.heads import ActorCritic, ValueModel
+from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer
+from rlloom.parallel.apply import load_sharded, save_sharded
+from rlloom.plan import DeviceGroup, generation_layout, model_layout
+from rlloom.rewards.sandbox import SandboxPool
+from rlloom.runtime.checkpoint import load_whole_state, whole_state
+from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
+from rlloom.runtime.executor.weight_sync import ShadowModel
+from rlloom.runtime.stages.batch import response_logprobs
+from rlloom.runtime.stages.evaluate import greedy_accuracy
+from rlloom.runtime.stages.online import (
+    Experience,
+    Rewarder,
+    Samples,
+    assess_from,
+    behaviour_kl,
+    generate_group,
+    greedy_baseline,
+    optimise,
+    scores,
+)
+
+# losses whose stale samples the trainer corrects as decoupled PPO (see `decoupled`)
+DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
+
+
+# -- batches and stage helpers (no Ray, unit-tested directly) -------------------------------
+
+@dataclass
+class Batch:
+    """What generation hands to assessment: scored groups, the ReMax baseline, and the weight
+    version that sampled them."""
+    samples: Samples
+    baseline: torch.Tensor | None  # [n] ReMax greedy reward, else None
+    version: int
+
+
+@torch.no_grad()
+def decoupled(exp: Experience, policy: torch.nn.Module, temperature: float, minibatches: int
+              ) -> tuple[Experience, float]:
+    """Decoupled PPO for stale samples, expressed for the plain `ppo` loss that `optimise`
+    calls: the proximal log-probs (the weights before this update) replace the behaviour
+    log-probs as PPO's `old_logp`, and the advantages are scaled by the detached behaviour
+    weight w = exp(prox - behaviour). Because w > 0 is constant per token, min(r wA, clip(r) wA)
+    = w min(rA, clip(r) A) with the same clipped branch (and dual clip), so the loss equals
+    `decoupled_ppo(logp, behaviour, A, prox)` (tests/runtime/test_ray_stages.py).
+    Returns the corrected experience and the k1 KL(behaviour || proximal) per token."""
+    r = exp.samples.rollout
+    n = len(r.finished)
+    prox = torch.cat([response_logprobs(policy, r.select(idx), temperature)[0]
+                      for idx in torch.arange(n).chunk(minibatches)])
+    mask = r.response_mask.float()
+    keep = mask > 0
+    prox, old = torch.where(keep, prox, 0.0), torch.where(keep, r.logprobs, 0.0)
+    weight = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    kl = (((old - prox) * mask).sum() / mask.sum().clamp(min=1)).item()
+    samples = replace(exp.samples, rollout=replace(r, logprobs=prox))
+    return replace(exp, samples=samples, advantages=exp.advantages * weight), kl
+
+
+# -- tracing --------------------------------------------------------------------------------
+
+class SpanLog:
+    """Chrome-trace events of one worker: pid is its group, tid the role's lane. Timestamps are
+    wall-clock (time.time()), comparable across processes of one machine."""
+
+    def __init__(self, group: str, keep: bool = True) -> None:
+        self.group, self.keep = group, keep  # keep: false on ranks that repeat rank 0's spans
+        self._events: list[dict] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def span(self, name: str, step: int, lane: str, **args: Any) -> Iterator[dict]:
+        start, t0 = time.time(), time.perf_counter()
+        info: dict[str, Any] = {}
+        try:
+            yield info
+        finally:
+            info["seconds"] = time.perf_counter() - t0
+            event = {"name": name, "ph": "X", "pid": self.group, "tid": lane,
+                     "ts": start * 1e6, "dur": info["seconds"] * 1e6,
+                     "args": {"step": step, **args}}
+            with self._lock:
+                if self.keep:
+                    self._events.append(event)
+
+    def drain(self) -> list[dict]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+# -- roles ----------------------------------------------------------------------------------
+
+class LiveModel:
+    """The trainer's own weights, read in place (generation in the trainer's process): its
+    generation copy for the actor, its critic (or shared actor-critic) for values."""
+
+    def __init__(self, training: "TrainingRole", critic: bool = False) -> None:
+        self.training, self.critic = training, critic
+
+    @contextmanager
+    def read(self) -> Iterator[tuple[int, torch.nn.Module]]:
+        t = self.training
+        if self.critic:
+            yield t.version, t.critic if t.critic is not None else t.policy
+        else:
+            yield t.version, t.generator
+
+
+def build_policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
+    """The policy as the trainer builds it (an ActorCritic when the critic shares it)."""
+    policy = load_model(model_path, DTYPES[cfg.model.dtype])
+    if "critic" in PRESETS[cfg.algo.name].roles and cfg.plan.actor_critic == "shared":
+        policy = ActorCritic.from_policy(policy)
+    return policy
+
+
+def _shadow(build: Callable[[], torch.nn.Module], ranks: RankGroup) -> ShadowModel:
+    """A double-buffered copy; a sharded one is built twice (a deep copy of a sharded model
+    would share its meshes' state)."""
+    return ShadowModel(build(), twin=build() if ranks.world > 1 else None)
+
+
+class TrainingRole:
+    def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
+                 pool: SandboxPool | None, ranks: RankGroup, generates: bool) -> None:
+        self.cfg, self.spans, self.pool, self.ranks = cfg, spans, pool, ranks
+        a, plan = cfg.algo, cfg.plan
+        self.layout = plan.layout("actor")
+        self.critic_layout = plan.layouts.get("critic", self.layout)
+        self.policy = build_policy(cfg, model_path).to(ranks.device)
+        self.tokenizer = load_tokenizer(model_path)
+        self.critic: ValueModel | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if "critic" in PRESETS[a.name].roles and plan.actor_critic != "shared":
+            self.critic = ValueModel.from_policy(self.policy)
+        # generation beside training (and held-out evaluation) reads the policy itself, or a
+        # copy in its own layout: always when the actor trains data-parallel (see
+        # ranks.RankGroup.generating) or on sequence shards, which a KV cache cannot decode
+        gen = generation_layout(plan) if generates else self.layout
+        self.generator = self.policy
+        if ranks.world > 1 and (self.layout.cp > 1 or (generates and (
+                gen != self.layout or self.layout.dp > 1))):
+            self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
+        self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
+                                       weight_decay=cfg.train.weight_decay)
+        if self.critic is not None:
+            self.critic_optimizer = ranks.trained(self.critic, self.critic_layout, a.critic_lr)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        d = cfg.data
+        self.eval_set = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size,
+                                         d.eval_size, d.prompt_file, d.eval_fraction,
+                                         d.columns).eval
+        self.version = 0  # optimizer steps taken: the weight version
+        # `optimise` calls the plain loss; decoupled_ppo is run through it (see `decoupled`)
+        self.opt_cfg = (cfg.model_copy(update={"algo": a.model_copy(
+            update={"policy_loss": "ppo"})}) if a.policy_loss == "decoupled_ppo" else cfg)
+
+    @property
+    def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        parts = {"actor": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_optimizer)
+        return parts
+
+    def train(self, step: int, exp: Experience, kl_coef: float, correct: bool
+              ) -> dict[str, Any]:
+        lane = "actor+critic" if self.critic is not None else "actor"
+        extra: dict[str, float] = {}
+        exp = exp.to(self.ranks.device)
+        with self.spans.span("training", step, lane) as span:
+            if correct:
+                exp, extra["behaviour_kl"] = decoupled(exp, self.policy,
+                                                       self.cfg.rollout.temperature,
+                                                       self.cfg.algo.minibatches)
+            r = self.ranks
+            stats = optimise(self.policy, self.optimizer, exp, self.critic,
+                             self.critic_optimizer, kl_coef, self.opt_cfg, self.shuffle_gen,
+                             r.share(self.layout), r.share(self.critic_layout), r.agree())
+            stats = r.mean({**stats, **extra})
+        self.version = step
+        if self.generator is not self.policy:
+            stats["reshard_s"], stats["reshard_bytes"] = reshard(self.policy, self.generator)
+        return {**stats, "train_s": span["seconds"], "version": step}
+
+    def evaluate(self, step: int) -> float:
+        with self.spans.span("eval", step, "eval"):
+            return greedy_accuracy(self.generator, self.tokenizer, self.eval_set, self.cfg,
+                                   self.pool)
+
+    def state(self) -> dict[str, Any]:
+        """The loop state, with whole weights and optimizer state when one rank holds them
+        (a group of ranks writes shards instead: `save_shards`)."""
+        state: dict[str, Any] = {"shuffle_gen": self.shuffle_gen.get_state()}
+        if self.ranks.world == 1:
+            state.update(whole_state(self.parts))
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.version = state["step"]
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        if "policy" in state:
+            load_whole_state(self.parts, state)
+
+    def save_shards(self, path: Path) -> None:
+        for name, (model, optim) in self.parts.items():
+            save_sharded(model, optim, path / name)
+
+    def load_shards(self, path: Path) -> None:
+        for name, (model, optim) in self.parts.items():
+            load_sharded(model, optim, path / name)
+        if self.generator is not self.policy:
+            reshard(self.policy, self.generator)
+
+
+class GenerationRole:
+    def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
+                 pool: SandboxPool | None, ranks: RankGroup, training: TrainingRole | None
+                 ) -> None:
+        self.cfg, self.spans, self.ranks = cfg, spans, ranks
+        self.tokenizer = load_tokenizer(model_path)
+        layout = generation_layout(cfg.plan)
+        self.weights: LiveModel | ShadowModel = LiveModel(training) if training else _shadow(
+            lambda: ranks.generating(build_policy(cfg, model_path).to(ranks.device), layout), ranks)
+        self.rewarder = Rewarder.build(cfg, self.tokenizer, pool, ranks.device)
+        d = cfg.data
+        sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
+                                d.prompt_file, d.eval_fraction, d.columns)
+        self.stream = PromptStream(sets.train, cfg.seed)
+        self.share = ranks.share(layout)
+        # replicas sample their own prompts with their own streams; replica 0's is the one
+        # process's, so a one-replica group samples what `rlloom train` samples
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed + self.share.part)
+        self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
+
+    def generate(self, step: int, prompts: int | None = None
+                 ) -> tuple[Batch | None, dict[str, Any]]:
+        """A step's B prompts x K samples (`collect`, with dynamic sampling), or, for a fused
+        schedule, the next chunk of `prompts` prompts; the weights are read once, at the
+        start, so a request never mixes versions. Rank 0 returns the batch."""
+        cfg = self.cfg
+        with self.weights.read() as (version, policy):
+            with self.spans.span("generation", step, "actor", version=version) as span:
+                samples = generate_group(policy, self.tokenizer, self.stream, cfg,
+                                         self.rewarder, self.sample_gen, self.ranks, self.share,
+                                         prompts)
+                baseline = (greedy_baseline(policy, self.tokenizer, samples, cfg, self.rewarder)
+                            if self.greedy else None)
+        batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)
+        return batch if self.ranks.main else None, {
+            "version": version, "gen_s": span["seconds"] - samples.score_s,
+            "score_s": samples.score_s, "rollouts": len(samples.scores)}
+
+    def state(self) -> dict[str, Any]:
+        return {**self.ranks.sampling_state(self.sample_gen),
+                "data_position": self.stream.position}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.ranks.load_sampling_state(self.sample_gen, state)
+        self.stream.position = state["data_position"]
+
+
+class AssessmentRole:
+    def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog, ranks: RankGroup,
+                 group: DeviceGroup, training: TrainingRole | None) -> None:
+        self.cfg, self.spans, self.ranks = cfg, spans, ranks
+        a, plan = cfg.algo, cfg.plan
+        dtype = DTYPES[cfg.model.dtype]
+        ref_layout = model_layout(plan, group, "reference")
+        self.ref_share = ranks.share(ref_layout)
+        self.reference = (ranks.frozen(load_model(model_path, dtype).to(ranks.device).eval()
+                                       .requires_grad_(False), ref_layout)
+                          if cfg.needs_reference else None)
+        self.critic: LiveModel | ShadowModel | None = None
+        self.critic_share = Share()
+        if "critic" in PRESETS[a.name].roles:
+            if training is not None:
+                self.critic = LiveModel(training, critic=True)
+                self.critic_share = ranks.share(training.critic_layout if training.critic
+                                                else training.layout)
+            else:  # a copy of the trainer's critic, refreshed by weight sync after each step
+                layout = model_layout(plan, group, "critic")
+                self.critic_share = ranks.share(layout)
+
+                def build() -> torch.nn.Module:
+                    policy = build_policy(cfg, model_path)
+                    critic = (policy if isinstance(policy, ActorCritic)
+                              else ValueModel.from_policy(policy))
+                    return ranks.frozen(critic.to(ranks.device), layout)
+                self.critic = _shadow(build, ranks)
+        self.pad_id = load_tokenizer(model_path).pad_token_id
+        # step -> chunk -> (batch, ref_logp, values) of a fused schedule's assessed chunks
+        self._chunks: dict[int, dict[int, tuple[Batch, torch.Tensor | None,
+                                                torch.Tensor | None]]] = {}
+        self._chunk_s: dict[int, float] = {}  # step -> seconds its chunks took
+
+    @contextmanager
+    def _critic(self) -> Iterator[torch.nn.Module | None]:
+        if self.critic is None:
+            yield None
+            return
+        with self.critic.read() as (_, critic):
+            yield critic
+
+    def _lane(self) -> str:
+        return "reference+critic" if self.critic is not None else "reference"
+
+    def _info(self, exp: Experience, seconds: float) -> dict[str, Any]:
+        return {"assess_s": seconds, "behaviour_kl_ref": behaviour_kl(exp),
+                "samples": exp.samples.stats()}
+
+    def _out(self, exp: Experience, seconds: float) -> tuple[Experience | None, dict]:
+        """Rank 0 returns the experience (every rank computed the same)."""
+        return exp.to("cpu") if self.ranks.main else None, self._info(exp, seconds)
+
+    def _scores(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        with self._critic() as critic:
+            return scores(batch.samples.to(self.ranks.device), self.reference, critic, self.cfg,
+                          self.ranks, self.ref_share, self.critic_share)
+
+    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience | None, dict]:
+        with self.spans.span("assessment", step, self._lane()) as span:
+            samples = batch.samples.to(self.ranks.device)
+            baseline = None if batch.baseline is None else batch.baseline.to(self.ranks.device)
+            exp = assess_from(samples, *self._scores(batch), kl_coef, baseline, self.cfg)
+        return self._out(exp, span["seconds"])
+
+    def assess_chunk(self, step: int, chunk: int, batch: Batch) -> int:
+        """Fused schedule: the forward passes of one chunk, as soon as it is generated."""
+        with self.spans.span("assessment", step, self._lane(), chunk=chunk) as span:
+            ref_logp, values = self._scores(batch)
+        self._chunks.setdefault(step, {})[chunk] = (batch, ref_logp, values)
+        self._chunk_s[step] = self._chunk_s.get(step, 0.0) + span["seconds"]
+        return chunk
+
+    def finish(self, step: int, kl_coef: float) -> tuple[Experience | None, dict]:
+        """Fused schedule: advantages over the whole batch once every chunk is assessed."""
+        chunks = self._chunks.pop(step)
+        parts = [chunks[c] for c in sorted(chunks)]  # in the stream's order
+        device = self.ranks.device
+        with self.spans.span("assessment", step, self._lane(), chunk="merge") as span:
+            samples = Samples.cat([b.samples for b, _, _ in parts], self.pad_id).to(device)
+            width = samples.rollout.response_ids.shape[1]
+
+            def joined(outs: list[torch.Tensor | None]) -> torch.Tensor | None:
+                if outs[0] is None:
+                    return None
+                return torch.cat([nn.functional.pad(x, (0, width - x.shape[1])) for x in outs])
+            baselines = [b.baseline for b, _, _ in parts]
+            exp = assess_from(samples, joined([r for _, r, _ in parts]),
+                              joined([v for _, _, v in parts]), kl_coef,
+                              None if baselines[0] is None else torch.cat(baselines).to(device),
+                              self.cfg)
+        return self._out(exp, span["seconds"] + self._chunk_s.pop(step, 0.0))
+
+
