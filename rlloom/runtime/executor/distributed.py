@@ -17,7 +17,7 @@ from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.plan import Layout
 from rlloom.runtime.checkpoint import checkpoint_dirs
 from rlloom.runtime.device import torchrun_device
-from rlloom.runtime.executor.ranks import RankGroup
+from rlloom.runtime.executor.ranks import RankGroup, needs_generation_copy
 from rlloom.runtime.executor.ray_plan import world_size
 
 
@@ -75,9 +75,8 @@ class TorchrunLayouts:
         if problems:
             raise ConfigError("this plan cannot run under torchrun: " + "; ".join(problems))
         train = cfg.plan.layout("actor")
-        hybrid = "rollout" in cfg.plan.layouts
-        return cls(train, cfg.plan.layouts["rollout"] if hybrid else train,
-                   hybrid or train.dp > 1)
+        gen = cfg.plan.layouts.get("rollout", train)
+        return cls(train, gen, needs_generation_copy(train, gen))
 
 
 def save_sharded_checkpoint(ranks: RankGroup, run_dir: Path, step: int, state: dict[str, Any],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -99,7 +100,6 @@ class RankGroup:
         if world > 1 and not dist.is_initialized():
             if device.type == "cuda":  # NCCL (and object collectives) run on the current device
                 torch.cuda.set_device(device)
-            from datetime import timedelta
             kwargs = {} if address is None else {"init_method": address, "rank": rank,
                                                   "world_size": world}
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
@@ -229,6 +229,14 @@ class RankGroup:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))
         return state if self.main else {}
+
+
+def needs_generation_copy(train: Layout, gen: Layout) -> bool:
+    """Whether the actor generates on its own copy beside training: when generation uses
+    another layout, when training is data-parallel (replicas decode different prompts for
+    different numbers of steps, so their forwards must not need each other: ZeRO gathers
+    would deadlock) or on sequence shards (a KV cache cannot decode them)."""
+    return gen != train or train.dp > 1 or train.cp > 1
 
 
 def leave_world() -> None:

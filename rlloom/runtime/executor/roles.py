@@ -27,7 +27,7 @@ from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
-from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
+from rlloom.runtime.executor.ranks import RankGroup, Share, needs_generation_copy, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import greedy_accuracy
@@ -163,8 +163,8 @@ class TrainingRole:
         # ranks.RankGroup.generating) or on sequence shards, which a KV cache cannot decode
         gen = generation_layout(plan) if generates else self.layout
         self.generator = self.policy
-        if ranks.world > 1 and (self.layout.cp > 1 or (generates and (
-                gen != self.layout or self.layout.dp > 1))):
+        if ranks.world > 1 and (self.layout.cp > 1 or (
+                generates and needs_generation_copy(self.layout, gen))):
             self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
         self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
                                        weight_decay=cfg.train.weight_decay)

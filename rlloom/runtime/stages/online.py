@@ -3,9 +3,9 @@ online preset (the estimator, loss and KL placement come from the registries by 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
