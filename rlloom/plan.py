@@ -138,7 +138,7 @@ def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
     gives one, else the actor's; a critic that trains takes its own layout or the actor's; a
     model the plan gives no layout runs data-parallel over the group's ranks."""
     if model == "actor" and not group.runs("training"):
-        return plan.layouts.get("rollout", plan.layout("actor"))
+        return generation_layout(plan)
     if model == "critic" and group.runs("training"):
         return plan.layouts.get("critic", plan.layout("actor"))
     if model == "critic":  # the assessment group's copy scores like the reference beside it
@@ -147,7 +147,13 @@ def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
 
 
 def generation_layout(plan: Plan) -> Layout:
-    return plan.layouts.get("rollout", plan.layout("actor"))
+    """The layout generation runs in: the plan's "rollout" layout, else the actor's, with
+    pipeline stages as data-parallel replicas (decoding runs on whole copies, so each rank of
+    a pipeline samples its own prompts instead of holding some layers)."""
+    layout = plan.layouts.get("rollout", plan.layout("actor"))
+    if layout.pp > 1:
+        layout = layout.model_copy(update={"dp": layout.dp * layout.pp, "pp": 1})
+    return layout
 
 
 def placement_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
@@ -174,26 +180,30 @@ def _sizer(plan: Plan, group: DeviceGroup) -> str:
 
 # -- what the executor runs: the one capability table `rlloom plan` and `rlloom train` read ----
 
-# dimensions the executor's groups apply to a model in the RL stages (rlloom.parallel also
-# has pipeline and expert parallelism for a model alone; the stages do not run them yet)
-EXECUTOR_DEGREES = ("dp", "tp", "cp")
+# dimensions the executor's groups apply to a model in the RL stages; cp and pp only to the
+# models that train (rlloom.parallel also has expert parallelism for a model alone; the stages
+# do not run it yet)
+EXECUTOR_DEGREES = ("dp", "tp", "cp", "pp")
 
 
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)
     for role, layout in plan.layouts.items():
-        for dim in ("pp", "ep"):
-            if getattr(layout, dim) > 1:
-                problems.append(f"plan.layouts.{role}.{dim}={getattr(layout, dim)}: the executor "
-                                f"applies {', '.join(EXECUTOR_DEGREES)} (ZeRO 0-3 and "
-                                "activation checkpointing) inside a group; set it to 1 "
-                                "(`rlloom plan --price-only` prices such plans without "
-                                "running them)")
+        if layout.ep > 1:
+            problems.append(f"plan.layouts.{role}.ep={layout.ep}: the executor applies "
+                            f"{', '.join(EXECUTOR_DEGREES)} (ZeRO 0-3 and activation "
+                            "checkpointing) inside a group; set it to 1 (`rlloom plan "
+                            "--price-only` prices such plans without running them)")
         if layout.cp > 1 and (role not in TRAINABLE or layout.tp > 1):
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of the models that train (actor, critic), with "
                             "tp=1; set cp=1 here")
+        if layout.pp > 1 and (role not in TRAINABLE or layout.tp > 1 or layout.cp > 1
+                              or plan.actor_critic == "shared" and "critic" in models):
+            problems.append(f"plan.layouts.{role}.pp={layout.pp}: pipeline stages train the "
+                            "actor and a separate critic, with tp=1 and cp=1 (a shared "
+                            "actor-critic's value head is not pipelined); set pp=1 here")
     rollout = plan.layouts.get("rollout")
     if rollout is not None and rollout.zero:
         problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "

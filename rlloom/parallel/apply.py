@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from rlloom.models.hf_io import replace_dir
 from rlloom.parallel.checkpointing import apply_activation_checkpointing
@@ -177,21 +176,3 @@ def _single_process_is_intended() -> Iterator[None]:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` (same eps and clamp) that also takes a mix of DTensor
-    and plain parameters, as tensor parallelism leaves them (embeddings and the LM head stay
-    whole); each DTensor's norm is reduced over its own mesh. Returns the total norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    norms = []
-    for g in grads:
-        n = torch.linalg.vector_norm(g, 2.0)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
-    for g in grads:
-        g.mul_(coef)
-    return total

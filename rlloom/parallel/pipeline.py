@@ -1,7 +1,8 @@
-"""Pipeline parallelism: a CausalLM's decoder layers in contiguous stages, one per rank of a
-pipeline group, run with `torch.distributed.pipelining`.
+"""Pipeline parallelism: the decoder layers of a CausalLM (or of a ValueModel, a critic) in
+contiguous stages, one per rank of a pipeline group, run with `torch.distributed.pipelining`.
 
-Stage 0 holds the token embedding, the last stage the final norm and the lm_head. Training
+Stage 0 holds the token embedding, the last stage the final norm and the output head (the
+lm_head's logits [mb, seq, vocab], or a value model's score head: values [mb, seq]). Training
 runs the 1F1B schedule (at most `n_stages` microbatches of activations alive per stage);
 scoring runs a forward-only schedule (GPipe with no loss: without a backward pass 1F1B and
 GPipe issue the same forwards, and 1F1B's own `eval` path insists on a loss and a target).
@@ -15,18 +16,27 @@ Losses are summed over microbatches, never averaged (`scale_grads=False`): the l
 returns a microbatch's *sum* of per-token terms divided by a normaliser computed over the
 whole batch (for data x pipeline parallelism, over the whole global batch), so the summed
 pipelined loss and its gradients equal the single-process loss of the batch and its gradients.
+
+Tied input and output embeddings (most small checkpoints) live on both the first and the last
+stage; their two gradients are summed over the pair of them (`sync_tied_grads`), so both
+copies take the same optimizer step, as the one weight does in one process.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from rlloom.models.heads import ValueModel
 from rlloom.models.transformer import CausalLM, positions_and_mask, rotary_cos_sin
+from rlloom.parallel.data_parallel import local_tensor
+from rlloom.parallel.grads import grad_norm, scale_grads
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,17 +52,15 @@ def stage_layers(num_layers: int, n_stages: int) -> list[range]:
 
 
 class StageModule(nn.Module):
-    """One stage of a CausalLM. It shares (does not copy) the model's modules, and its parameter
-    names are the full model's (`model.layers.5.mlp.up_proj.weight`), so per-stage state dicts
-    merge into a checkpoint by plain union."""
+    """One stage of a CausalLM or ValueModel. It shares (does not copy) the model's modules,
+    and its parameter names are the full model's (`model.layers.5.mlp.up_proj.weight`), so
+    per-stage state dicts merge into a checkpoint by plain union."""
 
-    def __init__(self, model: CausalLM, stage: int, n_stages: int) -> None:
+    def __init__(self, model: CausalLM | ValueModel, stage: int, n_stages: int) -> None:
         super().__init__()
         cfg = model.config
-        if cfg.tie_word_embeddings and n_stages > 1:
-            raise ValueError("pipeline parallelism with tie_word_embeddings would split one "
-                             "weight between the first and last stage; use pp=1 for tied models")
         self.config = cfg
+        self.values = isinstance(model, ValueModel)
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layer_ids = stage_layers(cfg.num_layers, n_stages)[stage]
         self.model = nn.Module()
@@ -62,11 +70,14 @@ class StageModule(nn.Module):
                                            for i in self.layer_ids})
         if self.is_last:
             self.model.norm = model.model.norm
-            self.lm_head = model.lm_head
+            if self.values:
+                self.score = model.score
+            else:
+                self.lm_head = model.lm_head
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or logits
-        [mb, seq, vocab] on the last stage."""
+        """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
+        stage logits [mb, seq, vocab] (values [mb, seq] of a value model)."""
         positions, mask = positions_and_mask(attention_mask, None)
         if self.is_first:
             x = self.model.embed_tokens(x)
@@ -75,7 +86,8 @@ class StageModule(nn.Module):
         for i, layer in self.model.layers.items():
             x = layer(x, cos, sin, mask, None, int(i))
         if self.is_last:
-            x = self.lm_head(self.model.norm(x))
+            x = self.model.norm(x)
+            x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
         return x
 
 
@@ -87,18 +99,20 @@ def next_token_loss(normaliser: float) -> LossFn:
     return loss_fn
 
 
-class PipelinedCausalLM:
-    """Runs a CausalLM split over the ranks of `group` (default: the world).
+class PipelinedModel:
+    """Runs a CausalLM (or ValueModel) split over the ranks of `group` (default: the world).
 
     Gradients accumulate into the stage's parameters (`.grad`) like `loss.backward()`; zero them
     between steps. Stages are rebuilt per call with static shapes, so batches of different
     lengths need no warm-up and no re-tracing; the cost is one small handshake per call.
     """
 
-    def __init__(self, model: CausalLM, group: dist.ProcessGroup | None = None,
-                 n_microbatches: int | None = None) -> None:
+    def __init__(self, model: CausalLM | ValueModel, group: dist.ProcessGroup | None = None,
+                 n_microbatches: int | None = None, tied_group: dist.ProcessGroup | None = None
+                 ) -> None:
         """`n_microbatches` (default: one per stage, the fewest 1F1B accepts) must divide
-        every batch."""
+        every batch. `tied_group`: the first and last stage's ranks, for a model with tied
+        embeddings over more than 2 stages (with 2, the pipeline group is that pair)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.n_stages = dist.get_world_size(group)
@@ -111,6 +125,56 @@ class PipelinedCausalLM:
         self.dtype = next(model.parameters()).dtype
         self.last_rank = (self.n_stages - 1 if group is None
                           else dist.get_global_rank(group, self.n_stages - 1))
+        self.tied = (model.config.tie_word_embeddings and self.n_stages > 1
+                     and not self.module.values)
+        if self.tied and self.n_stages > 2 and tied_group is None:
+            raise ValueError("tied embeddings over more than 2 stages need `tied_group`, the "
+                             "process group of the first and last stage")
+        self.tied_group = tied_group if self.n_stages > 2 else group
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This stage's parameters (what its optimizer steps)."""
+        return self.module.parameters()
+
+    def _tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding (None when it holds none)."""
+        if not self.tied:
+            return None
+        if self.module.is_first:
+            return self.module.model.embed_tokens.weight
+        return self.module.lm_head.weight if self.module.is_last else None
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Sum the first and last stage's gradients of a tied embedding (a collective of the
+        two; no-op elsewhere)."""
+        weight = self._tied_weight()
+        if weight is None:
+            return
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(local_tensor(weight.grad), group=self.tied_group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients by the norm of the whole model's (the tied embedding
+        counted once); a collective of the pipeline group. Returns that norm."""
+        duplicate = self._tied_weight() if self.module.is_last else None
+        counted = [p for p in self.parameters() if p is not duplicate]
+        own = grad_norm(counted) ** 2
+        dist.all_reduce(own, group=self.group)
+        total = own.sqrt()
+        scale_grads(list(self.parameters()), total, max_norm)
+        return total
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights as plain CPU tensors on every rank of the group, under the
+        plain model's names (a collective: each stage contributes its own)."""
+        # not cpu_offload: that leaves the state on global rank 0 only, not on each stage
+        own = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        own = {k: v.detach().to("cpu", copy=True) for k, v in own.items()}
+        stages: list[Any] = [None] * self.n_stages
+        dist.all_gather_object(stages, own, group=self.group)
+        return {k: v for stage in stages for k, v in stage.items()}
 
     @property
     def is_last(self) -> bool:
@@ -127,7 +191,8 @@ class PipelinedCausalLM:
                              requires_grad=train)
         inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if self.module.is_first \
             else hidden
-        outputs = torch.empty(mb, seq, cfg.vocab_size, dtype=self.dtype, device="meta",
+        head = () if self.module.values else (cfg.vocab_size,)
+        outputs = torch.empty(mb, seq, *head, dtype=self.dtype, device="meta",
                               requires_grad=train) if self.module.is_last else hidden
         return PipelineStage(self.module, self.rank, self.n_stages, self.device,
                              input_args=inputs, output_args=outputs, group=self.group)
@@ -158,7 +223,8 @@ class PipelinedCausalLM:
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
               ) -> torch.Tensor | None:
-        """Logits [batch, seq, vocab] on the last stage (None on the others), forward only."""
+        """Logits [batch, seq, vocab] (values [batch, seq]) on the last stage (None on the
+        others), forward only."""
         schedule = ScheduleGPipe(self._stage(*input_ids.shape, train=False), self.n_microbatches)
         out = schedule.step(*self._args(input_ids), attention_mask=attention_mask)
         return out if self.module.is_last else None

@@ -103,9 +103,11 @@ def _cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, pas
     return passes * hops * comm.p2p(hw, span, block)
 
 
-def _bubble(layout: Layout, micro_batches: int) -> float:
-    """Time multiplier of a GPipe / 1F1B schedule: 1 / (1 - (pp-1)/(m+pp-1))."""
-    return (micro_batches + layout.pp - 1) / micro_batches
+def _bubble(layout: Layout) -> float:
+    """Time multiplier of pipeline stages. The runtime runs each micro-batch as one 1F1B (or
+    forward-only GPipe) schedule of pp pipeline micro-batches (runtime/stages/pipelined.py),
+    so every micro-batch fills and drains the pipeline: 1 / (1 - (pp-1)/(m+pp-1)), m = pp."""
+    return (2 * layout.pp - 1) / layout.pp
 
 
 def _weight_bytes(shape: ModelShape, layout: Layout, wl: Workload) -> float:
@@ -237,15 +239,17 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     flops = tokens * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
-    memory_s = m * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
+    # each of a micro-batch's pp pipeline micro-batches reads the stage's weights
+    pieces = layout.pp
+    memory_s = m * pieces * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     # per-device layers (L / pp) already: each stage exchanges for its own layers
     comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
                   + _cp_comm(hw, layout, shape, mb_tokens, 1))
     comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-    comm_s += m * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
-    comm_s += _pp_comm(hw, layout, shape, mb_tokens, m)
+    comm_s += m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+    comm_s += _pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
-    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout, m) + comm_s
+    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout) + comm_s
     memory_s += act_s
     transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
     return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
@@ -268,17 +272,20 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     flops = wl.ppo_epochs * tokens * passes * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
-    memory_s = steps * m * passes * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
+    pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
+    memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
+                / (hw.mem_bw * hw.mem_eff))
     per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
               + _cp_comm(hw, layout, shape, mb_tokens, passes))
     per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
-    comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens, 2 * m)
+    comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,
+                                                   2 * m * pieces)
     comm_s += steps * _dp_comm(shape, layout, hw, m)
-    comm_s += steps * hw.launch_s * (m * passes * _ops(FORWARD_OPS, shape, layout)
+    comm_s += steps * hw.launch_s * (m * pieces * passes * _ops(FORWARD_OPS, shape, layout)
                                      + _ops(OPTIMIZER_OPS, shape, layout))
     act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
         shape, layout, wl, hw, tokens / layout.cp)
-    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout, m) + comm_s
+    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout) + comm_s
     memory_s += act_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))

@@ -57,18 +57,20 @@ class Search:
 def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
-    ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles cp
-    without tp; see `plan.runnable_problems`)."""
+    ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
+    either cp or pp without tp; see `plan.runnable_problems`)."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
     if runnable:
-        splits = [(1, cp) for cp in (CONTEXT_PARALLEL if trainable else (1,))]
+        splits = ([(1, cp) for cp in CONTEXT_PARALLEL] + [(2, 1), (4, 1)] if trainable
+                  else [(1, 1)])
     while tp <= min(n, hw.devices_per_node):
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
-            if runnable and (not _torchrun_applies(Layout(tp=tp), shape) or (tp > 1 and cp > 1)):
+            if runnable and (not _torchrun_applies(Layout(tp=tp), shape)
+                             or (tp > 1 and cp * pp > 1)):
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)

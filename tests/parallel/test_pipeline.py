@@ -10,14 +10,15 @@ from harness import spawn
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.parallel.pipeline import PipelinedCausalLM, next_token_loss, stage_layers
+from rlloom.parallel.pipeline import PipelinedModel, next_token_loss, stage_layers
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-def tiny_model(layers: int = 4) -> CausalLM:
+def tiny_model(layers: int = 4, tied: bool = False) -> CausalLM:
     cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                      tie_word_embeddings=tied)
     model = CausalLM(cfg).double()
     model.init_weights(seed=0, std=0.1)
     return model
@@ -34,8 +35,8 @@ def batch(rows: int = 8, seq: int = 8):
     return ids, mask, labels
 
 
-def reference(ids, mask, labels):
-    model = tiny_model()
+def reference(ids, mask, labels, tied=False):
+    model = tiny_model(tied=tied)
     logits = model(ids, mask)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                            reduction="sum") / (labels != -100).sum()
@@ -44,7 +45,7 @@ def reference(ids, mask, labels):
 
 
 def check_grads(stage_module, ref_model, **tol):
-    ref = dict(ref_model.named_parameters())
+    ref = dict(ref_model.named_parameters(remove_duplicate=False))  # a tied weight by both names
     names = [n for n, _ in stage_module.named_parameters()]
     assert names, "stage owns no parameters"
     for name, p in stage_module.named_parameters():
@@ -55,7 +56,7 @@ def _pp_body():
     ids, mask, labels = batch()
     ref_model, ref_loss = reference(ids, mask, labels)
     model = tiny_model()
-    pipe = PipelinedCausalLM(model, n_microbatches=4)
+    pipe = PipelinedModel(model, n_microbatches=4)
     n_tokens = (labels != -100).sum().item()
     loss = pipe.train_step(ids, mask, labels, next_token_loss(n_tokens))
     torch.testing.assert_close(loss, ref_loss, **TOL)          # broadcast to every stage
@@ -102,7 +103,7 @@ def _dp_pp_body():
     ref_model, ref_loss = reference(ids, mask, labels)
     n_tokens = (labels != -100).sum().item()                  # normaliser of the global batch
     rows = slice(4 * dp_i, 4 * dp_i + 4)
-    pipe = PipelinedCausalLM(tiny_model(), pp_groups[dp_i], n_microbatches=2)
+    pipe = PipelinedModel(tiny_model(), pp_groups[dp_i], n_microbatches=2)
     loss = pipe.train_step(ids[rows], mask[rows], labels[rows], next_token_loss(n_tokens))
     dist.all_reduce(loss, group=dp_groups[pp_i])
     torch.testing.assert_close(loss, ref_loss, **TOL)
@@ -113,3 +114,28 @@ def _dp_pp_body():
 
 def test_dp2_x_pp2_matches_single_process():
     spawn(_dp_pp_body, 4)
+
+
+def _tied_pp4_body():
+    """4 stages of a model whose lm_head is its embedding: the first and last stage each hold
+    the weight; summed over the pair, their gradients are the one weight's, the clipped norm
+    counts it once, and the gathered state is the whole model's."""
+    ids, mask, labels = batch()
+    ref_model, ref_loss = reference(ids, mask, labels, tied=True)
+    pipe = PipelinedModel(tiny_model(tied=True), n_microbatches=4,
+                          tied_group=dist.new_group([0, 3]))
+    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    pipe.sync_tied_grads()
+    check_grads(pipe.module, ref_model)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e-3)
+    torch.testing.assert_close(pipe.clip_grad_norm(1e-3), ref_norm, **TOL)
+    check_grads(pipe.module, ref_model)                     # clipped alike
+    state = pipe.full_state()
+    assert state.keys() == ref_model.state_dict().keys()
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[name], value, **TOL)
+
+
+def test_tied_embeddings_over_4_stages_match_single_process():
+    spawn(_tied_pp4_body, 4)

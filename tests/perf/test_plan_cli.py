@@ -23,17 +23,19 @@ def test_plan_prints_ranked_plans_without_torch():
 
 
 def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
-    """The executor applies dp (ZeRO 0-3), tp and (to trained models) cp in its groups: by
-    default no ranked plan uses pp or ep; --price-only adds them and says the plans do not
-    run yet."""
-    def dims(data):
-        return {d for p in data["ranked"] for lay in p["plan_json"]["layouts"].values()
-                for d in ("pp", "cp", "ep") if lay[d] > 1}
+    """The executor applies dp (ZeRO 0-3), tp and (to trained models) cp or pp in its groups:
+    by default no ranked plan uses ep, or pp outside the actor and critic; --price-only adds
+    them and says the plans do not run yet."""
+    def dims(data, roles=("actor", "critic", "reference", "rollout")):
+        return {d for p in data["ranked"] for role, lay in p["plan_json"]["layouts"].items()
+                if role in roles for d in ("pp", "cp", "ep") if lay[d] > 1}
     moe = ["--model", "qwen3-30b-a3b", "--json", "--top", "2000"]
-    assert dims(json.loads(_plan(*moe).stdout)) <= {"cp"}
-    assert dims(json.loads(_plan(*moe, "--price-only").stdout)) == {"pp", "cp", "ep"}
-    assert "(PRICE ONLY: plans with pp, ep or a cp the executor lacks do not run yet)" in _plan(
-        "--price-only", "--top", "1").stdout
+    runnable = json.loads(_plan(*moe).stdout)
+    assert dims(runnable) <= {"cp", "pp"}
+    assert "pp" not in dims(runnable, roles=("reference", "rollout"))
+    assert "ep" in dims(json.loads(_plan(*moe, "--price-only").stdout))
+    assert ("(PRICE ONLY: plans with ep, or a cp or pp the executor lacks, do not run yet)"
+            in _plan("--price-only", "--top", "1").stdout)
 
 
 def test_cost_objective_may_leave_devices_unused():

@@ -6,7 +6,7 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.executor.ranks import RankGroup
-from rlloom.runtime.stages.batch import _joined
+from rlloom.runtime.stages.batch import joined
 from rlloom.runtime.stages.online import Samples, assess
 from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
@@ -41,15 +41,15 @@ def test_logits_match_the_joined_forward():
     r = grouped_rollout()
     for family in FAMILIES:
         m = model(family)
-        ids, mask, span = _joined(r)
+        ids, mask, span = joined(r)
         with torch.no_grad():
-            joined = m(ids, mask)[:, span]
+            whole = m(ids, mask)[:, span]
             prompts = SharedPrompts(m, r, train=False)
             rows = torch.tensor([7, 0, 4, 1])    # any subset, any order
             shared = prompts.logits(rows, r.select(rows))
         assert prompts.distinct == 3
         keep = r.response_mask[rows].bool()
-        assert (shared - joined[rows])[keep].abs().max() < 1e-12
+        assert (shared - whole[rows])[keep].abs().max() < 1e-12
 
 
 class _PairedRank(RankGroup):

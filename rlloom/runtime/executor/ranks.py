@@ -34,8 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlloom.parallel.apply import make_optimizer, parallelize
+from rlloom.parallel.checkpointing import apply_activation_checkpointing
 from rlloom.parallel.data_parallel import apply_data_parallel, local_tensor
 from rlloom.parallel.mesh import build_mesh, validate_layout
+from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
 from rlloom.plan import Layout
 
@@ -53,7 +55,8 @@ def free_address() -> str:
 class Share:
     """This rank's part of the work of one layout: its data-parallel replica `part` of
     `parts`, whether it leads the replica (TP/CP ranks of a replica hold copies), and the cp
-    group whose ranks each hold a sequence shard of the replica's rows."""
+    group whose ranks each hold a sequence shard of the replica's rows. (TP, CP and PP ranks
+    of a replica hold copies of its results: one leads.)"""
     parts: int = 1
     part: int = 0
     leader: bool = True
@@ -126,7 +129,7 @@ class RankGroup:
         if mesh is None:
             return Share()
         return Share(mesh["dp"].size(), mesh["dp"].get_local_rank(),
-                     mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0,
+                     all(mesh[d].get_local_rank() == 0 for d in ("pp", "cp", "tp")),
                      mesh["cp"].get_group() if layout.cp > 1 else None)
 
     # -- collectives (identities for one rank) -------------------------------------------------
@@ -187,15 +190,32 @@ class RankGroup:
 
     # -- models ----------------------------------------------------------------------------
     def trained(self, model: nn.Module, layout: Layout, lr: float, **adamw: Any
-                ) -> torch.optim.Optimizer:
-        """Apply `layout` to a model that trains here, and its optimizer (ZeRO-sharded when
-        the layout says so)."""
+                ) -> tuple[nn.Module | PipelinedModel, torch.optim.Optimizer]:
+        """Apply `layout` to a model that trains here: what trains (the model itself, or with
+        pp > 1 this rank's pipeline stage of it) and its optimizer (ZeRO-sharded when the
+        layout says so)."""
         mesh = self.mesh(layout)
+        if layout.pp > 1:
+            return self._pipelined(model, layout, mesh, lr, **adamw)
         if mesh is not None:
             # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would
             # change the log-probs PPO compares with the sampled ones
             parallelize(model, layout, mesh, mixed_precision=False)
-        return make_optimizer(model, layout, mesh, lr, **adamw)
+        return model, make_optimizer(model, layout, mesh, lr, **adamw)
+
+    def _pipelined(self, model: nn.Module, layout: Layout, mesh: DeviceMesh, lr: float,
+                   **adamw: Any) -> tuple[PipelinedModel, torch.optim.Optimizer]:
+        """This rank's stage of `model` (activation checkpointing inside it, data parallel
+        over the stage's dp replicas) and the optimizer of the stage's parameters."""
+        validate_layout(layout, backbone_of(model).config, self.world)
+        if layout.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        pipe = PipelinedModel(model, mesh["pp"].get_group(),
+                                 tied_group=_first_and_last_stages(mesh))
+        if layout.dp > 1:
+            apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
+                                layers=pipe.module.model.layers.values())
+        return pipe, make_optimizer(pipe.module, layout, mesh, lr, **adamw)
 
     def generating(self, model: nn.Module, layout: Layout) -> nn.Module:
         """A model that only generates, in `layout`: TP shards it; each data-parallel replica
@@ -221,22 +241,47 @@ class RankGroup:
             apply_data_parallel(model, mesh["dp"], 3, mixed_precision=False)
         return model
 
-    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def full_state(self, model: nn.Module | PipelinedModel) -> dict[str, torch.Tensor]:
         """The model's whole weights as plain CPU tensors on rank 0 ({} elsewhere); every rank
         must call it."""
         if self.world == 1:
             return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=True))
+        state = whole_weights(model, cpu=True)
         return state if self.main else {}
+
+
+def whole_weights(model: nn.Module | PipelinedModel, cpu: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """The unsharded weights under the plain model's names, on every rank (a collective
+    of the model's layout; a pipeline's stages each contribute theirs)."""
+    if isinstance(model, PipelinedModel):
+        return model.full_state()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=cpu))
+
+
+def _first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of this rank's pipeline's first and last stage, for tied embeddings
+    (made by every rank, one per pipeline, in the same order; None on middle stages). With 2
+    stages the pipeline group is that pair already."""
+    pp = mesh["pp"].size()
+    if pp <= 2:
+        return None
+    mine = None
+    for ranks in mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist():  # one row per pipeline
+        group = dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
 
 
 def needs_generation_copy(train: Layout, gen: Layout) -> bool:
     """Whether the actor generates on its own copy beside training: when generation uses
     another layout, when training is data-parallel (replicas decode different prompts for
     different numbers of steps, so their forwards must not need each other: ZeRO gathers
-    would deadlock) or on sequence shards (a KV cache cannot decode them)."""
-    return gen != train or train.dp > 1 or train.cp > 1
+    would deadlock), on sequence shards (a KV cache cannot decode them) or in pipeline
+    stages (each holds only some layers)."""
+    return gen != train or train.dp > 1 or train.cp > 1 or train.pp > 1
 
 
 def leave_world() -> None:
@@ -247,11 +292,11 @@ def leave_world() -> None:
         dist.destroy_process_group()
 
 
-def reshard(trained: nn.Module, copy: nn.Module) -> tuple[float, float]:
+def reshard(trained: nn.Module | PipelinedModel, copy: nn.Module) -> tuple[float, float]:
     """Copy the trained weights into another layout's copy on the same ranks (collective);
     (seconds, bytes this rank received into its copy's shards)."""
     t0 = time.perf_counter()
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(copy, get_model_state_dict(trained, options=opts), options=opts)
+    set_model_state_dict(copy, whole_weights(trained),
+                         options=StateDictOptions(full_state_dict=True))
     nbytes = sum(local_tensor(p).numel() * p.element_size() for p in copy.parameters())
     return time.perf_counter() - t0, float(nbytes)

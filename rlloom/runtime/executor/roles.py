@@ -24,8 +24,10 @@ from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer
 from rlloom.parallel.apply import load_sharded, save_sharded
+from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
+from rlloom.rollout.generate import Rollout
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.executor.ranks import RankGroup, Share, needs_generation_copy, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
@@ -42,6 +44,7 @@ from rlloom.runtime.stages.online import (
     optimise,
     scores,
 )
+from rlloom.runtime.stages.pipelined import pipelined_logprobs
 
 # losses whose stale samples the trainer corrects as decoupled PPO (see `decoupled`)
 DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
@@ -59,8 +62,8 @@ class Batch:
 
 
 @torch.no_grad()
-def decoupled(exp: Experience, policy: torch.nn.Module, temperature: float, minibatches: int
-              ) -> tuple[Experience, float]:
+def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, temperature: float,
+              minibatches: int) -> tuple[Experience, float]:
     """Decoupled PPO for stale samples, expressed for the plain `ppo` loss that `optimise`
     calls: the proximal log-probs (the weights before this update) replace the behaviour
     log-probs as PPO's `old_logp`, and the advantages are scaled by the detached behaviour
@@ -70,8 +73,12 @@ def decoupled(exp: Experience, policy: torch.nn.Module, temperature: float, mini
     Returns the corrected experience and the k1 KL(behaviour || proximal) per token."""
     r = exp.samples.rollout
     n = len(r.finished)
-    prox = torch.cat([response_logprobs(policy, r.select(idx), temperature)[0]
-                      for idx in torch.arange(n).chunk(minibatches)])
+
+    def logprobs(part: Rollout) -> torch.Tensor:
+        if isinstance(policy, PipelinedModel):
+            return pipelined_logprobs(policy, part, temperature)
+        return response_logprobs(policy, part, temperature)[0]
+    prox = torch.cat([logprobs(r.select(idx)) for idx in torch.arange(n).chunk(minibatches)])
     mask = r.response_mask.float()
     keep = mask > 0
     prox, old = torch.where(keep, prox, 0.0), torch.where(keep, r.logprobs, 0.0)
@@ -160,16 +167,19 @@ class TrainingRole:
             self.critic = ValueModel.from_policy(self.policy)
         # generation beside training (and held-out evaluation) reads the policy itself, or a
         # copy in its own layout: always when the actor trains data-parallel (see
-        # ranks.RankGroup.generating) or on sequence shards, which a KV cache cannot decode
+        # ranks.RankGroup.generating), on sequence shards, which a KV cache cannot decode, or
+        # in pipeline stages, which hold some layers each
         gen = generation_layout(plan) if generates else self.layout
         self.generator = self.policy
-        if ranks.world > 1 and (self.layout.cp > 1 or (
+        if ranks.world > 1 and (self.layout.cp > 1 or self.layout.pp > 1 or (
                 generates and needs_generation_copy(self.layout, gen))):
             self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
-        self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
-                                       weight_decay=cfg.train.weight_decay)
+        # with pp > 1 the policy that trains is this rank's pipeline stage
+        self.policy, self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
+                                                    weight_decay=cfg.train.weight_decay)
         if self.critic is not None:
-            self.critic_optimizer = ranks.trained(self.critic, self.critic_layout, a.critic_lr)
+            self.critic, self.critic_optimizer = ranks.trained(self.critic, self.critic_layout,
+                                                               a.critic_lr)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         d = cfg.data
         self.eval_set = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size,
@@ -182,9 +192,11 @@ class TrainingRole:
 
     @property
     def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-        parts = {"actor": (self.policy, self.optimizer)}
+        def own(model: torch.nn.Module | PipelinedModel) -> torch.nn.Module:
+            return model.module if isinstance(model, PipelinedModel) else model  # its stage
+        parts = {"actor": (own(self.policy), self.optimizer)}
         if self.critic is not None:
-            parts["critic"] = (self.critic, self.critic_optimizer)
+            parts["critic"] = (own(self.critic), self.critic_optimizer)
         return parts
 
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool

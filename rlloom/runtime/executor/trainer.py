@@ -173,10 +173,10 @@ class Trainer:
                                   + "; ".join(problems))
         if lay.gen_copy:
             self.generator = ranks.generating(copy.deepcopy(self.policy), lay.gen)
-        self.optimizer = ranks.trained(self.policy, lay.train, cfg.train.lr,
+        _, self.optimizer = ranks.trained(self.policy, lay.train, cfg.train.lr,
                                        weight_decay=cfg.train.weight_decay)
         if self.critic is not None:
-            self.critic_optimizer = ranks.trained(self.critic, lay.train, cfg.algo.critic_lr)
+            _, self.critic_optimizer = ranks.trained(self.critic, lay.train, cfg.algo.critic_lr)
         if self.reference is not None:
             ranks.frozen(self.reference, self.frozen_layout)
 

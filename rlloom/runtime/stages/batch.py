@@ -43,7 +43,7 @@ def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
                    torch.ones(len(prompts), dtype=torch.bool))
 
 
-def _joined(r: Rollout) -> tuple[torch.Tensor, torch.Tensor, slice]:
+def joined(r: Rollout) -> tuple[torch.Tensor, torch.Tensor, slice]:
     """Prompt+response ids and mask, and the slice of positions that predict the response.
 
     The layout (left-padded prompt, right-padded response) is the one generation used, so
@@ -67,7 +67,7 @@ def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
     if prompts is not None:
         logits = prompts.logits(rows, r)
     else:
-        ids, mask, span = _joined(r)
+        ids, mask, span = joined(r)
         if isinstance(model, ActorCritic):
             logits, values = on_shards(model, model.logits_and_values, ids, mask)
             values = values[:, span]
@@ -83,7 +83,7 @@ def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
 def response_values(critic: ValueModel | ActorCritic, r: Rollout) -> torch.Tensor:
     """Critic values [n, T] of the state before each response token (without computing
     logits, also for a shared actor-critic)."""
-    ids, mask, span = _joined(r)
+    ids, mask, span = joined(r)
     if isinstance(critic, ActorCritic):
         return on_shards(critic, critic.values, ids, mask)[:, span]
     return on_shards(critic, critic, ids, mask)[:, span]
@@ -91,6 +91,6 @@ def response_values(critic: ValueModel | ActorCritic, r: Rollout) -> torch.Tenso
 
 def sequence_scores(model: ValueModel, r: Rollout) -> torch.Tensor:
     """A reward model's score [n] of each prompt + response, read at the last response token."""
-    ids, mask, _ = _joined(r)
+    ids, mask, _ = joined(r)
     last = r.prompt_ids.shape[1] + r.response_lengths - 1
     return model(ids, mask).gather(1, last[:, None]).squeeze(1)

@@ -3,7 +3,7 @@ online preset (the estimator, loss and KL placement come from the registries by 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,9 +13,8 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.algos.advantages import ADVANTAGES, AdvantageInputs
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
 from rlloom.algos.dapo import groups_with_signal, overlong_penalty
-from rlloom.algos.kl import KL_ESTIMATORS, kl_shaped_rewards
+from rlloom.algos.kl import kl_shaped_rewards
 from rlloom.algos.masks import valid
-from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from rlloom.algos.value import value_loss
 from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream
@@ -23,7 +22,8 @@ from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import DTYPES, CheckpointError, load_value_model
 from rlloom.models.transformer import CausalLM
-from rlloom.parallel.apply import clip_grad_norm
+from rlloom.parallel.grads import clip_grad_norm
+from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
@@ -37,7 +37,13 @@ from rlloom.runtime.stages.batch import (
     response_values,
     sequence_scores,
 )
+from rlloom.runtime.stages.objective import micro_rows, token_loss
 from rlloom.runtime.stages.packing import Agree, micro_batches, trim
+from rlloom.runtime.stages.pipelined import (
+    pipelined_backward,
+    pipelined_critic_backward,
+    pipelined_values,
+)
 from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
 
 
@@ -240,7 +246,8 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 
 
 @torch.no_grad()
-def scores(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
+def scores(s: Samples, reference: CausalLM | None,
+           critic: ValueModel | ActorCritic | PipelinedModel | None,
            cfg: RunConfig, ranks: RankGroup | None = None, ref_share: Share = Share(),
            critic_share: Share = Share()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The forward passes of assessment: reference log-probs and critic values [n, T].
@@ -263,7 +270,7 @@ def scores(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
 
         return ((scored(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
                         ref_share) if reference is not None else None),
-                (scored(lambda mb: response_values(critic, mb), critic_share)
+                (scored(lambda mb: values_of(critic, mb), critic_share)
                  if critic is not None else None))
     ref_logp = None
     if reference is not None:
@@ -274,9 +281,16 @@ def scores(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCri
             ref_logp[chunk] = bucketed(lambda mb, rows, prompts=prompts: response_logprobs(
                 reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], part,
                 budget, prompts_done=True)
-    old_values = (bucketed(lambda mb, _: response_values(critic, mb), r, budget)
+    old_values = (bucketed(lambda mb, _: values_of(critic, mb), r, budget)
                   if critic is not None else None)
     return ref_logp, old_values
+
+
+def values_of(critic: ValueModel | ActorCritic | PipelinedModel, r: Rollout) -> torch.Tensor:
+    """Critic values [n, T] (`batch.response_values`, or a pipelined critic's)."""
+    if isinstance(critic, PipelinedModel):
+        return pipelined_values(critic, r)
+    return response_values(critic, r)
 
 
 def assess(s: Samples, reference: CausalLM | None, critic: ValueModel | ActorCritic | None,
@@ -326,7 +340,8 @@ def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
     return out
 
 
-def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience,
+def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer,
+             exp: Experience,
              critic: ValueModel | None, critic_optimizer: torch.optim.Optimizer | None,
              kl_coef: float, cfg: RunConfig, generator: torch.Generator,
              share: Share = Share(), critic_share: Share = Share(),
@@ -338,7 +353,8 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
     ranks: as many plain micro-batches as every other rank), accumulating the mini-batch's
     gradient. In a group every rank holds the whole batch and draws the same shuffle; each
     trains on its data-parallel `share` of every mini-batch (`critic_share` for the critic's
-    layout) with the whole mini-batch's normalisers over dp (runtime/executor/ranks.py)."""
+    layout) with the whole mini-batch's normalisers over dp (runtime/executor/ranks.py). A
+    pipelined actor trains each micro-batch with a 1F1B schedule (stages/pipelined.py)."""
     r = exp.samples.rollout
     budget = cfg.train.micro_batch_tokens
     share_prompts = agree is None and not isinstance(policy, ActorCritic)
@@ -353,19 +369,30 @@ def optimise(policy: CausalLM, optimizer: torch.optim.Optimizer, exp: Experience
             if tokens == 0:
                 continue  # every sample was filtered out (overlong), on every rank alike
             optimizer.zero_grad(set_to_none=True)
-            stats = policy_backward(policy, exp, share.rows(idx), _norm(tokens, seqs, share, cfg),
-                                    kl_coef, cfg, budget, share_prompts, agree)
-            share.reduce_context(policy)
-            stats["grad_norm"] = clip_grad_norm(
-                policy.parameters(), cfg.train.grad_clip).item()
+            norm = _norm(tokens, seqs, share, cfg)
+            if isinstance(policy, PipelinedModel):
+                stats = pipelined_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
+                                           budget, agree)
+                stats["grad_norm"] = policy.clip_grad_norm(cfg.train.grad_clip).item()
+            else:
+                stats = policy_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
+                                        budget, share_prompts, agree)
+                share.reduce_context(policy)
+                stats["grad_norm"] = clip_grad_norm(
+                    policy.parameters(), cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-                stats["value_loss"] = critic_backward(
-                    critic, exp, critic_share.rows(idx), _norm(tokens, seqs, critic_share, cfg),
-                    cfg, budget, agree)
-                critic_share.reduce_context(critic)
-                clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
+                rows, norm = critic_share.rows(idx), _norm(tokens, seqs, critic_share, cfg)
+                if isinstance(critic, PipelinedModel):
+                    stats["value_loss"] = pipelined_critic_backward(critic, exp, rows, norm, cfg,
+                                                                    budget, agree)
+                    critic.clip_grad_norm(cfg.train.grad_clip)
+                else:
+                    stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
+                                                          agree)
+                    critic_share.reduce_context(critic)
+                    clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -378,18 +405,6 @@ def _norm(tokens: float, seqs: float, share: Share, cfg: RunConfig) -> LossNorm:
     return LossNorm(tokens / share.parts, seqs / share.parts, const=cfg.rollout.max_new_tokens)
 
 
-def _micro(exp: Experience, idx: torch.Tensor, budget: int | None, prompts_done: bool = False,
-           agree: Agree | None = None
-           ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Rollout, int]]:
-    """(positions in `idx`, rows, trimmed rollout of those rows, its response width) per
-    micro-batch of `idx`."""
-    r = exp.samples.rollout.select(idx)
-    for part in micro_batches(r.prompt_mask.sum(1), r.response_mask.sum(1), budget,
-                              prompts_done, agree):
-        mb = trim(r.select(part))
-        yield part, idx[part], mb, mb.response_ids.shape[1]
-
-
 def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: LossNorm,
                     kl_coef: float, cfg: RunConfig, micro_batch_tokens: int | None,
                     share_prompts: bool = False, agree: Agree | None = None
@@ -397,14 +412,9 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     """Accumulate into `.grad` the gradient of mini-batch `idx`'s loss, one micro-batch at a
     time, and return its statistics (token means over the whole mini-batch)."""
     a = cfg.algo
-    loss_fn, aggregate = POLICY_LOSSES.get(a.policy_loss), AGGREGATIONS.get(a.loss_agg)
-    kl_fn = KL_ESTIMATORS.get(a.kl_estimator)
-    pl_cfg = PolicyLossConfig.from_algo(a)
-    kl_in_loss = not a.kl_in_reward and exp.ref_logp is not None and kl_coef > 0
+    objective = token_loss(exp, norm, kl_coef, cfg)
     actor_critic = isinstance(policy, ActorCritic)
-    sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
-    if kl_in_loss:
-        sums["kl"] = 0.0
+    sums = objective.sums()
     if actor_critic:
         sums["value_loss"] = 0.0
     r = exp.samples.rollout
@@ -415,38 +425,23 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     for chunk in chunks:
         sub = idx[chunk]
         prompts = SharedPrompts(policy, r.select(sub), train=True) if share_prompts else None
-        for part, rows, mb, t in _micro(exp, sub, micro_batch_tokens, share_prompts, agree):
+        for part, rows, mb, t in micro_rows(exp, sub, micro_batch_tokens, share_prompts, agree):
             mask = exp.loss_mask[rows, :t]
             logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
                                                       with_entropy=True, prompts=prompts, rows=part)
-            # one process and torchrun train on samples of the weights this step starts from,
-            # so the proximal policy is the behaviour policy: decoupled_ppo is ppo, as on Ray
-            # at staleness 0 (a stale Ray step corrects its samples first: roles.decoupled)
-            per_token, clipped = loss_fn(logp, mb.logprobs, exp.advantages[rows, :t], mask,
-                                         pl_cfg, prox_logp=mb.logprobs)
-            sums["clip_frac"] += _masked_sum(clipped.float(), mask)
-            sums["entropy"] += _masked_sum(entropy, mask)
-            if kl_in_loss:
-                kl = kl_fn(logp, exp.ref_logp[rows, :t])
-                per_token = per_token + kl_coef * kl
-                sums["kl"] += _masked_sum(kl, mask)
-            if a.entropy_coef:
-                per_token = per_token - a.entropy_coef * entropy
-            loss = aggregate(per_token, mask, norm)
+            loss = objective(logp, entropy, mb.logprobs, exp.advantages[rows, :t], mask,
+                             None if exp.ref_logp is None else exp.ref_logp[rows, :t], sums)
             if actor_critic:
-                vloss = aggregate(value_loss(values, exp.old_values[rows, :t],
-                                             exp.returns[rows, :t], mask, a.value_clip),
-                                  mask, norm)
+                vloss = AGGREGATIONS.get(a.loss_agg)(
+                    value_loss(values, exp.old_values[rows, :t], exp.returns[rows, :t], mask,
+                               a.value_clip), mask, norm)
                 loss = loss + a.vf_coef * vloss
                 sums["value_loss"] += vloss.item()
             loss.backward()
             sums["loss"] += loss.item()
         if prompts is not None:
             prompts.backward()
-    for k in ("clip_frac", "entropy", "kl"):  # token means of the whole mini-batch over dp
-        if k in sums:
-            sums[k] /= norm.tokens
-    return sums
+    return objective.means(sums)
 
 
 def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm: LossNorm,
@@ -455,7 +450,7 @@ def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm
     """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
     aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
     total = 0.0
-    for _, rows, mb, t in _micro(exp, idx, micro_batch_tokens, agree=agree):
+    for _, rows, mb, t in micro_rows(exp, idx, micro_batch_tokens, agree=agree):
         mask = exp.loss_mask[rows, :t]
         vloss = aggregate(value_loss(response_values(critic, mb), exp.old_values[rows, :t],
                                      exp.returns[rows, :t], mask, cfg.algo.value_clip),
@@ -463,10 +458,6 @@ def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm
         vloss.backward()
         total += vloss.item()
     return total
-
-
-def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return (x.detach() * mask).sum().item()
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:

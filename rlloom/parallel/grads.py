@@ -1,0 +1,40 @@
+"""Gradient norms and clipping over parameters that mix DTensors (tensor- or data-parallel
+shards) and plain tensors, as the parallel layouts leave them."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the parameters' gradients; each DTensor's norm is reduced over its own
+    mesh, so every rank of a layout gets the whole model's norm (0 when none has one)."""
+    norms = []
+    for p in params:
+        if p.grad is not None:
+            n = torch.linalg.vector_norm(p.grad, 2.0)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if not norms:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+@torch.no_grad()
+def scale_grads(params: Iterable[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients so that a total norm `total` becomes at most `max_norm` (the eps
+    and clamp of `torch.nn.utils.clip_grad_norm_`)."""
+    coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a mix of DTensor and plain parameters; returns the
+    total norm."""
+    params = list(params)
+    total = grad_norm(params)
+    scale_grads(params, total, max_norm)
+    return total

@@ -1,0 +1,141 @@
+"""The passes of a model that trains on a pipeline of stages (`rlloom.parallel.pipeline`):
+the actor's policy loss and log-probs, a separate critic's value loss and values.
+
+Each length-bucketed micro-batch of a mini-batch runs one 1F1B schedule, its rows split into
+`pp` pipeline micro-batches (padded to a multiple of pp with copies of the first row that
+carry no loss). The loss is the one process's (`objective.TokenLoss`, `value.value_loss`),
+computed on the last stage from its outputs and the per-token inputs the schedule slices
+alongside the rows; its statistics are broadcast from there.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
+from rlloom.algos.policy_losses import entropy_from_logits
+from rlloom.algos.value import value_loss
+from rlloom.config import RunConfig
+from rlloom.parallel.pipeline import PipelinedModel
+from rlloom.rollout.generate import Rollout
+from rlloom.rollout.sampling import policy_logprobs
+from rlloom.runtime.stages.batch import joined
+from rlloom.runtime.stages.objective import micro_rows, token_loss
+from rlloom.runtime.stages.packing import Agree
+
+if TYPE_CHECKING:
+    from rlloom.runtime.stages.online import Experience
+
+# the per-token inputs of the loss, in the order they are packed into the schedule's target
+FIELDS = ("token", "old_logp", "advantage", "mask", "ref_logp")
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with copies of its first row appended up to `rows` rows."""
+    extra = rows - x.shape[0]
+    return torch.cat([x, x[:1].expand(extra, *x.shape[1:])]) if extra else x
+
+
+def _rows_for(pipe: PipelinedModel, n: int) -> int:
+    m = pipe.n_microbatches
+    return -(-n // m) * m
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `tokens` and entropies, as `batch.response_logprobs` computes them."""
+    logits = logits.float() / (temperature or 1.0)
+    logp = policy_logprobs(logits, 1.0).gather(-1, tokens[..., None]).squeeze(-1)
+    return logp, entropy_from_logits(logits)
+
+
+def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
+                       norm: LossNorm, kl_coef: float, cfg: RunConfig,
+                       micro_batch_tokens: int | None, agree: Agree | None = None
+                       ) -> dict[str, float]:
+    """`online.policy_backward` for a pipelined actor: accumulate the gradient of mini-batch
+    `idx`'s loss into this stage's parameters (tied embeddings summed over their two stages)
+    and return the statistics on every rank of the pipeline."""
+    objective = token_loss(exp, norm, kl_coef, cfg)
+    sums = objective.sums()
+    for _, rows, mb, t in micro_rows(exp, idx, micro_batch_tokens, agree=agree):
+        ids, mask, span = joined(mb)
+        ref = exp.ref_logp[rows, :t] if exp.ref_logp is not None else torch.zeros_like(
+            mb.logprobs)
+        parts = (mb.response_ids, mb.logprobs, exp.advantages[rows, :t],
+                 exp.loss_mask[rows, :t], ref)
+        dtypes = [p.dtype for p in parts]
+        target = torch.stack([p.double() for p in parts], -1)   # [rows, T, fields]
+        n, padded = len(rows), _rows_for(pipe, len(rows))
+        ids, mask, target = (_padded(x, padded) for x in (ids, mask, target))
+        target[n:, :, FIELDS.index("mask")] = 0.0
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor, span: slice = span,
+                    dtypes: list[torch.dtype] = dtypes) -> torch.Tensor:
+            token, old, adv, keep, ref = (target[..., i].to(d) for i, d in enumerate(dtypes))
+            logp, entropy = _logprobs(logits[:, span], token, cfg.rollout.temperature)
+            return objective(logp, entropy, old, adv, keep,
+                             ref if exp.ref_logp is not None else None, sums)
+        sums["loss"] += float(pipe.train_step(ids, mask, target, loss_fn))
+    pipe.sync_tied_grads()
+    keys = sorted(sums)
+    stats = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=pipe.device)
+    dist.broadcast(stats, src=pipe.last_rank, group=pipe.group)  # summed on the last stage
+    return objective.means(dict(zip(keys, stats.tolist())))
+
+
+@torch.no_grad()
+def pipelined_logprobs(pipe: PipelinedModel, r: Rollout, temperature: float
+                       ) -> torch.Tensor:
+    """Response log-probs [n, T] of a pipelined actor (forward only), on every rank."""
+    ids, mask, span = joined(r)
+    n = len(ids)
+    padded = _rows_for(pipe, n)
+    logits = pipe.score(_padded(ids, padded), _padded(mask, padded))
+    out = torch.zeros(r.response_ids.shape, device=pipe.device)
+    if pipe.is_last:
+        out = _logprobs(logits[:n, span], r.response_ids, temperature)[0]
+    dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
+    return out
+
+
+def pipelined_critic_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
+                              norm: LossNorm, cfg: RunConfig, micro_batch_tokens: int | None,
+                              agree: Agree | None = None) -> float:
+    """`online.critic_backward` for a pipelined critic: accumulate mini-batch `idx`'s value-loss
+    gradient into this stage's parameters; the loss, on every rank of the pipeline."""
+    aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
+    total = 0.0
+    for _, rows, mb, t in micro_rows(exp, idx, micro_batch_tokens, agree=agree):
+        ids, mask, span = joined(mb)
+        parts = (exp.old_values[rows, :t], exp.returns[rows, :t], exp.loss_mask[rows, :t])
+        dtypes = [p.dtype for p in parts]
+        target = torch.stack([p.double() for p in parts], -1)   # [rows, T, 3]
+        n, padded = len(rows), _rows_for(pipe, len(rows))
+        ids, mask, target = (_padded(x, padded) for x in (ids, mask, target))
+        target[n:, :, 2] = 0.0
+
+        def loss_fn(values: torch.Tensor, target: torch.Tensor, span: slice = span,
+                    dtypes: list[torch.dtype] = dtypes) -> torch.Tensor:
+            old, returns, keep = (target[..., i].to(d) for i, d in enumerate(dtypes))
+            return aggregate(value_loss(values[:, span], old, returns, keep,
+                                        cfg.algo.value_clip), keep, norm)
+        total += float(pipe.train_step(ids, mask, target, loss_fn))
+    return total
+
+
+@torch.no_grad()
+def pipelined_values(pipe: PipelinedModel, r: Rollout) -> torch.Tensor:
+    """A pipelined critic's values [n, T] of the state before each response token, on every
+    rank of the pipeline."""
+    ids, mask, span = joined(r)
+    n = len(ids)
+    padded = _rows_for(pipe, n)
+    values = pipe.score(_padded(ids, padded), _padded(mask, padded))
+    out = torch.zeros(r.response_ids.shape, dtype=pipe.dtype, device=pipe.device)
+    if pipe.is_last:
+        out = values[:n, span].contiguous()
+    dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
+    return out
