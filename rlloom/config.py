@@ -35,8 +35,13 @@ class ModelSection(Strict):
     layers: int = Field(2, ge=1, description="built-in model: decoder layers")
     heads: int = Field(4, description="built-in model: attention heads")
     kv_heads: int = Field(2, description="built-in model: key/value heads (GQA)")
-    family: Literal["llama", "qwen2", "qwen3"] = Field("qwen3", description="built-in model: "
-                                                       "architecture family")
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = Field(
+        "qwen3", description="built-in model: architecture family (qwen3_moe: every layer's "
+        "MLP is routed experts)")
+    experts: int = Field(4, ge=2, description="built-in qwen3_moe model: routed experts per "
+                                              "layer")
+    experts_per_token: int = Field(2, ge=1, description="built-in qwen3_moe model: experts "
+                                                        "each token is routed to")
 
 
 class DataSection(Strict):

@@ -148,11 +148,12 @@ def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
 
 def generation_layout(plan: Plan) -> Layout:
     """The layout generation runs in: the plan's "rollout" layout, else the actor's, with
-    pipeline stages as data-parallel replicas (decoding runs on whole copies, so each rank of
-    a pipeline samples its own prompts instead of holding some layers)."""
+    pipeline stages as data-parallel replicas and every expert on each rank (decoding runs on
+    whole copies: each rank of a pipeline samples its own prompts instead of holding some
+    layers)."""
     layout = plan.layouts.get("rollout", plan.layout("actor"))
-    if layout.pp > 1:
-        layout = layout.model_copy(update={"dp": layout.dp * layout.pp, "pp": 1})
+    if layout.pp > 1 or layout.ep > 1:
+        layout = layout.model_copy(update={"dp": layout.dp * layout.pp, "pp": 1, "ep": 1})
     return layout
 
 
@@ -180,21 +181,17 @@ def _sizer(plan: Plan, group: DeviceGroup) -> str:
 
 # -- what the executor runs: the one capability table `rlloom plan` and `rlloom train` read ----
 
-# dimensions the executor's groups apply to a model in the RL stages; cp and pp only to the
-# models that train (rlloom.parallel also has expert parallelism for a model alone; the stages
-# do not run it yet)
-EXECUTOR_DEGREES = ("dp", "tp", "cp", "pp")
-
-
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)
     for role, layout in plan.layouts.items():
-        if layout.ep > 1:
-            problems.append(f"plan.layouts.{role}.ep={layout.ep}: the executor applies "
-                            f"{', '.join(EXECUTOR_DEGREES)} (ZeRO 0-3 and activation "
-                            "checkpointing) inside a group; set it to 1 (`rlloom plan "
-                            "--price-only` prices such plans without running them)")
+        if layout.ep > 1 and (role not in TRAINABLE or layout.ep != layout.dp
+                              or layout.tp * layout.cp * layout.pp > 1 or layout.zero == 1):
+            problems.append(f"plan.layouts.{role}.ep={layout.ep}: the executor spreads the "
+                            "experts of a model that trains (actor, critic) over its dp ranks: "
+                            "ep = dp, with tp, cp and pp 1 and zero 0, 2 or 3; change it "
+                            "(`rlloom plan --price-only` prices such plans without running "
+                            "them)")
         if layout.cp > 1 and (role not in TRAINABLE or layout.tp > 1):
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of the models that train (actor, critic), with "

@@ -9,9 +9,10 @@
 
 The order is fixed: tensor parallel first (it replaces Linear/RMSNorm weights by DTensors
 sharded over `tp`), then context parallel (it swaps the backbone for a wrapper over sequence
-shards of `cp`, holding the same modules), then activation checkpointing (it wraps whole
+shards of `cp`, holding the same modules), then expert parallel (each MoE block keeps its
+share of the experts, spread over the dp ranks), then activation checkpointing (it wraps whole
 layers, whatever is inside), then data parallel (FSDP2 shards the already-TP DTensors again
-over `dp` and groups each checkpointed layer).
+over `dp` and groups each checkpointed layer; routed experts are left to their owners).
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ from rlloom.models.hf_io import replace_dir
 from rlloom.parallel.checkpointing import apply_activation_checkpointing
 from rlloom.parallel.context_parallel import apply_context_parallel
 from rlloom.parallel.data_parallel import Zero1AdamW, apply_data_parallel, local_tensor
+from rlloom.parallel.expert_parallel import (
+    apply_expert_parallel,
+    is_expert_parameter,
+    scale_expert_grads,
+)
 from rlloom.parallel.mesh import LayoutError, build_mesh, validate_layout
 from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
 from rlloom.plan import Layout
@@ -58,11 +64,14 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
     `mixed_precision=None` uses bf16 compute where the device supports it (see
     `data_parallel.mixed_precision_policy`); it only applies when dp > 1.
     """
-    missing = [f"{d}={getattr(layout, d)}" for d in ("pp", "ep") if getattr(layout, d) > 1]
-    if missing:
-        raise LayoutError(f"{', '.join(missing)} is not applied by parallelize yet (dp with "
-                          "zero 0-3, tp with sequence parallel, cp and activation checkpointing "
-                          "are); set those degrees to 1")
+    if layout.pp > 1:
+        raise LayoutError(f"pp={layout.pp}: parallelize applies one model on every rank; "
+                          "pipeline stages are `pipeline.PipelinedModel` (set pp=1 here)")
+    if layout.ep > 1 and (layout.ep != layout.dp or layout.tp > 1 or layout.cp > 1
+                          or layout.zero == 1):
+        raise LayoutError(f"ep={layout.ep}: experts are spread over the data-parallel ranks, "
+                          f"so use ep = dp (dp={layout.dp}) with tp=1, cp=1 and zero 0, 2 or 3 "
+                          "(ZeRO-1's owner broadcasts would overwrite other ranks' experts)")
     if layout.cp > 1 and layout.tp > 1:
         raise LayoutError(f"cp={layout.cp} with tp={layout.tp}: sequence-parallel TP norms and "
                           "context-parallel shards would both split the sequence; use one")
@@ -74,10 +83,18 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
         apply_tensor_parallel(model, mesh["tp"])
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"].get_group())
+    experts: set[nn.Parameter] = set()
+    if layout.ep > 1:
+        apply_expert_parallel(model, mesh["dp"].get_group())
+        experts = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
+        # Each rank's loss is normalised so that dp's average of the replicas' gradients is
+        # the batch's; an expert's owner sums every rank's tokens instead of averaging them.
+        scale_expert_grads(model, 1 / layout.dp)
     if layout.activation_checkpointing:
         apply_activation_checkpointing(model)
     if layout.dp > 1:
-        apply_data_parallel(model, mesh["dp"], layout.zero, mixed_precision)
+        apply_data_parallel(model, mesh["dp"], layout.zero, mixed_precision,
+                            ignored=experts or None)
     return model
 
 

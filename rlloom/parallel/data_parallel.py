@@ -66,24 +66,26 @@ def mixed_precision_policy(device_type: str, enabled: bool | None = None
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero: int,
                         mixed_precision: bool | None = None,
-                        layers: Iterable[nn.Module] | None = None) -> nn.Module:
+                        layers: Iterable[nn.Module] | None = None,
+                        ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """Make `model` data parallel over the 1-D `dp_mesh` at ZeRO stage `zero`, in place.
 
     Apply after tensor parallelism and activation checkpointing. ZeRO-1 also needs the
     optimizer from `rlloom.parallel.apply.make_optimizer`. `layers`: the decoder layers to
-    wrap one by one (default: the backbone's; a pipeline stage passes its own).
+    wrap one by one (default: the backbone's; a pipeline stage passes its own). `ignored`:
+    parameters left whole and unreduced (routed experts, which differ between ranks).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
     mp_policy = mixed_precision_policy(dp_mesh.device_type, mixed_precision)
     if zero <= 1:
         def wrap(module: nn.Module, last: bool) -> None:
-            replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
+            replicate(module, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
     else:
         def wrap(module: nn.Module, last: bool) -> None:
             # The root stays unsharded after forward in any case: its backward comes first.
             fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy,
-                        reshard_after_forward=zero == 3 and not last)
+                        reshard_after_forward=zero == 3 and not last, ignored_params=ignored)
     for layer in layers if layers is not None else backbone_of(model).layers:
         wrap(layer, last=False)
     wrap(model, last=True)

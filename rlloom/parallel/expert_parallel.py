@@ -116,3 +116,29 @@ def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup | Non
             if p.grad is None:   # every rank must join every all-reduce
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def scale_expert_grads(model: nn.Module, factor: float) -> None:
+    """Multiply every routed expert's gradient by `factor` as it is computed (before it
+    accumulates over micro-batches)."""
+    for name, p in model.named_parameters():
+        if is_expert_parameter(name):
+            p.register_hook(lambda grad: grad * factor)
+
+
+def all_experts(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank's routed experts as plain CPU tensors under the full model's names, on every
+    rank of the ep group (a collective; {} without expert parallelism)."""
+    modules = expert_modules(model)
+    if not modules:
+        return {}
+    own = {f"{name}.experts.{k}": v.detach().to("cpu", copy=True)
+           for name, m in modules for k, v in m.experts.state_dict().items()}
+    group = modules[0][1].group
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, own, group=group)
+    return {k: v for part in got for k, v in part.items()}

@@ -3,8 +3,10 @@ shards) and plain tensors, as the parallel layouts leave them."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -31,10 +33,17 @@ def scale_grads(params: Iterable[torch.Tensor], total: torch.Tensor, max_norm: f
             p.grad.mul_(coef)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
+                   disjoint: Iterable[torch.Tensor] = (), group: Any = None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a mix of DTensor and plain parameters; returns the
-    total norm."""
-    params = list(params)
-    total = grad_norm(params)
-    scale_grads(params, total, max_norm)
+    total norm. `disjoint`: parameters of which each rank of process group `group` holds
+    different ones (routed experts): their squared norms are summed over the group."""
+    params, disjoint = list(params), list(disjoint)
+    squares = grad_norm(params) ** 2
+    if disjoint:
+        theirs = grad_norm(disjoint) ** 2
+        dist.all_reduce(theirs, group=group)
+        squares = squares + theirs
+    total = squares.sqrt()
+    scale_grads(params + disjoint, total, max_norm)
     return total

@@ -58,7 +58,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    either cp or pp without tp; see `plan.runnable_problems`)."""
+    either cp or pp without tp, or ep = dp alone; see `plan.runnable_problems`)."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
@@ -74,8 +74,13 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
-            eps = [1] if runnable else _ep_degrees(shape, dp * cp)
+            eps = _ep_degrees(shape, dp * cp)
+            if runnable:  # experts spread over exactly the dp ranks of a model that trains
+                eps = [1] + ([dp] if trainable and dp > 1 and dp in eps
+                             and tp == pp == cp == 1 else [])
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
+                if runnable and ep > 1 and zero == 1:
+                    continue
                 for ckpt in (False, True) if trainable else (False,):
                     out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                       activation_checkpointing=ckpt))

@@ -140,7 +140,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
                            "naive": _row(base, hw) if base else None,
                            "rejected": found.rejected[:20]}, indent=2)
     runnable = (" (plans torchrun runs)" if req.runtime == "torchrun" else
-                " (PRICE ONLY: plans with ep, or a cp or pp the executor lacks, do not run yet)"
+                " (PRICE ONLY: plans with a cp, pp or ep the executor lacks do not run yet)"
                 if req.price_only else " (plans the executor runs)")
     lines = [f"{model} {algo} on {devices} x {hw.name}{runnable}, ranked by "
              f"{OBJECTIVES[req.objective]}: "

@@ -31,17 +31,21 @@ def cache_root() -> Path:
 def tiny_model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
     m = cfg.model
     head_dim = m.hidden_size // m.heads
+    moe = m.family == "qwen3_moe"
+    experts = dict(n_experts=m.experts, experts_per_token=m.experts_per_token,
+                   moe_intermediate_size=m.hidden_size, norm_topk_prob=True) if moe else {}
     return ModelConfig(family=m.family, vocab_size=vocab_size, hidden_size=m.hidden_size,
                        intermediate_size=3 * m.hidden_size, num_layers=m.layers,
                        num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=head_dim,
-                       max_position_embeddings=512, qk_norm=m.family == "qwen3",
+                       max_position_embeddings=512, qk_norm=m.family.startswith("qwen3"),
                        qkv_bias=m.family == "qwen2", bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0)
+                       pad_token_id=0, **experts)
 
 
 def default_model_key(cfg: RunConfig) -> str:
     """Everything the built-in checkpoint depends on, hashed."""
-    recipe = {"model": cfg.model.model_dump(exclude={"path", "dtype"}),
+    dense = set() if cfg.model.family == "qwen3_moe" else {"experts", "experts_per_token"}
+    recipe = {"model": cfg.model.model_dump(exclude={"path", "dtype", *dense}),
               "task": cfg.data.task, "difficulty": cfg.data.difficulty,
               "sft": cfg.sft.model_dump(), "seed": cfg.seed, "version": 1}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]

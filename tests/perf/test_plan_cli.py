@@ -23,18 +23,29 @@ def test_plan_prints_ranked_plans_without_torch():
 
 
 def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
-    """The executor applies dp (ZeRO 0-3), tp and (to trained models) cp or pp in its groups:
-    by default no ranked plan uses ep, or pp outside the actor and critic; --price-only adds
-    them and says the plans do not run yet."""
-    def dims(data, roles=("actor", "critic", "reference", "rollout")):
-        return {d for p in data["ranked"] for role, lay in p["plan_json"]["layouts"].items()
-                if role in roles for d in ("pp", "cp", "ep") if lay[d] > 1}
+    """The executor applies dp (ZeRO 0-3) and tp to every model, and to the models that train
+    either cp or pp (tp=1), or ep = dp alone: by default every ranked layout keeps to that;
+    --price-only adds the rest and says the plans do not run yet."""
+    def outside(data):
+        bad = set()
+        for p in data["ranked"]:
+            for role, x in p["plan_json"]["layouts"].items():
+                trained = role in ("actor", "critic")
+                if x["ep"] > 1 and not (trained and x["ep"] == x["dp"] and x["zero"] != 1
+                                        and x["tp"] * x["cp"] * x["pp"] == 1):
+                    bad.add("ep")
+                if x["pp"] > 1 and not (trained and x["tp"] == x["cp"] == 1):
+                    bad.add("pp")
+                if x["cp"] > 1 and not (trained and x["tp"] == 1):
+                    bad.add("cp")
+        return bad
     moe = ["--model", "qwen3-30b-a3b", "--json", "--top", "2000"]
     runnable = json.loads(_plan(*moe).stdout)
-    assert dims(runnable) <= {"cp", "pp"}
-    assert "pp" not in dims(runnable, roles=("reference", "rollout"))
-    assert "ep" in dims(json.loads(_plan(*moe, "--price-only").stdout))
-    assert ("(PRICE ONLY: plans with ep, or a cp or pp the executor lacks, do not run yet)"
+    assert outside(runnable) == set()
+    assert any(x["ep"] > 1 for p in runnable["ranked"]
+               for x in p["plan_json"]["layouts"].values())  # ep = dp plans are ranked
+    assert "ep" in outside(json.loads(_plan(*moe, "--price-only").stdout))
+    assert ("(PRICE ONLY: plans with a cp, pp or ep the executor lacks do not run yet)"
             in _plan("--price-only", "--top", "1").stdout)
 
 

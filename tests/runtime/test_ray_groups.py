@@ -109,6 +109,21 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     _assert_same(single(algo, tiny), _rows(run))
 
 
+@pytest.mark.parametrize("algo, zero", [("grpo", 3), ("ppo", 2)])
+def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero):
+    """A built-in MoE model (4 routed experts, top 2, in every layer) trains on 2 ranks that
+    each own 2 experts (ep = dp = 2, tokens exchanged by all-to-all in every MoE layer), the
+    rest sharded by ZeRO; PPO's critic is expert-parallel too. Generation, on its own rank,
+    gets every expert by weight sync."""
+    moe = [*tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe"]
+    main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
+    run = tmp_path / "ray"
+    main(["train", *moe, "plan.placement=disaggregated", "plan.layouts.actor.dp=2",
+          "plan.layouts.actor.ep=2", f"plan.layouts.actor.zero={zero}",
+          "plan.layouts.rollout.dp=1", f"run_dir={run}", "--worker-timeout", "300"])
+    _assert_same(_rows(tmp_path / "single"), _rows(run))
+
+
 def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
     """One group of 2 ranks: the actor trains data-parallel at ZeRO-2 and generates on a TP
     copy resharded after every step; the plan needs 2 devices, so `rlloom train` runs it on

@@ -85,10 +85,12 @@ def test_disaggregated_sync_matches_single_process(tmp_path, tiny, algo):
 
 def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):
-        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.actor.pp=2",
-              f"run_dir={tmp_path / 'run'}"])
+        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.reference.pp=2",
+              "plan.layouts.actor.ep=2", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert "plan.layouts.actor.pp=2" in err and "--price-only" in err
+    assert "plan.layouts.reference.pp=2: pipeline stages train the actor" in err
+    assert "plan.layouts.actor.ep=2: the executor spreads the experts" in err
+    assert "--price-only" in err
     assert not (tmp_path / "run").exists()
 
 

@@ -36,6 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.checkpointing import apply_activation_checkpointing
 from rlloom.parallel.data_parallel import apply_data_parallel, local_tensor
+from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
+from rlloom.parallel.grads import clip_grad_norm
 from rlloom.parallel.mesh import build_mesh, validate_layout
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
@@ -61,6 +63,17 @@ class Share:
     part: int = 0
     leader: bool = True
     context: Any = None  # torch.distributed ProcessGroup of the cp ranks, None without cp
+    experts: Any = None  # ProcessGroup the routed experts are spread over, None without ep
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip `model`'s gradients by the whole model's norm; each rank's routed experts are
+        its own, so their squares are summed over the ep group."""
+        if self.experts is None:
+            return clip_grad_norm(model.parameters(), max_norm)
+        named = list(model.named_parameters())
+        return clip_grad_norm([p for n, p in named if not is_expert_parameter(n)], max_norm,
+                              disjoint=[p for n, p in named if is_expert_parameter(n)],
+                              group=self.experts)
 
     def reduce_context(self, model: nn.Module) -> None:
         """Average `model`'s gradients over the cp group: each cp rank computed the loss on
@@ -130,7 +143,8 @@ class RankGroup:
             return Share()
         return Share(mesh["dp"].size(), mesh["dp"].get_local_rank(),
                      all(mesh[d].get_local_rank() == 0 for d in ("pp", "cp", "tp")),
-                     mesh["cp"].get_group() if layout.cp > 1 else None)
+                     mesh["cp"].get_group() if layout.cp > 1 else None,
+                     mesh["dp"].get_group() if layout.ep > 1 else None)
 
     # -- collectives (identities for one rank) -------------------------------------------------
     def most(self, n: int) -> int:
@@ -256,8 +270,10 @@ def whole_weights(model: nn.Module | PipelinedModel, cpu: bool = False
     of the model's layout; a pipeline's stages each contribute theirs)."""
     if isinstance(model, PipelinedModel):
         return model.full_state()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=cpu))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=cpu))
+    experts = all_experts(model)  # each rank holds its own; cpu_offload leaves {} off rank 0
+    return {**state, **experts} if state else state
 
 
 def _first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:

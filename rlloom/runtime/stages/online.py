@@ -22,7 +22,6 @@ from rlloom.data.synthetic import Problem
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import DTYPES, CheckpointError, load_value_model
 from rlloom.models.transformer import CausalLM
-from rlloom.parallel.grads import clip_grad_norm
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
@@ -378,8 +377,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                 stats = policy_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                         budget, share_prompts, agree)
                 share.reduce_context(policy)
-                stats["grad_norm"] = clip_grad_norm(
-                    policy.parameters(), cfg.train.grad_clip).item()
+                stats["grad_norm"] = share.clip_grad_norm(policy, cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
@@ -392,7 +390,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                     stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
                                                           agree)
                     critic_share.reduce_context(critic)
-                    clip_grad_norm(critic.parameters(), cfg.train.grad_clip)
+                    critic_share.clip_grad_norm(critic, cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
