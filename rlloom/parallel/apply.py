@@ -133,10 +133,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in state.items()}
 
 
+# Optimizer state keyed by parameter name, hyperparameters too: unflattened, a param group is
+# keyed by its index, so ranks that hold different parameters (pipeline stages, expert shards)
+# would write one key and load each other's parameter lists.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _state(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optim is not None:
-        state["optim"] = get_optimizer_state_dict(model, optim)
+        state["optim"] = get_optimizer_state_dict(model, optim, options=_OPTIM)
     return state
 
 
@@ -179,7 +185,7 @@ def load_sharded(model: nn.Module, optim: torch.optim.Optimizer | None,
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optim is not None:
-        set_optimizer_state_dict(model, optim, state["optim"])
+        set_optimizer_state_dict(model, optim, state["optim"], options=_OPTIM)
 
 
 @contextmanager

@@ -189,3 +189,24 @@ def test_killed_rank_of_a_training_group_is_named_and_the_run_resumes(tmp_path, 
     # resumed from the step-1 checkpoint (DCP shards of the 2 training ranks)
     assert (run / "checkpoints" / "step_000003" / "actor").is_dir()
     _assert_same(single("grpo", tiny), _rows(run))
+
+
+@pytest.mark.parametrize("layout", [
+    ["plan.layouts.actor.pp=2"],
+    ["model.family=qwen3_moe", "plan.layouts.actor.dp=2", "plan.layouts.actor.ep=2",
+     "plan.layouts.actor.zero=3"],
+])
+def test_pipeline_and_expert_shards_resume_from_their_checkpoint(tmp_path, tiny, monkeypatch,
+                                                                 layout):
+    """Ranks that hold different parameters (a stage each, or their own experts) checkpoint
+    their weights and AdamW state apart, so a run whose rank 1 is killed in step 2 resumes
+    with the uninterrupted run's numbers (a param group keyed by its index would make one
+    rank load the other's)."""
+    plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", "plan.layouts.rollout.dp=1",
+            *layout]
+    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
+    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:actor/1:2")
+    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'killed'}", "--worker-timeout", "120",
+          "--max-restarts", "1"])
+    assert (tmp_path / "killed" / "failures.jsonl").is_file()
+    _assert_same(_rows(tmp_path / "whole"), _rows(tmp_path / "killed"))
