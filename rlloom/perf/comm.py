@@ -39,6 +39,8 @@ def p2p(hw: Hardware, span: int, nbytes: float) -> float:
 
 
 def broadcast_between_groups(hw: Hardware, nbytes: float) -> float:
-    """Weight sync from a training group to a separate generation group: pipelined over the
-    NICs of the sender group, so roughly one NIC's worth of time per device's shard."""
+    """Weight sync from a training group to a separate group holding a copy: one broadcast of
+    the whole weights from training rank 0 over a channel spanning the copy's ranks
+    (runtime/executor/weight_channel.py); a pipelined broadcast takes about one link's time
+    for `nbytes`, whatever the number of receivers."""
     return hw.inter_node_latency + nbytes / (hw.inter_node_bw * hw.comm_eff)

@@ -160,13 +160,14 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     a_by, t_by = per_group("assessment"), per_group("training")
     a_s, t_s = sum(a_by.values()), sum(t_by.values())
     sync_s = 0.0
+    # the runtime broadcasts whole weights from training rank 0 to every rank of a copy's
+    # group (runtime/executor/weight_channel.py); each rank keeps its shard
     if apart:
-        sync_s = comm.broadcast_between_groups(hw, mem.PARAM_B * mem.params_per_device(actor, gen))
+        sync_s = comm.broadcast_between_groups(hw, mem.PARAM_B * actor.params)
     elif hybrid:
         sync_s = reshard_seconds(actor, train, gen, hw)
     if "critic" in active and ass_g != train_g:  # the assessment group's critic copy
-        sync_s += comm.broadcast_between_groups(
-            hw, mem.PARAM_B * mem.params_per_device(active["critic"], layout_of(ass_g, "critic")))
+        sync_s += comm.broadcast_between_groups(hw, mem.PARAM_B * active["critic"].params)
     if plan.schedule == "async" and plan.staleness > 0 and apart:
         # generation (and the assessment beside it) of later steps runs while this one trains
         busy_train = max(t_by.get(g, 0.0) + a_by.get(g, 0.0) for g in t_by) if t_by else 0.0

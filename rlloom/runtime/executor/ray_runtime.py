@@ -1,6 +1,7 @@
 """The driver of the executor on Ray: it starts the plan's device groups
 (`plan.device_groups`, each a group of ranks: `ray_cluster`, `ray_workers`), runs the
-plan's schedule over them and moves batches and weights through the object store.
+plan's schedule over them, moves batches through the object store and weights over a process
+group of their own (`weight_channel.py`).
 
 Schedules, one loop (`train_step`):
 - sync: generation -> assessment -> training with barriers (eta = 0).
@@ -183,6 +184,7 @@ class RayRun:
             g = self.groups[name]
             self._get(call, "start-up", self.step, g, self.opts.startup_timeout_s)
             g.infos = [ray.get(r) for r in call.refs]
+        self._open_channels()
 
     def _stop_groups(self) -> None:
         for pid in self._stopped_pids:  # a stopped process ignores everything but SIGKILL
@@ -319,28 +321,45 @@ class RayRun:
                  "version": min(i["version"] for i in infos)}
         return exp, ginfo, ainfo, infos
 
-    def _sync(self, step: int) -> tuple[float, int]:
-        """Push the trainer's weights (gathered whole on training rank 0) to every rank of the
-        groups holding copies; seconds, and the bytes one receiving rank takes in (what the
-        cost model prices: `perf.comm.broadcast_between_groups` of a device's share)."""
-        import ray
+    def _copies(self) -> list[tuple[WorkerGroup, str]]:
+        """(group, "policy" or "critic") for every group that holds a copy of trained weights:
+        a generation group apart from training, an assessment group scoring a critic."""
         train = self._host("training")
         gen, ass = self._host("generation"), self._host("assessment")
-        wanted = []
-        if gen is not train:
-            wanted.append((gen, "receive_weights", "policy_weights"))
-        if self.has_critic and ass is not train:
-            wanted.append((ass, "receive_critic", "critic_weights"))
-        if not wanted:
+        return ([(gen, "policy")] if gen is not train else []) + (
+            [(ass, "critic")] if self.has_critic and ass is not train else [])
+
+    def _open_channels(self) -> None:
+        """Join training rank 0 and the ranks of each copy's group in a channel of their own
+        (`weight_channel.WeightChannel`: NCCL on GPUs, gloo on CPUs)."""
+        lead = self._host("training").actors[0]
+        for g, what in self._copies():
+            address = self._get(lead.address.options(concurrency_group="control").remote(),
+                                "start-up", self.step, g, self.opts.startup_timeout_s)
+            world, timeout = 1 + g.spec.ranks, self.opts.worker_timeout_s
+            joins = [lead.open_channel.remote(what, address, 0, world, timeout)]
+            joins += [a.open_channel.remote(what, address, 1 + i, world, timeout)
+                      for i, a in enumerate(g.actors)]
+            self._get(joins, "start-up", self.step, g, self.opts.startup_timeout_s)
+
+    def _sync(self, step: int) -> tuple[float, int]:
+        """Broadcast the trainer's weights (gathered whole on training rank 0) over each copy's
+        channel to every rank of its group; seconds, and the bytes one receiving rank takes
+        in (what the cost model prices: `perf.comm.broadcast_between_groups` of the whole
+        model)."""
+        import ray
+        copies = self._copies()
+        if not copies:
             return 0.0, 0
         t0 = time.perf_counter()
-        pushes = []
-        for g, method, source in wanted:
-            weights = train.call(source)  # a collective over the training ranks
-            pushes += [weights, g.call(method, step, step, weights.lead,
-                                       self.opts.worker_timeout_s, control=True)]
-        self._get(pushes, "weight sync", step, wanted[0][0])
-        received = [max(d["bytes"] for d in ray.get(call.refs)) for call in pushes[1::2]]
+        train = self._host("training")
+        calls = []
+        for g, what in copies:
+            calls += [train.call("send_weights", what),  # a collective over the training ranks
+                      g.call("receive_weights", what, step, step, self.opts.worker_timeout_s,
+                             control=True)]
+        self._get(calls, "weight sync", step, copies[0][0])
+        received = [max(d["bytes"] for d in ray.get(call.refs)) for call in calls[1::2]]
         return time.perf_counter() - t0, sum(received)
 
     def _inject(self, step: int) -> None:

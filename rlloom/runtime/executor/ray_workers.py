@@ -43,7 +43,8 @@ from rlloom.runtime.executor.roles import (
     SpanLog,
     TrainingRole,
 )
-from rlloom.runtime.executor.weight_sync import ShadowModel, SyncStats
+from rlloom.runtime.executor.weight_channel import WeightChannel
+from rlloom.runtime.executor.weight_sync import SyncStats
 from rlloom.runtime.stages.online import Experience
 
 # -- the process ----------------------------------------------------------------------------
@@ -63,6 +64,7 @@ class GroupWorker:
         self.training: TrainingRole | None = None
         self.generation: GenerationRole | None = None
         self.assessment: AssessmentRole | None = None
+        self.channels: dict[str, WeightChannel] = {}  # weight sync: "policy", "critic"
 
     def address(self) -> str:
         """Where the group's ranks meet (asked of rank 0, whose host it is)."""
@@ -93,20 +95,21 @@ class GroupWorker:
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()
 
-    def receive_weights(self, step: int, version: int, state: dict[str, torch.Tensor],
-                        timeout_s: float) -> dict[str, float]:
-        """Publish the trainer's policy into the generation copy's free buffer."""
-        return self._receive(self.generation.weights, "policy", step, version, state, timeout_s)
+    def open_channel(self, what: str, address: str, rank: int, world: int,
+                     timeout_s: float) -> None:
+        """Join the channel that carries `what` ("policy" or "critic") from the training
+        group's rank 0 (channel rank 0) to the ranks of a group holding a copy."""
+        self.channels[what] = WeightChannel(address, rank, world, self.device, timeout_s)
 
-    def receive_critic(self, step: int, version: int, state: dict[str, torch.Tensor],
-                       timeout_s: float) -> dict[str, float]:
-        return self._receive(self.assessment.critic, "critic", step, version, state, timeout_s)
-
-    def _receive(self, shadow: ShadowModel, what: str, step: int, version: int,
-                 state: dict[str, torch.Tensor], timeout_s: float) -> dict[str, float]:
+    def receive_weights(self, what: str, step: int, version: int, timeout_s: float
+                        ) -> dict[str, float]:
+        """Receive the trainer's `what` over its channel into the copy's free buffer (a control
+        call: it runs while generation or assessment reads the other buffer)."""
+        shadow = self.generation.weights if what == "policy" else self.assessment.critic
         with self.spans.span("weight_sync", step, "sync", what=what, version=version):
+            state, nbytes = self.channels[what].receive(shadow.models[0].state_dict())
             stats: SyncStats = shadow.publish(version, state, timeout_s)
-        return {"bytes": stats.bytes, "seconds": stats.seconds, "wait_s": stats.wait_s}
+        return {"bytes": nbytes, "seconds": stats.seconds, "wait_s": stats.wait_s}
 
     # stage calls (default thread, in submission order; every rank of the group alike)
     def generate(self, step: int, prompts: int | None = None) -> tuple[Batch | None, dict]:
@@ -132,9 +135,13 @@ class GroupWorker:
         """The whole policy on rank 0 ({} elsewhere; every training rank takes part)."""
         return self.ranks.full_state(self.training.policy)
 
-    def critic_weights(self) -> dict[str, torch.Tensor]:
+    def send_weights(self, what: str) -> int:
+        """Gather the whole policy or critic on rank 0 (every training rank takes part) and
+        broadcast it over `what`'s channel; the bytes sent."""
         t = self.training
-        return self.ranks.full_state(t.critic if t.critic is not None else t.policy)
+        model = t.policy if what == "policy" else t.critic if t.critic is not None else t.policy
+        state = self.ranks.full_state(model)
+        return self.channels[what].send(state) if self.rank == 0 else 0
 
     def training_state(self) -> dict[str, Any]:
         return self.training.state()
@@ -156,4 +163,5 @@ class GroupWorker:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        self.channels.clear()  # their process groups go before the interpreter does
         leave_world()
