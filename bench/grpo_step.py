@@ -147,7 +147,7 @@ def main() -> None:
     total = a.warmup + a.steps
     b, k = cfg.train.prompts_per_step, cfg.rollout.n_samples
     # A copy of the stream yields exactly the prompts the trainer will draw, in its order.
-    problems = copy.deepcopy(ours.stream).next(b * total)
+    problems = copy.deepcopy(ours.generation.stream).next(b * total)
     weights = cfg.reward.weights
 
     def verifier(prompts, completions, row, **_):
@@ -207,7 +207,7 @@ def main() -> None:
     theirs.train()
     tmp.cleanup()
 
-    n_params = sum(p.numel() for p in ours.policy.parameters())
+    n_params = sum(p.numel() for p in ours.training.policy.parameters())
     print(f"\nGRPO step: {model_path.name} ({n_params / 1e3:.0f}k params, fp32), B={b} prompts "
           f"x K={k}, <= {cfg.rollout.max_new_tokens} new tokens, temperature 1, "
           f"{cfg.algo.epochs} epochs x {mb} minibatches = {cfg.algo.epochs * mb} optimizer "

@@ -1,5 +1,6 @@
-"""`rlloom train` under torchrun with 2 processes: FSDP, TP, and a hybrid layout (TP
-generation, FSDP training), 3 steps each on the default task (tiny sizes)."""
+"""`rlloom train` under torchrun with 2 processes: FSDP, TP, a hybrid layout (TP
+generation, FSDP training) and pipeline stages, 3 steps each on the default task (tiny
+sizes)."""
 import json
 import os
 import subprocess
@@ -14,6 +15,8 @@ LAYOUTS = {
     "tp": ["plan.layouts.actor.tp=2"],
     "hybrid": ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
                "plan.layouts.rollout.tp=2"],
+    # the executor's roles run here too: pipeline stages, generation on 2 whole copies
+    "pp": ["plan.layouts.actor.pp=2"],
 }
 
 

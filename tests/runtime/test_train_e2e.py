@@ -84,11 +84,11 @@ def test_explicit_cpu_device_runs_and_resumes(tmp_path, tiny):
     trainer = Trainer(cfg, run)
     assert trainer.resume() and trainer.step == 1
     assert trainer.device == torch.device("cpu")
-    models = [trainer.policy, trainer.reference]
+    models = [trainer.training.policy, trainer.assessment.reference]
     assert {p.device for m in models for p in m.parameters()} == {torch.device("cpu")}
     trainer.run()
     assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").open())] == [1, 2]
-    trained = trainer.policy.state_dict()
+    trained = trainer.training.policy.state_dict()
     for name, tensor in load_model(run / "final").state_dict().items():
         assert torch.equal(tensor, trained[name]), name
 
@@ -100,10 +100,11 @@ def test_rollout_stop_strings_and_min_p_reach_generation(tmp_path, tiny):
     def sampled(*overrides: str):
         cfg = load_config(None, [*tiny, *overrides, f"run_dir={tmp_path / 'r'}"])
         trainer = Trainer(cfg, tmp_path / "r")
-        problems = trainer.stream.next(8)
-        s = sample_groups(trainer.policy, trainer.tokenizer, problems, cfg, trainer.rewarder,
-                          trainer.sample_gen)
-        return s, decode_responses(trainer.tokenizer, s.rollout)
+        g = trainer.generation
+        problems = g.stream.next(8)
+        s = sample_groups(trainer.training.policy, g.tokenizer, problems, cfg, g.rewarder,
+                          g.sample_gen)
+        return s, decode_responses(g.tokenizer, s.rollout)
 
     s, texts = sampled("rollout.stop=['1']", "rollout.max_new_tokens=24")
     hits = [i for i, t in enumerate(texts) if "1" in t]

@@ -37,7 +37,7 @@ from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.prompts import load_prompt_sets
-from rlloom.models.hf_io import load_tokenizer, read_model_config, save_checkpoint
+from rlloom.models.hf_io import load_tokenizer, read_model_config
 from rlloom.plan import stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
@@ -62,7 +62,7 @@ from rlloom.runtime.executor.ray_plan import (
     state_keys,
 )
 from rlloom.runtime.executor.ray_workers import GroupWorker
-from rlloom.runtime.executor.roles import DECOUPLED_LOSSES, build_policy
+from rlloom.runtime.executor.roles import DECOUPLED_LOSSES, save_final, step_row
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
@@ -407,27 +407,17 @@ class RayRun:
         stats = self._get(stats, "training", step, train)
         self.step = step
         sync_s, sync_bytes = self._sync(step)
-        s = ainfo["samples"]
         lags: dict[str, int] = {}
         for info in infos:
             lag = str(step - 1 - info["version"])
             lags[lag] = lags.get(lag, 0) + info.get("rollouts", 0)
-        kl_now = ainfo["behaviour_kl_ref"]
-        train_s = stats.pop("train_s")
-        stats.pop("version")
         behaviour = stats.pop("behaviour_kl", 0.0)
-        row = {"reward": s["reward"], **{k: v for k, v in s.items() if k.startswith("reward/")},
-               "accuracy": s["accuracy"], "response_len": s["response_len"],
-               "truncated": s["truncated"], "kl": stats.pop("kl", kl_now),
-               "kl_coef": self.kl.value, "sample_rounds": s["sample_rounds"], **stats,
-               "gen_s": ginfo["gen_s"], "assess_s": ainfo["assess_s"] + ginfo["score_s"],
-               "train_s": train_s, "prompt_len": s["prompt_len"],
-               "response_lens": s["response_lens"],
-               # what the Ray runtime adds
-               "staleness": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
-               "staleness_hist": lags, "dropped": ginfo["dropped"], "behaviour_kl": behaviour,
-               "sync_s": sync_s, "sync_bytes": sync_bytes}
-        self.kl.update(kl_now, len(s["response_lens"]))
+        row, kl_now = step_row(ginfo, ainfo, stats, self.kl.value)
+        row.update({  # what the Ray runtime adds
+            "staleness": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
+            "staleness_hist": lags, "dropped": ginfo["dropped"], "behaviour_kl": behaviour,
+            "sync_s": sync_s, "sync_bytes": sync_bytes})
+        self.kl.update(kl_now, len(row["response_lens"]))
         return {"step": step, **row, "step_s": time.perf_counter() - t0}
 
     def _loop(self) -> None:
@@ -448,9 +438,7 @@ class RayRun:
     def _final(self) -> dict[str, float]:
         train = self._host("training")
         weights = self._get(train.call("policy_weights"), "the final weights", self.step)
-        policy = build_policy(self.cfg, self.model_path)
-        policy.load_state_dict(weights)
-        save_checkpoint(policy, load_tokenizer(self.model_path), self.run_dir / "final")
+        save_final(self.cfg, self.model_path, weights, self.run_dir / "final")
         self._drain_spans()
         self.tracer.save()
         plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")

@@ -112,18 +112,25 @@ class GroupWorker:
         return {"bytes": nbytes, "seconds": stats.seconds, "wait_s": stats.wait_s}
 
     # stage calls (default thread, in submission order; every rank of the group alike)
+    # (rank 0 returns the batch or experience every rank computed; the driver reads rank 0's)
     def generate(self, step: int, prompts: int | None = None) -> tuple[Batch | None, dict]:
-        return self.generation.generate(step, prompts)
+        batch, info = self.generation.generate(step, prompts)
+        return self._lead(batch), info
 
     def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience | None, dict]:
-        return self.assessment.assess(step, batch, kl_coef)
+        exp, info = self.assessment.assess(step, batch, kl_coef)
+        return self._lead(exp), info
 
     def assess_chunk(self, step: int, chunk: int, batch: Batch) -> int:
         return self.assessment.assess_chunk(step, chunk, batch)
 
     def finish_assessment(self, step: int, kl_coef: float, *chunks: int
                           ) -> tuple[Experience | None, dict]:
-        return self.assessment.finish(step, kl_coef)
+        exp, info = self.assessment.finish(step, kl_coef)
+        return self._lead(exp), info
+
+    def _lead(self, result: Any) -> Any:
+        return result if self.ranks.main else None
 
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool) -> dict:
         return self.training.train(step, exp, kl_coef, correct)

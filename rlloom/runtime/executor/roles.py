@@ -22,7 +22,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer
+from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_checkpoint
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout
@@ -270,10 +270,11 @@ class GenerationRole:
         self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
 
     def generate(self, step: int, prompts: int | None = None
-                 ) -> tuple[Batch | None, dict[str, Any]]:
+                 ) -> tuple[Batch, dict[str, Any]]:
         """A step's B prompts x K samples (`collect`, with dynamic sampling), or, for a fused
         schedule, the next chunk of `prompts` prompts; the weights are read once, at the
-        start, so a request never mixes versions. Rank 0 returns the batch."""
+        start, so a request never mixes versions. Every rank returns the whole batch (on the
+        CPU)."""
         cfg = self.cfg
         with self.weights.read() as (version, policy):
             with self.spans.span("generation", step, "actor", version=version) as span:
@@ -283,7 +284,7 @@ class GenerationRole:
                 baseline = (greedy_baseline(policy, self.tokenizer, samples, cfg, self.rewarder)
                             if self.greedy else None)
         batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)
-        return batch if self.ranks.main else None, {
+        return batch, {
             "version": version, "gen_s": span["seconds"] - samples.score_s,
             "score_s": samples.score_s, "rollouts": len(samples.scores)}
 
@@ -345,16 +346,16 @@ class AssessmentRole:
         return {"assess_s": seconds, "behaviour_kl_ref": behaviour_kl(exp),
                 "samples": exp.samples.stats()}
 
-    def _out(self, exp: Experience, seconds: float) -> tuple[Experience | None, dict]:
-        """Rank 0 returns the experience (every rank computed the same)."""
-        return exp.to("cpu") if self.ranks.main else None, self._info(exp, seconds)
+    def _out(self, exp: Experience, seconds: float) -> tuple[Experience, dict]:
+        """The experience on the CPU (every rank computed the same) and what the stage did."""
+        return exp.to("cpu"), self._info(exp, seconds)
 
     def _scores(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         with self._critic() as critic:
             return scores(batch.samples.to(self.ranks.device), self.reference, critic, self.cfg,
                           self.ranks, self.ref_share, self.critic_share)
 
-    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience | None, dict]:
+    def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience, dict]:
         with self.spans.span("assessment", step, self._lane()) as span:
             samples = batch.samples.to(self.ranks.device)
             baseline = None if batch.baseline is None else batch.baseline.to(self.ranks.device)
@@ -369,7 +370,7 @@ class AssessmentRole:
         self._chunk_s[step] = self._chunk_s.get(step, 0.0) + span["seconds"]
         return chunk
 
-    def finish(self, step: int, kl_coef: float) -> tuple[Experience | None, dict]:
+    def finish(self, step: int, kl_coef: float) -> tuple[Experience, dict]:
         """Fused schedule: advantages over the whole batch once every chunk is assessed."""
         chunks = self._chunks.pop(step)
         parts = [chunks[c] for c in sorted(chunks)]  # in the stream's order
@@ -390,3 +391,29 @@ class AssessmentRole:
         return self._out(exp, span["seconds"] + self._chunk_s.pop(step, 0.0))
 
 
+
+
+# -- what every driver reports and writes ----------------------------------------------------
+
+def step_row(ginfo: dict[str, Any], ainfo: dict[str, Any], stats: dict[str, Any],
+             kl_coef: float) -> tuple[dict[str, Any], float]:
+    """A step's metrics row from what its stages report (`GenerationRole.generate`,
+    `AssessmentRole.assess`, `TrainingRole.train`), and the behaviour policy's KL to the
+    reference, which adaptive KL tracks. Rewards are scored as samples finish (dynamic
+    sampling needs them): Assessment work, though it runs inside generation."""
+    stats = dict(stats)
+    kl_now = ainfo["behaviour_kl_ref"]
+    train_s = stats.pop("train_s")
+    stats.pop("version")
+    row = {**ainfo["samples"], "kl": stats.pop("kl", kl_now), "kl_coef": kl_coef, **stats,
+           "gen_s": ginfo["gen_s"], "assess_s": ainfo["assess_s"] + ginfo["score_s"],
+           "train_s": train_s}
+    return row, kl_now
+
+
+def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor], path: Path
+               ) -> None:
+    """The trained policy's whole weights as a Hugging Face checkpoint at `path`."""
+    policy = build_policy(cfg, model_path)
+    policy.load_state_dict(weights)
+    save_checkpoint(policy, load_tokenizer(model_path), path)

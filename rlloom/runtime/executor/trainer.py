@@ -1,11 +1,12 @@
-"""The single-process RL loop: steps of Generation -> Assessment -> Training, with held-out
+"""`rlloom train` without Ray: the executor's roles on one rank (this process) or on a
+torchrun world, run step by step (Generation -> Assessment -> Training), with held-out
 evaluation, metrics, a trace, checkpoints and resume."""
 from __future__ import annotations
 
-import copy
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -17,47 +18,29 @@ from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, PromptStream, load_prompt_sets
 from rlloom.data.synthetic import Problem
-from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import (
-    DTYPES,
-    load_model,
-    load_tokenizer,
-    save_checkpoint,
-)
-from rlloom.models.transformer import CausalLM
-from rlloom.parallel.apply import full_state_dict
-from rlloom.parallel.mesh import layout_problems, layout_summary
-from rlloom.plan import Layout
+from rlloom.models.hf_io import load_tokenizer, read_model_config
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.runtime.checkpoint import load_latest, load_whole_state, whole_state
+from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device
-from rlloom.runtime.executor.distributed import (
-    TorchrunLayouts,
-    distributed_problems,
-    join_torchrun,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-    world_size,
+from rlloom.runtime.executor.distributed import distributed_problems, join_torchrun
+from rlloom.runtime.executor.ranks import RankGroup, leave_world
+from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, world_size
+from rlloom.runtime.executor.roles import (
+    AssessmentRole,
+    GenerationRole,
+    SpanLog,
+    TrainingRole,
+    save_final,
+    step_row,
 )
-from rlloom.runtime.executor.ranks import RankGroup, leave_world, reshard
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
 from rlloom.runtime.stages.batch import encode
-from rlloom.runtime.stages.evaluate import greedy_accuracy
 from rlloom.runtime.stages.offline import preference_step
-from rlloom.runtime.stages.online import (
-    Rewarder,
-    Samples,
-    assess,
-    behaviour_kl,
-    generate_group,
-    greedy_baseline,
-    optimise,
-)
 
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s")
 
@@ -103,6 +86,10 @@ def new_run_dir(cfg: RunConfig) -> Path:
 
 
 class Trainer:
+    """The executor's loop in this process (one rank) or in a torchrun world (one colocated
+    group of its processes): the roles of `roles.py` build every model and run every stage,
+    as they do on a Ray group; this loop runs them in order (the sync schedule)."""
+
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         world = world_size()
         check_runnable(cfg, world)
@@ -112,79 +99,40 @@ class Trainer:
         self.ranks = (join_torchrun(cfg.train.device) if world > 1
                       else RankGroup(device=resolve_device(cfg.train.device)))
         self.device = self.ranks.device
-        self.layouts = TorchrunLayouts.of(cfg) if world > 1 else None
         # processes on one machine share its cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
-        model_path = Path(cfg.model.path) if cfg.model.path else self._default_model()
-        dtype = DTYPES[cfg.model.dtype]
-        self.policy = load_model(model_path, dtype).to(self.device)
-        self.tokenizer = load_tokenizer(model_path)
-        if self.tokenizer.eos_token_id is None or self.tokenizer.pad_token_id is None:
-            raise DataError(f"the tokenizer in {model_path} needs an EOS and a pad token")
-        a = cfg.algo
-        self.critic: ValueModel | None = None
-        self.critic_optimizer: torch.optim.Optimizer | None = None
-        if "critic" in self.preset.roles:
-            if cfg.plan.actor_critic == "shared":
-                self.policy = ActorCritic.from_policy(self.policy).to(self.device)
-            else:
-                self.critic = ValueModel.from_policy(self.policy).to(self.device)
-                self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(),
-                                                          lr=a.critic_lr)
-        self.reference = (load_model(model_path, dtype).to(self.device).eval()
-                          .requires_grad_(False) if cfg.needs_reference else None)
-        self.pool = (SandboxPool(cfg.reward.sandbox_workers) if cfg.data.task == "code"
-                     else None)
-        self.rewarder = Rewarder.build(cfg, self.tokenizer, self.pool, self.device)
-        self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
+        self.model_path = Path(cfg.model.path) if cfg.model.path else self._default_model()
+        tokenizer = load_tokenizer(self.model_path)
+        if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+            raise DataError(f"the tokenizer in {self.model_path} needs an EOS and a pad token")
+        if world > 1:
+            check_group_layouts(cfg, read_model_config(self.model_path))
         d = cfg.data
         sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
                                 d.prompt_file, d.eval_fraction, d.columns)
-        source = d.prompt_file or f"built-in task {d.task}"
-        check_prompt_lengths(self.tokenizer, sets.train + sets.eval, d.max_prompt_tokens, source)
-        self.eval_set = sets.eval
-        train_items = sets.train if self.preset.online else read_preference_file(
-            d.preference_file)
-        self.stream = PromptStream(train_items, cfg.seed)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
-        # generation replicas sample their own streams; replica 0's is the one process's
-        replica = self.ranks.share(self.layouts.gen).part if self.layouts else 0
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed + replica)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        check_prompt_lengths(tokenizer, sets.train + sets.eval, d.max_prompt_tokens,
+                             d.prompt_file or f"built-in task {d.task}")
+        self.pool = (SandboxPool(cfg.reward.sandbox_workers) if cfg.data.task == "code"
+                     else None)
+        self.spans = SpanLog("local", keep=self.ranks.main)
+        [group] = group_specs(cfg)  # colocated: every stage on these ranks
+        online = self.preset.online
+        self.training = TrainingRole(cfg, self.model_path, self.spans, self.pool, self.ranks,
+                                     generates=online)
+        self.assessment = AssessmentRole(cfg, self.model_path, self.spans, self.ranks, group,
+                                         self.training)
+        self.generation = (GenerationRole(cfg, self.model_path, self.spans, self.pool,
+                                          self.ranks, self.training) if online else None)
+        # offline algorithms read preference pairs instead of generating
+        self.pairs = None if online else PromptStream(read_preference_file(d.preference_file),
+                                                      cfg.seed)
+        a = cfg.algo
+        self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
         self.step = 0
         self.eval_history: list[tuple[int, float]] = []
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.tracer = Tracer(run_dir / "trace.json")
-        self.generator = self.policy  # the model that generates (a copy in a hybrid layout)
-        if world > 1:
-            self._parallelize()
-
-    def _parallelize(self) -> None:
-        """Apply the plan's layouts (torchrun): the actor and critic train in the actor's
-        layout, the reference scores in its dp x tp (no gradients, so no DP wrapper), and
-        generation may run on a copy (see `TorchrunLayouts`)."""
-        lay, ranks, cfg = self.layouts, self.ranks, self.cfg
-        for layout in (lay.train, lay.gen):
-            problems = layout_problems(layout, self.policy.config, ranks.world)
-            if problems:
-                raise ConfigError(f"plan layout {layout_summary(layout)} cannot run: "
-                                  + "; ".join(problems))
-        if lay.gen_copy:
-            self.generator = ranks.generating(copy.deepcopy(self.policy), lay.gen)
-        _, self.optimizer = ranks.trained(self.policy, lay.train, cfg.train.lr,
-                                       weight_decay=cfg.train.weight_decay)
-        if self.critic is not None:
-            _, self.critic_optimizer = ranks.trained(self.critic, lay.train, cfg.algo.critic_lr)
-        if self.reference is not None:
-            ranks.frozen(self.reference, self.frozen_layout)
-
-    @property
-    def frozen_layout(self) -> Layout:
-        """The reference's layout: the actor's dp x tp, without sharding over dp."""
-        train = self.layouts.train if self.layouts else Layout()
-        return Layout(dp=train.dp, tp=train.tp)
 
     def _default_model(self) -> Path:
         """The built-in model, built (and cached) by one process while the others wait."""
@@ -200,39 +148,36 @@ class Trainer:
         """The process that writes files and prints (rank 0, or the only one)."""
         return self.ranks.main
 
-    def _trained_parts(self) -> dict:
-        parts = {"actor": (self.policy, self.optimizer)}
-        if self.critic is not None:
-            parts["critic"] = (self.critic, self.critic_optimizer)
-        return parts
-
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"step": self.step, "kl_coef": self.kl.value,
-                 **self.ranks.sampling_state(self.sample_gen),
-                 "shuffle_gen": self.shuffle_gen.get_state(),
-                 "data_position": self.stream.position, "eval_history": self.eval_history}
-        if self.layouts is None:  # sharded runs save model and optimizer state with DCP
-            state.update(whole_state(self._trained_parts()))
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
-        if "policy" in state:
-            load_whole_state(self._trained_parts(), state)
-        self.kl.value = state["kl_coef"]
-        self.ranks.load_sampling_state(self.sample_gen, state)
-        self.shuffle_gen.set_state(state["shuffle_gen"])
-        self.stream.position = state["data_position"]
-        self.eval_history = state["eval_history"]
+        """The loop state; with one rank also the whole weights and optimizer state (a group
+        of ranks writes DCP shards beside it: `checkpoint`)."""
+        data = (self.generation.state() if self.generation is not None
+                else {"data_position": self.pairs.position})
+        return {"step": self.step, "kl_coef": self.kl.value, **self.training.state(), **data,
+                "eval_history": self.eval_history}
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint; forget metrics and spans logged after it."""
-        state = (load_latest(self.run_dir) if self.layouts is None else
-                 load_sharded_checkpoint(self.run_dir, self._trained_parts()))
+        state = load_latest(self.run_dir)
         if state is None:
             return False
-        self.load_state_dict(state)
+        latest = checkpoint_dirs(self.run_dir)[-1]
+        sharded = (latest / "actor").is_dir()  # DCP shards load at any layout
+        if not sharded and self.ranks.world > 1:
+            raise ConfigError(f"{latest} holds whole weights (written by one process); this "
+                              f"run has {self.ranks.world} ranks: resume it in one process, "
+                              "then change layouts at the next checkpoint")
+        self.step = state["step"]
+        self.kl.value = state["kl_coef"]
+        self.eval_history = [tuple(e) for e in state["eval_history"]]
+        self.training.load_state(state)
+        if sharded:
+            self.training.load_shards(latest)
+        if self.generation is not None:
+            self.generation.load_state(state)
+        else:
+            self.pairs.position = state["data_position"]
         if self.main:  # one writer: two ranks racing on the same rename lose the log
             self.metrics.truncate_after(self.step)
         self.tracer.drop_after(self.step)
@@ -240,61 +185,28 @@ class Trainer:
 
     # -- loop ------------------------------------------------------------------------------
     def evaluate(self) -> float:
-        with self.tracer.span("eval", self.step, "eval"):
-            acc = greedy_accuracy(self.policy, self.tokenizer, self.eval_set, self.cfg,
-                                  self.pool)
+        acc = self.training.evaluate(self.step)
         self.eval_history.append((self.step, acc))
         return acc
 
-    def _generate(self) -> tuple[Samples, dict[str, float]]:
-        """The step's whole batch of scored samples (on every rank), and what moving the
-        weights into the generation layout cost."""
-        cfg, lay = self.cfg, self.layouts
-        sync = {}
-        if lay is not None and lay.gen_copy:
-            seconds, nbytes = reshard(self.policy, self.generator)
-            sync = {"reshard_s": seconds, "reshard_bytes": nbytes}
-        return generate_group(self.generator, self.tokenizer, self.stream, cfg, self.rewarder,
-                              self.sample_gen, self.ranks,
-                              self.ranks.share(lay.gen if lay else Layout())), sync
-
-    def online_step(self, step: int) -> dict[str, float]:
-        cfg, ranks = self.cfg, self.ranks
-        train = self.layouts.train if self.layouts else Layout()
-        with self.tracer.span("generation", step, "actor") as gen:
-            samples, sync = self._generate()
-            baseline = (greedy_baseline(self.policy, self.tokenizer, samples, cfg, self.rewarder)
-                        if cfg.algo.advantage == "remax" else None)
-        with self.tracer.span("assessment", step, "reference+reward+critic") as ass:
-            critic = self.critic or (self.policy if isinstance(self.policy, ActorCritic)
-                                     else None)
-            exp = assess(samples, self.reference, critic, self.kl.value, baseline, cfg, ranks,
-                         ranks.share(self.frozen_layout), ranks.share(train))
-        with self.tracer.span("training", step, "actor+critic") as tr:
-            # in a group every rank runs as many micro-batches as the others (in assessment
-            # too), so the ranks' collectives (gradient sync, ZeRO-3 gathers) pair up
-            stats = optimise(self.policy, self.optimizer, exp, self.critic,
-                             self.critic_optimizer, self.kl.value, cfg, self.shuffle_gen,
-                             ranks.share(train), ranks.share(train), ranks.agree())
-        stats = ranks.mean({**stats, "behaviour_kl": behaviour_kl(exp)})
-        kl_now = stats.pop("behaviour_kl")
-        row = {**samples.stats(), "kl": stats.pop("kl", kl_now), "kl_coef": self.kl.value,
-               **stats,
-               # rewards are computed as samples finish (dynamic sampling needs them): they are
-               # Assessment work even though they run inside the generation span
-               "gen_s": gen.seconds - samples.score_s,
-               "assess_s": ass.seconds + samples.score_s, "train_s": tr.seconds, **sync}
-        self.kl.update(kl_now, len(samples.scores))
+    def online_step(self, step: int) -> dict[str, Any]:
+        batch, ginfo = self.generation.generate(step)
+        exp, ainfo = self.assessment.assess(step, batch, self.kl.value)
+        stats = self.training.train(step, exp, self.kl.value, correct=False)
+        row, kl_now = step_row({**ginfo, "dropped": 0}, ainfo, stats, self.kl.value)
+        self.kl.update(kl_now, len(row["response_lens"]))
         return row
 
     def offline_step(self, step: int) -> dict[str, float]:
-        pairs = self.stream.next(self.cfg.train.prompts_per_step)
-        with self.tracer.span("training", step, "actor+reference") as tr:
-            stats = preference_step(self.policy, self.reference, self.optimizer, self.tokenizer,
-                                    pairs, self.cfg.algo, self.cfg.train.grad_clip)
-        return {**stats, "gen_s": 0.0, "assess_s": 0.0, "train_s": tr.seconds}
+        pairs = self.pairs.next(self.cfg.train.prompts_per_step)
+        t = self.training
+        with self.spans.span("training", step, "actor+reference") as span:
+            stats = preference_step(t.policy, self.assessment.reference, t.optimizer,
+                                    t.tokenizer, pairs, self.cfg.algo, self.cfg.train.grad_clip)
+        t.version = step
+        return {**stats, "gen_s": 0.0, "assess_s": 0.0, "train_s": span["seconds"]}
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         step = self.step + 1
         row = self.online_step(step) if self.preset.online else self.offline_step(step)
@@ -302,25 +214,33 @@ class Trainer:
         return {"step": step, **row, "step_s": time.perf_counter() - t0}
 
     def checkpoint(self) -> None:
-        if self.layouts is None:
-            save_state(self.run_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep)
+        """checkpoints/step_NNNNNN, atomically; a group's ranks each write their DCP shards of
+        the trained models into it first."""
+        state, ranks = self.state_dict(), self.ranks
+        if ranks.world == 1:
+            save_state(self.run_dir, self.step, state, self.cfg.checkpoint.keep)
         else:
-            save_sharded_checkpoint(self.ranks, self.run_dir, self.step, self.state_dict(),
-                                    self._trained_parts(), self.cfg.checkpoint.keep)
+            def shards(tmp: Path) -> None:  # rank 0 names the directory, every rank writes
+                self.training.save_shards(Path(ranks.gather(str(tmp))[0]))
+            if ranks.main:
+                save_state(self.run_dir, self.step, state, self.cfg.checkpoint.keep,
+                           write=shards)
+            else:
+                shards(Path())
+            ranks.barrier()
         if self.main:
-            self.tracer.save()
+            self._save_trace()
+
+    def _save_trace(self) -> None:
+        self.tracer.events += self.spans.drain()
+        self.tracer.save()
 
     def export(self, path: Path) -> None:
-        """The policy as a Hugging Face checkpoint (gathered from its shards under torchrun)."""
-        if self.layouts is None:
-            save_checkpoint(self.policy, self.tokenizer, path)
-            return
-        state = full_state_dict(self.policy)
+        """The policy as a Hugging Face checkpoint (gathered from its shards in a group)."""
+        weights = self.ranks.full_state(self.training.policy)
         if self.main:
-            plain = CausalLM(self.policy.config)
-            plain.load_state_dict(state)
-            save_checkpoint(plain, self.tokenizer, path)
-        torch.distributed.barrier()
+            save_final(self.cfg, self.model_path, weights, path)
+        self.ranks.barrier()
 
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the first and last held-out accuracy."""
@@ -342,10 +262,11 @@ class Trainer:
         self.export(self.run_dir / "final")
         before, after = self.eval_history[0][1], self.eval_history[-1][1]
         if self.main:
-            self.tracer.save()
+            self._save_trace()
             plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
             print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
-                  f"({100 * (after - before):+.1f} points) over {len(self.eval_set)} problems")
+                  f"({100 * (after - before):+.1f} points) over "
+                  f"{len(self.training.eval_set)} problems")
         return {"eval_before": before, "eval_after": after}
 
 
