@@ -83,16 +83,12 @@ class Request:
         return devices, hardware(hw_name)
 
 
-def plan_file(p: Priced, title: str, runtime: str = "any") -> str:
+def plan_file(p: Priced, title: str) -> str:
     """A config file holding `plan:` and the micro-batch as `train.micro_batch_tokens`, which
     `rlloom train` accepts (other settings keep their defaults); the generation group, when
     separate, is the "rollout" layout. The token budget is the priced micro-batch at the
-    longest context, so no micro-batch the runtime cuts holds more padded tokens. For
-    torchrun only the actor's and rollout layouts are written: the other roles follow the
-    actor's there."""
+    longest context, so no micro-batch the runtime cuts holds more padded tokens."""
     plan = p.plan.model_copy(deep=True)
-    if runtime == "torchrun":
-        plan.layouts = {"actor": plan.layouts["actor"]}
     if p.gen_layout is not None:
         plan.layouts["rollout"] = p.gen_layout
     budget = math.ceil(p.micro_batch * p.workload.max_context)
@@ -131,8 +127,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
         write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {best.devices} x "
-                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step",
-                                        req.runtime))
+                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step"))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
                            "objective": req.objective,

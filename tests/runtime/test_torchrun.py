@@ -112,7 +112,7 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
             assert len(ranked) >= 10
             for p in ranked:
                 path = tmp_path / "plan.yaml"
-                path.write_text(plan_file(p, "test", "torchrun"))
+                path.write_text(plan_file(p, "test"))
                 cfg = load_config(path, [f"algo.name={algo}"])
                 assert distributed_problems(cfg, devices) == []
                 for x in cfg.plan.layouts.values():
