@@ -235,9 +235,6 @@ class RunConfig(Strict):
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")
-        if self.rollout.engine == "plain" and self.rollout.stop:
-            raise ValueError("rollout.stop needs rollout.engine=rlloom (the plain loop ends "
-                             "responses at EOS only)")
         batch = self.train.prompts_per_step * self.rollout.n_samples
         if batch % self.algo.minibatches:
             raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the "

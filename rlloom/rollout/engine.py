@@ -19,7 +19,6 @@ How one call runs:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,13 @@ from torch import nn
 
 from rlloom.models.transformer import MLP, CausalLM, apply_rotary, rotary_cos_sin
 from rlloom.rollout.generate import Rollout, generate, left_pad
-from rlloom.rollout.sampling import SamplingParams, sample_with_uniforms, uniforms
+from rlloom.rollout.sampling import (
+    Decode,
+    SamplingParams,
+    StopMatcher,
+    sample_with_uniforms,
+    uniforms,
+)
 from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
 
 try:
@@ -35,7 +40,6 @@ try:
 except ImportError:  # a torch build without distributed support has no DTensor parameters
     DTensor = ()
 
-Decode = Callable[[list[int]], str]
 
 
 @dataclass(frozen=True)
@@ -150,10 +154,8 @@ class Engine:
         if not is_plain(self.model):
             # A parallel layout (TP / FSDP / replicate) runs inside the modules' own forwards,
             # which the fast path bypasses: the reference drives those forwards instead.
-            if params.stop or params.stop_token_ids:
-                raise ValueError("stops need the engine's fast path, which runs only on a "
-                                 "model without a parallel layout applied")
-            return generate(self.model, prompts, params, eos_id, pad_id, generator)
+            return generate(self.model, prompts, params, eos_id, pad_id, generator,
+                            decode=decode)
         with torch.inference_mode():
             run = _Run(self.model, prompts, params, eos_id, pad_id, generator, self.config,
                        decode)
@@ -233,9 +235,8 @@ class _Run:
         self.width = 0                        # key positions the next decode step reads
         self.resp_len = [0] * n
         self.finished = [False] * n
-        self.stop_ids = [list(s) for s in params.stop_token_ids if s]
+        self.stops = StopMatcher(params, decode)
         self.tails: list[list[int]] = [[] for _ in range(slots)]
-        self.stop_window = 2 * max((len(s) for s in params.stop), default=0) + 4
 
     # -- main loop --------------------------------------------------------------------------
 
@@ -399,7 +400,7 @@ class _Run:
         done = act.bool() & ((tok == self.eos) | (gen >= self.t_max))
         ended = done.nonzero().squeeze(1).tolist()      # the one host sync of a step
         stopped: set[int] = set()
-        if self.stop_ids or self.params.stop:
+        if self.stops:
             stopped = self._stops(tok.tolist(), slots)
         if not ended and not stopped:
             return
@@ -431,12 +432,8 @@ class _Run:
                 continue
             tail = self.tails[slot]
             tail.append(tok)
-            if any(tail[-len(s):] == s for s in self.stop_ids):
+            if self.stops.hit(tail):
                 hits.add(r)
-            elif self.params.stop:
-                text = self.decode(tail[-self.stop_window:])
-                if any(s in text for s in self.params.stop):
-                    hits.add(r)
         return hits
 
     _dirty = True

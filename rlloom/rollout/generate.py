@@ -7,7 +7,13 @@ import torch
 
 from rlloom.models.cache import KVCache
 from rlloom.models.transformer import CausalLM
-from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms
+from rlloom.rollout.sampling import (
+    Decode,
+    SamplingParams,
+    StopMatcher,
+    sample,
+    sample_with_uniforms,
+)
 
 
 @dataclass
@@ -71,12 +77,16 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 @torch.no_grad()
 def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, eos_id: int,
              pad_id: int, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> Rollout:
-    """Sample up to `max_new_tokens` for each prompt, stopping rows at EOS.
+             use_cache: bool = True, decode: Decode | None = None) -> Rollout:
+    """Sample up to `max_new_tokens` for each prompt, stopping rows at EOS or a stop (token
+    ids or, with `decode`, strings: kept in the response, counted as finished).
 
     Without the cache every step re-runs the whole prefix; it exists to check the cache.
-    The rollout is on the model's device.
+    The rollout is on the model's device. Every step samples every row (finished ones are
+    masked), so the random stream does not depend on when rows end.
     """
+    stops = StopMatcher(params, decode)
+    tails: list[list[int]] = [[] for _ in prompts]
     p = next(model.parameters())
     dev = p.device
     prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
@@ -100,6 +110,13 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
         out_ids[:, t] = tokens
         out_mask[:, t] = live.long()
         out_lp[:, t] = torch.where(live, lp, 0.0)
+        if stops:  # one host sync per step: the plain loop is the reference path
+            was_live = live.tolist()
+            for r, tok in enumerate(tokens.tolist()):
+                if was_live[r]:
+                    tails[r].append(tok)
+                    if stops.hit(tails[r]):
+                        live[r] = False
         live = live & (tokens != eos_id)
         if not live.any():
             break

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,31 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+Decode = Callable[[list[int]], str]
+
+
+class StopMatcher:
+    """Whether a response, given its newest ids, now ends with a stop token sequence or
+    contains a stop string (decoded over a window of its last ids: a stop string spans at
+    most its own length in tokens, each at least one character)."""
+
+    def __init__(self, params: SamplingParams, decode: Decode | None) -> None:
+        if params.stop and decode is None:
+            raise ValueError("stop strings need a `decode` callback (token ids -> text)")
+        self.ids = [list(s) for s in params.stop_token_ids if s]
+        self.strings, self.decode = params.stop, decode
+        self.window = 2 * max((len(s) for s in params.stop), default=0) + 4
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.strings)
+
+    def hit(self, tail: list[int]) -> bool:
+        if any(tail[-len(s):] == s for s in self.ids):
+            return True
+        return bool(self.strings) and any(s in self.decode(tail[-self.window:])
+                                          for s in self.strings)
 
 
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -50,3 +50,26 @@ def test_stops_at_eos_and_pads_after():
     out = generate(m, [[3, 4]], SamplingParams(max_new_tokens=5, temperature=0.0), 2, 0)
     assert out.response_ids.tolist() == [[2]]
     assert out.finished.tolist() == [True]
+
+
+def test_stops_end_sampled_rows_where_the_unstopped_ones_pass_them(model):
+    """The plain loop (the path of sharded models) ends a row at its first stop token sequence
+    or stop string, keeping it, as finished; every step samples every row, so each stopped
+    response is the unstopped one's prefix."""
+    def decode(ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    sampled = SamplingParams(max_new_tokens=16, temperature=1.0)
+    ref = generate(model, PROMPTS, sampled, -1, 0, torch.Generator().manual_seed(3))
+    rows = [r[:n] for r, n in zip(ref.response_ids.tolist(), ref.response_lengths.tolist())]
+    text = decode(rows[0][3:5])   # a string the first response contains
+    params = SamplingParams(16, 1.0, stop=(text,), stop_token_ids=((rows[1][2],),))
+    out = generate(model, PROMPTS, params, -1, 0, torch.Generator().manual_seed(3),
+                   decode=decode)
+    for i, full in enumerate(rows):
+        ends = [j + 1 for j in range(len(full))
+                if text in decode(full[:j + 1]) or full[j] == rows[1][2]]
+        n = ends[0] if ends else len(full)
+        assert out.response_ids[i, :n].tolist() == full[:n]
+        assert out.response_lengths[i] == n and bool(out.finished[i]) == bool(ends)
+    assert out.finished[:2].all()

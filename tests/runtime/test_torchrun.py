@@ -84,14 +84,6 @@ def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, tiny):
     assert (run / "checkpoints" / "step_000003" / "actor").is_dir()
 
 
-def test_stop_strings_are_refused_before_a_torchrun_starts():
-    from rlloom.config import load_config
-    from rlloom.runtime.executor.distributed import distributed_problems
-    cfg = load_config(None, ["rollout.stop=['=']", "plan.layouts.actor.dp=2"])
-    assert any("rollout.stop" in p for p in distributed_problems(cfg, 2))
-    assert not any("rollout.stop" in p for p in distributed_problems(cfg, 1))
-
-
 def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
     """Every plan `rlloom plan --runtime torchrun` ranks is one the torchrun trainer accepts,
     with TP degrees its sharding takes (KV heads and the MLP split too), and priced with the

@@ -28,9 +28,6 @@ def distributed_problems(cfg: RunConfig, world: int) -> list[str]:
                             f"torchrun started {world}; make dp x tp x pp x cp = {world}")
     if not problems:
         problems += runnable_problems(plan, run_models(cfg))
-    if cfg.rollout.stop and world > 1:
-        problems.append("rollout.stop needs the generation engine's fast path, which runs only "
-                        "unsharded models; remove rollout.stop or run in one process")
     return problems
 
 

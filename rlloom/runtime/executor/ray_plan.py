@@ -17,7 +17,6 @@ from rlloom.plan import (
     generation_layout,
     model_layout,
     runnable_problems,
-    stage_group,
 )
 
 
@@ -59,11 +58,6 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
     plan = cfg.plan
     problems += runnable_problems(plan, run_models(cfg))
     gen, train = generation_layout(plan), plan.layout("actor")
-    groups = group_specs(cfg)
-    gen_ranks = stage_group(groups, "generation").ranks
-    if gen_ranks > 1 and cfg.rollout.stop:
-        problems.append("rollout.stop needs the generation engine's fast path, which runs only "
-                        "unsharded models; remove rollout.stop or generate on one rank")
     b = cfg.train.prompts_per_step
     chunks = min(opts.fused_chunks, b) if plan.schedule == "fused" else 1
     if b // chunks < gen.dp:
@@ -85,7 +79,7 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
     if opts.worker_timeout_s <= 0 or opts.max_restarts < 0:
         problems.append("--worker-timeout must be > 0 and --max-restarts >= 0")
-    names = {g.name for g in groups}
+    names = {g.name for g in group_specs(cfg)}
     unknown = set(opts.group_cpus) - names
     if unknown:
         problems.append(f"CPUs given for groups {sorted(unknown)}; this plan's groups are "

@@ -175,7 +175,7 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
                             stop=tuple(r.stop))
     if r.engine == "plain":
         rollout = generate(policy, prompts, params, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, generator)
+                           tokenizer.pad_token_id, generator, decode=tokenizer.decode)
     else:  # a sharded model falls back to the plain loop inside the engine
         rollout = engine_generate(policy, prompts, params, tokenizer.eos_token_id,
                                   tokenizer.pad_token_id, generator, EngineConfig(n_samples=k),
