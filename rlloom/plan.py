@@ -99,7 +99,7 @@ def device_groups(plan: Plan, models: tuple[str, ...]) -> list[DeviceGroup]:
     | colocated     | all: generation, assessment, training                                  |
     | interleaved   | trainable: generation, training (+ assessment without a reference);    |
     |               | frozen: assessment                                                     |
-    | disaggregated | rollout: generation; actor: training (+ assessment without a           |
+    | disaggregated | generation: generation; actor: training (+ assessment without a        |
     |               | reference); reference: assessment                                      |
 
     A shared actor-critic has no critic model (its value head rides on the actor). The critic
@@ -122,7 +122,8 @@ def device_groups(plan: Plan, models: tuple[str, ...]) -> list[DeviceGroup]:
                               if frozen else [])
     actor = DeviceGroup("actor", ("training",) if frozen else ("assessment", "training"),
                         trained, train_ranks)
-    groups = [DeviceGroup("rollout", ("generation",), ("actor",) + reward, gen_ranks), actor]
+    groups = [DeviceGroup("generation", ("generation",), ("actor",) + reward, gen_ranks),
+              actor]
     if frozen:
         groups.append(DeviceGroup("reference", ("assessment",), scorer,
                                   plan.layout("reference").world_size))

@@ -9,7 +9,7 @@ Pruning (so 64 devices take a few seconds): TP is a power of two within a node d
 head count; every frozen role gets the same layout; device groups are sized in eighths of the
 cluster; each role keeps only its TOP_K fastest layouts judged alone on its own group before
 the joint (memory-coupled) pricing; hybrid actor layouts are tried colocated (generation
-layout + resharding) and as async's separate rollout group; interleaved placement is searched
+layout + resharding) and as async's separate generation group; interleaved placement is searched
 only where it differs from disaggregated (a separate critic trains beside the actor).
 """
 from __future__ import annotations

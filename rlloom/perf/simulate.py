@@ -23,7 +23,7 @@ WARMUP_STEPS = 2  # steps excluded from the steady-state step time (pipelines st
 
 @dataclass(frozen=True)
 class Span:
-    group: str   # device group: "all", a role, "trainable"/"frozen", or "rollout"
+    group: str   # device group: "all", a role, "trainable"/"frozen", or "generation"
     name: str    # "<stage> <role>"
     step: int
     start: float

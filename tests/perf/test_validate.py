@@ -265,7 +265,7 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
 
 def test_hybrid_colocated_layout_pays_resharding():
     """TP generation and FSDP training on the same 8 devices: generation runs on them (no
-    rollout group) and each step pays one all-gather of a device's generation share of the
+    generation group) and each step pays one all-gather of a device's generation share of the
     bf16 weights: (8-1) (alpha + share/8/bw)."""
     from rlloom.perf import memory as mem
     shape, hw = model_shape("qwen2.5-7b"), hardware("h100")

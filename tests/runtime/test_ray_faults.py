@@ -31,12 +31,12 @@ def test_killed_generation_worker_is_named_and_the_run_resumes(tmp_path, tiny, m
                                                                capsys):
     args = [*tiny, *SIGNAL, "train.steps=3"]  # a checkpoint after every step
     main(["train", *args, f"run_dir={tmp_path / 'single'}"])
-    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:rollout:2")  # SIGKILL it as step 2 runs
+    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:generation:2")  # SIGKILL it as step 2 runs
     run = tmp_path / "ray"
     main(["train", *args, "plan.placement=disaggregated", f"run_dir={run}",
           "--worker-timeout", "60", "--max-restarts", "1"])
     out = capsys.readouterr().out
-    assert "worker rank 0 of group 'rollout' (stages: generation) died" in out
+    assert "worker rank 0 of group 'generation' (stages: generation) died" in out
     [failure] = _failures(run)
     assert failure["step"] == 2 and failure["state"] == "died"
     assert failure["detected_after_s"] < 60  # reported by Ray, long before the timeout
@@ -58,7 +58,7 @@ def test_silent_worker_times_out_then_its_checkpoint_resumes_either_way(tmp_path
     timeout with the worker named. Its last checkpoint holds the samples generated ahead for
     the next step; a sync resume finds them one version too stale and generates them again,
     and the single-process runtime resumes the same checkpoint."""
-    monkeypatch.setenv("RLLOOM_RAY_FAULT", "stop:rollout:3")
+    monkeypatch.setenv("RLLOOM_RAY_FAULT", "stop:generation:3")
     run = tmp_path / "ray"
     args = [*tiny, *SIGNAL, "train.steps=3", "plan.placement=disaggregated"]
     with pytest.raises(SystemExit) as exit_:
@@ -66,7 +66,7 @@ def test_silent_worker_times_out_then_its_checkpoint_resumes_either_way(tmp_path
               "--worker-timeout", "4"])
     assert exit_.value.code == 1
     err = capsys.readouterr().err
-    assert "worker rank 0 of group 'rollout' (stages: generation) did not answer a ping" in err
+    assert "worker rank 0 of group 'generation' (stages: generation) did not answer a ping" in err
     assert "no answer within 4s" in err and f"--resume {run}" in err
     [failure] = _failures(run)
     assert 4 <= failure["detected_after_s"] < 4 + 10  # the timeout, then a 4 s ping

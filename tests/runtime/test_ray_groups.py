@@ -74,7 +74,7 @@ def test_disaggregated_zero3_training_and_tp_generation_match_one_process(tmp_pa
     # every step the whole policy reaches each TP rank's half (the tied embedding whole)
     assert all(m["sync_bytes"] > 0 for m in metrics)
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
-    assert {e["pid"] for e in trace} == {"rollout", "actor", "reference"}
+    assert {e["pid"] for e in trace} == {"generation", "actor", "reference"}
     assert single(algo, tiny)[-1]["grad_norm"] > 0  # it really trained
 
 
@@ -169,7 +169,7 @@ def test_a_resumed_multi_replica_generation_group_continues_every_stream(tmp_pat
     run whose replica 1 is killed during step 2 resumes with an uninterrupted run's numbers."""
     plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", "plan.layouts.rollout.dp=2"]
     main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
-    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:rollout/1:2")
+    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:generation/1:2")
     main(["train", *tiny, *plan, f"run_dir={tmp_path / 'killed'}", "--worker-timeout", "120",
           "--max-restarts", "1"])
     assert (tmp_path / "killed" / "failures.jsonl").is_file()

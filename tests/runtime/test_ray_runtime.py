@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 TIMING = {"gen_s", "assess_s", "train_s", "step_s"}
 RAY_ONLY = {"staleness", "staleness_hist", "dropped", "behaviour_kl", "sync_s", "sync_bytes"}
 GROUPS = {"colocated": {"all"}, "interleaved": {"trainable", "frozen"},
-          "disaggregated": {"rollout", "actor", "reference"}}
+          "disaggregated": {"generation", "actor", "reference"}}
 # rewards of the under-trained tiny model are all 0; the soft overlong penalty spreads them, so
 # advantages, losses and gradients are not zero and the runs really train
 SIGNAL = ["algo.overlong=penalty"]
@@ -99,7 +99,7 @@ def test_a_cluster_too_small_for_the_groups_is_refused_at_once(tmp_path, tiny, c
         main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.rollout.dp=8",
               "train.prompts_per_step=8", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert "need 10 CPUs" in err and "rollout: 8 ranks" in err and "has 8 CPUs" in err
+    assert "need 10 CPUs" in err and "generation: 8 ranks" in err and "has 8 CPUs" in err
 
 
 def test_long_run_dir_gets_a_short_ray_temp_dir(tmp_path):

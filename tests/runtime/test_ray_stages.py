@@ -11,7 +11,7 @@ from rlloom.models.heads import ValueModel
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.executor.roles import decoupled
+from rlloom.runtime.executor.hosts import decoupled
 from rlloom.runtime.stages.online import (
     Rewarder,
     Samples,

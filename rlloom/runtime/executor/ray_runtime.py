@@ -10,7 +10,7 @@ Schedules, one loop (`train_step`):
   computed over the whole batch and training follows.
 - async (staleness eta): generation of step i+eta is submitted once step i-1's weights are
   synced, so it runs while step i trains; samples more than eta versions old are generated
-  again; stale samples are corrected as decoupled PPO (`roles.decoupled`) for ppo and
+  again; stale samples are corrected as decoupled PPO (`hosts.decoupled`) for ppo and
   decoupled_ppo. Assessment on a group of its own is prefetched too; on the training group
   it is submitted with its own step, or it would queue ahead of the training it overlaps.
   Groups that generate and train take turns (FIFO order keeps the staleness semantics).
@@ -41,6 +41,7 @@ from rlloom.models.hf_io import load_tokenizer, read_model_config
 from rlloom.plan import stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
+from rlloom.runtime.executor.hosts import DECOUPLED_LOSSES, save_final, step_row
 from rlloom.runtime.executor.ray_cluster import (
     USER_ERRORS,
     Cluster,
@@ -62,7 +63,6 @@ from rlloom.runtime.executor.ray_plan import (
     state_keys,
 )
 from rlloom.runtime.executor.ray_workers import GroupWorker
-from rlloom.runtime.executor.roles import DECOUPLED_LOSSES, save_final, step_row
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar

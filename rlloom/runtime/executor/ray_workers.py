@@ -35,14 +35,14 @@ import torch
 from rlloom.config import RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.runtime.executor.ranks import RankGroup, free_address, leave_world
-from rlloom.runtime.executor.roles import (
-    AssessmentRole,
+from rlloom.runtime.executor.hosts import (
+    AssessmentHost,
     Batch,
-    GenerationRole,
+    GenerationHost,
     SpanLog,
-    TrainingRole,
+    TrainingHost,
 )
+from rlloom.runtime.executor.ranks import RankGroup, free_address, leave_world
 from rlloom.runtime.executor.weight_channel import WeightChannel
 from rlloom.runtime.executor.weight_sync import SyncStats
 from rlloom.runtime.stages.online import Experience
@@ -61,9 +61,9 @@ class GroupWorker:
         # one rank speaks for the group in the trace
         self.spans = SpanLog(group.name, keep=rank == 0)
         self.pool: SandboxPool | None = None
-        self.training: TrainingRole | None = None
-        self.generation: GenerationRole | None = None
-        self.assessment: AssessmentRole | None = None
+        self.training: TrainingHost | None = None
+        self.generation: GenerationHost | None = None
+        self.assessment: AssessmentHost | None = None
         self.channels: dict[str, WeightChannel] = {}  # weight sync: "policy", "critic"
 
     def address(self) -> str:
@@ -77,13 +77,13 @@ class GroupWorker:
                                                   or group.runs("training"))
         self.pool = SandboxPool(cfg.reward.sandbox_workers) if needs_pool else None
         if group.runs("training"):
-            self.training = TrainingRole(cfg, self.path, self.spans, self.pool, self.ranks,
+            self.training = TrainingHost(cfg, self.path, self.spans, self.pool, self.ranks,
                                          group.runs("generation"))
         if group.runs("generation"):
-            self.generation = GenerationRole(cfg, self.path, self.spans, self.pool, self.ranks,
+            self.generation = GenerationHost(cfg, self.path, self.spans, self.pool, self.ranks,
                                              self.training)
         if group.runs("assessment"):
-            self.assessment = AssessmentRole(cfg, self.path, self.spans, self.ranks, group,
+            self.assessment = AssessmentHost(cfg, self.path, self.spans, self.ranks, group,
                                              self.training)
         return self.ping()
 

@@ -1,4 +1,4 @@
-"""`rlloom train` without Ray: the executor's roles on one rank (this process) or on a
+"""`rlloom train` without Ray: the executor's stage hosts on one rank (this process) or on a
 torchrun world, run step by step (Generation -> Assessment -> Training), with held-out
 evaluation, metrics, a trace, checkpoints and resume."""
 from __future__ import annotations
@@ -25,16 +25,16 @@ from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device
 from rlloom.runtime.executor.distributed import distributed_problems, join_torchrun
-from rlloom.runtime.executor.ranks import RankGroup, leave_world
-from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, world_size
-from rlloom.runtime.executor.roles import (
-    AssessmentRole,
-    GenerationRole,
+from rlloom.runtime.executor.hosts import (
+    AssessmentHost,
+    GenerationHost,
     SpanLog,
-    TrainingRole,
+    TrainingHost,
     save_final,
     step_row,
 )
+from rlloom.runtime.executor.ranks import RankGroup, leave_world
+from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, world_size
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
@@ -87,7 +87,7 @@ def new_run_dir(cfg: RunConfig) -> Path:
 
 class Trainer:
     """The executor's loop in this process (one rank) or in a torchrun world (one colocated
-    group of its processes): the roles of `roles.py` build every model and run every stage,
+    group of its processes): the hosts of `hosts.py` build every model and run every stage,
     as they do on a Ray group; this loop runs them in order (the sync schedule)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
@@ -118,11 +118,11 @@ class Trainer:
         self.spans = SpanLog("local", keep=self.ranks.main)
         [group] = group_specs(cfg)  # colocated: every stage on these ranks
         online = self.preset.online
-        self.training = TrainingRole(cfg, self.model_path, self.spans, self.pool, self.ranks,
+        self.training = TrainingHost(cfg, self.model_path, self.spans, self.pool, self.ranks,
                                      generates=online)
-        self.assessment = AssessmentRole(cfg, self.model_path, self.spans, self.ranks, group,
+        self.assessment = AssessmentHost(cfg, self.model_path, self.spans, self.ranks, group,
                                          self.training)
-        self.generation = (GenerationRole(cfg, self.model_path, self.spans, self.pool,
+        self.generation = (GenerationHost(cfg, self.model_path, self.spans, self.pool,
                                           self.ranks, self.training) if online else None)
         # offline algorithms read preference pairs instead of generating
         self.pairs = None if online else PromptStream(read_preference_file(d.preference_file),

@@ -120,13 +120,13 @@ class SpanLog:
         return events
 
 
-# -- roles ----------------------------------------------------------------------------------
+# -- the stages a rank hosts ---------------------------------------------------------------
 
 class LiveModel:
     """The trainer's own weights, read in place (generation in the trainer's process): its
     generation copy for the actor, its critic (or shared actor-critic) for values."""
 
-    def __init__(self, training: "TrainingRole", critic: bool = False) -> None:
+    def __init__(self, training: "TrainingHost", critic: bool = False) -> None:
         self.training, self.critic = training, critic
 
     @contextmanager
@@ -152,7 +152,7 @@ def _shadow(build: Callable[[], torch.nn.Module], ranks: RankGroup) -> ShadowMod
     return ShadowModel(build(), twin=build() if ranks.world > 1 else None)
 
 
-class TrainingRole:
+class TrainingHost:
     def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
                  pool: SandboxPool | None, ranks: RankGroup, generates: bool) -> None:
         self.cfg, self.spans, self.pool, self.ranks = cfg, spans, pool, ranks
@@ -249,9 +249,9 @@ class TrainingRole:
             reshard(self.policy, self.generator)
 
 
-class GenerationRole:
+class GenerationHost:
     def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog,
-                 pool: SandboxPool | None, ranks: RankGroup, training: TrainingRole | None
+                 pool: SandboxPool | None, ranks: RankGroup, training: TrainingHost | None
                  ) -> None:
         self.cfg, self.spans, self.ranks = cfg, spans, ranks
         self.tokenizer = load_tokenizer(model_path)
@@ -297,9 +297,9 @@ class GenerationRole:
         self.stream.position = state["data_position"]
 
 
-class AssessmentRole:
+class AssessmentHost:
     def __init__(self, cfg: RunConfig, model_path: Path, spans: SpanLog, ranks: RankGroup,
-                 group: DeviceGroup, training: TrainingRole | None) -> None:
+                 group: DeviceGroup, training: TrainingHost | None) -> None:
         self.cfg, self.spans, self.ranks = cfg, spans, ranks
         a, plan = cfg.algo, cfg.plan
         dtype = DTYPES[cfg.model.dtype]
@@ -397,8 +397,8 @@ class AssessmentRole:
 
 def step_row(ginfo: dict[str, Any], ainfo: dict[str, Any], stats: dict[str, Any],
              kl_coef: float) -> tuple[dict[str, Any], float]:
-    """A step's metrics row from what its stages report (`GenerationRole.generate`,
-    `AssessmentRole.assess`, `TrainingRole.train`), and the behaviour policy's KL to the
+    """A step's metrics row from what its stages report (`GenerationHost.generate`,
+    `AssessmentHost.assess`, `TrainingHost.train`), and the behaviour policy's KL to the
     reference, which adaptive KL tracks. Rewards are scored as samples finish (dynamic
     sampling needs them): Assessment work, though it runs inside generation."""
     stats = dict(stats)
