@@ -170,6 +170,10 @@ class TrainSection(Strict):
     device: str = Field("auto", description="where models and tensors live: auto (cuda when "
                         "torch.cuda.is_available(), else cpu), cpu, cuda or cuda:N; under "
                         "torchrun cuda means cuda:LOCAL_RANK")
+    compute_dtype: Literal["auto", "params", "bfloat16"] = Field(
+        "auto", description="dtype of the matmuls in every stage: params (model.dtype), or "
+        "bfloat16 under autocast with the weights and optimizer state kept in model.dtype "
+        "(fp32 masters); auto = bfloat16 on GPUs that support it, params elsewhere")
 
     @field_validator("device")
     @classmethod

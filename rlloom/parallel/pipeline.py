@@ -192,7 +192,12 @@ class PipelinedModel:
         inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if self.module.is_first \
             else hidden
         head = () if self.module.values else (cfg.vocab_size,)
-        outputs = torch.empty(mb, seq, *head, dtype=self.dtype, device="meta",
+        # under autocast the head's matmul yields the autocast dtype; the residual stream
+        # between stages keeps the parameters' (it adds to the fp32 embedding)
+        kind = self.device.type
+        out_dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                     else self.dtype)
+        outputs = torch.empty(mb, seq, *head, dtype=out_dtype, device="meta",
                               requires_grad=train) if self.module.is_last else hidden
         return PipelineStage(self.module, self.rank, self.n_stages, self.device,
                              input_args=inputs, output_args=outputs, group=self.group)

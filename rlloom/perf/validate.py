@@ -52,13 +52,21 @@ def run_shape(run_dir: Path, cfg: RunConfig) -> ModelShape:
                      "validate a finished run")
 
 
+def run_dtype(cfg: RunConfig) -> str:
+    """The dtype a run computes in: bf16 weights, or bf16 autocast (`train.compute_dtype`,
+    whose `auto` is bf16 on a CUDA `train.device`; `train.device=auto` is priced as fp32)."""
+    bf16 = cfg.model.dtype == "bfloat16" or cfg.train.compute_dtype == "bfloat16" or (
+        cfg.train.compute_dtype == "auto" and cfg.train.device.startswith("cuda"))
+    return "bf16" if bf16 else "fp32"
+
+
 def step_workload(row: dict, cfg: RunConfig) -> Workload:
     lengths = row["response_lens"]
     samples = cfg.rollout.n_samples
     return Workload(prompts=len(lengths) // samples, samples=samples,
                     prompt_len=round(row["prompt_len"]), response=Lengths.empirical(lengths),
                     ppo_epochs=cfg.algo.epochs, minibatches=cfg.algo.minibatches,
-                    dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
+                    dtype=run_dtype(cfg),
                     micro_batch_tokens=cfg.train.micro_batch_tokens)
 
 

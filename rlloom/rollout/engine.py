@@ -371,8 +371,9 @@ class _Run:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kc, vc = self.cache.k[i][:rows], self.cache.v[i][:rows]
-        kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd))
-        vc.view(-1, hd).index_copy_(0, index, v.reshape(rows * kv, hd))
+        # the cache keeps the parameters' dtype; autocast may hand lower precision
+        kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd).to(kc.dtype))
+        vc.view(-1, hd).index_copy_(0, index, v.reshape(rows * kv, hd).to(vc.dtype))
         # query head h reads kv head h // (heads / kv), as repeat_kv and SDPA's GQA do
         scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd),
                                kc.view(rows * kv, cap, hd).transpose(1, 2), alpha=hd ** -0.5)

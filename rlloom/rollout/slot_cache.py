@@ -53,9 +53,9 @@ class SlotKVCache:
         """Copy prefilled keys/values [n, kv_heads, width, hd] per layer into `slots` [n]."""
         width = k[0].shape[2]
         self.ensure(width)
-        for layer, (kl, vl) in enumerate(zip(k, v)):
-            self.k[layer][slots, :, :width] = kl
-            self.v[layer][slots, :, :width] = vl
+        for layer, (kl, vl) in enumerate(zip(k, v)):  # autocast may hand lower precision
+            self.k[layer][slots, :, :width] = kl.to(self.dtype)
+            self.v[layer][slots, :, :width] = vl.to(self.dtype)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move slots `keep` [m] to the front."""

@@ -4,6 +4,7 @@ tensor that meets their outputs. Host-side work (decoding, verifiers, metrics) s
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -56,3 +57,19 @@ def torchrun_device(requested: str) -> torch.device:
 def model_device(model: nn.Module) -> torch.device:
     """Where `model`'s parameters live (for a sharded model, this process's shards)."""
     return next(model.parameters()).device
+
+
+def compute_dtype(requested: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `train.compute_dtype` on `device` (None: the parameters')."""
+    if requested == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else None
+    return torch.bfloat16 if requested == "bfloat16" else None
+
+
+def compute_precision(requested: str, device: torch.device) -> AbstractContextManager:
+    """Autocast to `compute_dtype` for the block (a no-op when it is the parameters'): the
+    weights and the optimizer state stay in their own dtype, the masters of mixed
+    precision."""
+    dtype = compute_dtype(requested, device)
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()

@@ -5,6 +5,7 @@ RNGs each needs, built with the single-process loaders and seeds over the rank's
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
+from rlloom.runtime.device import compute_precision
 from rlloom.runtime.executor.ranks import RankGroup, Share, needs_generation_copy, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
 from rlloom.runtime.stages.batch import response_logprobs
@@ -122,6 +124,15 @@ class SpanLog:
 
 # -- the stages a rank hosts ---------------------------------------------------------------
 
+def _in_compute_dtype(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a stage under `train.compute_dtype` (autocast is per thread: each call sets it)."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with compute_precision(self.cfg.train.compute_dtype, self.ranks.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class LiveModel:
     """The trainer's own weights, read in place (generation in the trainer's process): its
     generation copy for the actor, its critic (or shared actor-critic) for values."""
@@ -199,6 +210,7 @@ class TrainingHost:
             parts["critic"] = (own(self.critic), self.critic_optimizer)
         return parts
 
+    @_in_compute_dtype
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool
               ) -> dict[str, Any]:
         lane = "actor+critic" if self.critic is not None else "actor"
@@ -219,6 +231,7 @@ class TrainingHost:
             stats["reshard_s"], stats["reshard_bytes"] = reshard(self.policy, self.generator)
         return {**stats, "train_s": span["seconds"], "version": step}
 
+    @_in_compute_dtype
     def evaluate(self, step: int) -> float:
         with self.spans.span("eval", step, "eval"):
             return greedy_accuracy(self.generator, self.tokenizer, self.eval_set, self.cfg,
@@ -269,6 +282,7 @@ class GenerationHost:
         self.sample_gen = torch.Generator().manual_seed(cfg.seed + self.share.part)
         self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
 
+    @_in_compute_dtype
     def generate(self, step: int, prompts: int | None = None
                  ) -> tuple[Batch, dict[str, Any]]:
         """A step's B prompts x K samples (`collect`, with dynamic sampling), or, for a fused
@@ -355,6 +369,7 @@ class AssessmentHost:
             return scores(batch.samples.to(self.ranks.device), self.reference, critic, self.cfg,
                           self.ranks, self.ref_share, self.critic_share)
 
+    @_in_compute_dtype
     def assess(self, step: int, batch: Batch, kl_coef: float) -> tuple[Experience, dict]:
         with self.spans.span("assessment", step, self._lane()) as span:
             samples = batch.samples.to(self.ranks.device)
@@ -362,6 +377,7 @@ class AssessmentHost:
             exp = assess_from(samples, *self._scores(batch), kl_coef, baseline, self.cfg)
         return self._out(exp, span["seconds"])
 
+    @_in_compute_dtype
     def assess_chunk(self, step: int, chunk: int, batch: Batch) -> int:
         """Fused schedule: the forward passes of one chunk, as soon as it is generated."""
         with self.spans.span("assessment", step, self._lane(), chunk=chunk) as span:
@@ -370,6 +386,7 @@ class AssessmentHost:
         self._chunk_s[step] = self._chunk_s.get(step, 0.0) + span["seconds"]
         return chunk
 
+    @_in_compute_dtype
     def finish(self, step: int, kl_coef: float) -> tuple[Experience, dict]:
         """Fused schedule: advantages over the whole batch once every chunk is assessed."""
         chunks = self._chunks.pop(step)

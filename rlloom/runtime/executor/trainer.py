@@ -23,7 +23,7 @@ from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.default_model import ensure_default_model
-from rlloom.runtime.device import resolve_device
+from rlloom.runtime.device import compute_precision, resolve_device
 from rlloom.runtime.executor.distributed import distributed_problems, join_torchrun
 from rlloom.runtime.executor.hosts import (
     AssessmentHost,
@@ -200,7 +200,8 @@ class Trainer:
     def offline_step(self, step: int) -> dict[str, float]:
         pairs = self.pairs.next(self.cfg.train.prompts_per_step)
         t = self.training
-        with self.spans.span("training", step, "actor+reference") as span:
+        with self.spans.span("training", step, "actor+reference") as span, \
+                compute_precision(self.cfg.train.compute_dtype, self.device):
             stats = preference_step(t.policy, self.assessment.reference, t.optimizer,
                                     t.tokenizer, pairs, self.cfg.algo, self.cfg.train.grad_clip)
         t.version = step
