@@ -163,19 +163,6 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
         assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in rows)
 
 
-def test_a_resumed_multi_replica_generation_group_continues_every_stream(tmp_path, tiny,
-                                                                         monkeypatch):
-    """Two generation replicas sample their own RNG streams; a checkpoint holds both, so a
-    run whose replica 1 is killed during step 2 resumes with an uninterrupted run's numbers."""
-    plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", "plan.layouts.rollout.dp=2"]
-    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
-    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:generation/1:2")
-    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'killed'}", "--worker-timeout", "120",
-          "--max-restarts", "1"])
-    assert (tmp_path / "killed" / "failures.jsonl").is_file()
-    _assert_same(_rows(tmp_path / "whole"), _rows(tmp_path / "killed"))
-
-
 def test_killed_rank_of_a_training_group_is_named_and_the_run_resumes(tmp_path, tiny, single,
                                                                       monkeypatch, capsys):
     monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:actor/1:2")  # SIGKILL rank 1 during step 2
@@ -192,21 +179,23 @@ def test_killed_rank_of_a_training_group_is_named_and_the_run_resumes(tmp_path, 
     _assert_same(single("grpo", tiny), _rows(run))
 
 
-@pytest.mark.parametrize("layout", [
-    ["plan.layouts.actor.pp=2"],
-    ["model.family=qwen3_moe", "plan.layouts.actor.dp=2", "plan.layouts.actor.ep=2",
-     "plan.layouts.actor.zero=3"],
+@pytest.mark.parametrize("group, layout", [
+    ("generation", ["plan.layouts.rollout.dp=2"]),
+    ("actor", ["plan.layouts.rollout.dp=1", "plan.layouts.actor.pp=2"]),
+    ("actor", ["plan.layouts.rollout.dp=1", "model.family=qwen3_moe", "plan.layouts.actor.dp=2",
+               "plan.layouts.actor.ep=2", "plan.layouts.actor.zero=3"]),
 ])
-def test_pipeline_and_expert_shards_resume_from_their_checkpoint(tmp_path, tiny, monkeypatch,
-                                                                 layout):
-    """Ranks that hold different parameters (a stage each, or their own experts) checkpoint
-    their weights and AdamW state apart, so a run whose rank 1 is killed in step 2 resumes
-    with the uninterrupted run's numbers (a param group keyed by its index would make one
-    rank load the other's)."""
-    plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", "plan.layouts.rollout.dp=1",
-            *layout]
+def test_a_killed_rank_with_state_of_its_own_resumes_as_if_uninterrupted(tmp_path, tiny,
+                                                                         monkeypatch, group,
+                                                                         layout):
+    """Ranks whose state differs from their group's other ranks: two generation replicas
+    (each samples its own RNG stream, and the checkpoint holds both), pipeline stages and
+    expert shards (each holds its own weights and AdamW state, kept apart in the sharded
+    checkpoint: a param group keyed by its index would make one rank load the other's).
+    Killing rank 1 in step 2 and resuming gives the uninterrupted run's numbers."""
+    plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", *layout]
     main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
-    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:actor/1:2")
+    monkeypatch.setenv("RLLOOM_RAY_FAULT", f"kill:{group}/1:2")
     main(["train", *tiny, *plan, f"run_dir={tmp_path / 'killed'}", "--worker-timeout", "120",
           "--max-restarts", "1"])
     assert (tmp_path / "killed" / "failures.jsonl").is_file()
