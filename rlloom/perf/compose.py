@@ -133,7 +133,8 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
             # prompt pass serves log-probs, not value or reward heads
             g = gen_g if role == "reward" else ass_g
             st = cost.forward(shape, layout_of(g, role), wl, hw, role, role == "reference",
-                              prompts_once=role == "reference")
+                              prompts_once=role == "reference",
+                              trained=role in TRAINABLE and groups[g].runs("training"))
             stages.append(st)
             where[id(st)] = g
         if role in TRAINABLE:

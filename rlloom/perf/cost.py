@@ -46,6 +46,14 @@ def _ops(per: tuple[int, int], shape: ModelShape, layout: Layout) -> float:
     return per[0] * shape.layers / layout.pp + per[1]
 
 
+def _wrapper_s(hw: Hardware, shape: ModelShape, layout: Layout, trained: bool) -> float:
+    """FSDP2's hooks over one forward and backward of a micro-batch (`Hardware.wrapped_pass_s`
+    per wrapped module: each decoder layer of the stage, and its root)."""
+    if layout.dp == 1 or not (trained or layout.zero == 3):
+        return 0.0
+    return hw.wrapped_pass_s * (shape.layers / layout.pp + 1)
+
+
 def _activation_s(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
                   tokens: float) -> float:
     """Memory time of the non-matmul operators over `tokens` forward tokens. These kernels
@@ -230,9 +238,11 @@ def _infeasible(stage: str, role: str, need: float) -> StageCost:
 
 
 def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
-            logits: bool = True, prompts_once: bool = False) -> StageCost:
+            logits: bool = True, prompts_once: bool = False, trained: bool = False
+            ) -> StageCost:
     """Teacher-forced forward over all rollouts (reference log-probs, reward or value scores);
-    `prompts_once`: see `Workload.teacher_forced`."""
+    `prompts_once`: see `Workload.teacher_forced`; `trained`: the model is the one that
+    trains there (the critic beside its training), in its training layout's wrappers."""
     seqs = math.ceil(wl.rollouts / layout.dp)
     tokens, m = wl.teacher_forced(seqs, prompts_once)
     mb_tokens, context = tokens / m, tokens / seqs
@@ -247,6 +257,7 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
                   + _cp_comm(hw, layout, shape, mb_tokens, 1))
     comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
     comm_s += m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+    comm_s += m * _wrapper_s(hw, shape, layout, trained)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
     seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout) + comm_s
@@ -281,8 +292,12 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,
                                                    2 * m * pieces)
     comm_s += steps * _dp_comm(shape, layout, hw, m)
-    comm_s += steps * hw.launch_s * (m * pieces * passes * _ops(FORWARD_OPS, shape, layout)
-                                     + _ops(OPTIMIZER_OPS, shape, layout))
+    # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
+    dtensors = layout.tp > 1 or layout.dp > 1
+    optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
+    comm_s += steps * (hw.launch_s * m * pieces * passes * _ops(FORWARD_OPS, shape, layout)
+                       + optimizer_op_s * _ops(OPTIMIZER_OPS, shape, layout)
+                       + m * _wrapper_s(hw, shape, layout, True))
     act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
         shape, layout, wl, hw, tokens / layout.cp)
     seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout) + comm_s

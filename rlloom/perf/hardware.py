@@ -35,6 +35,12 @@ class Hardware:
     # asynchronous and decode is captured in CUDA graphs, so they hide behind the kernels.
     # On a CPU every operator runs in the Python thread, so tiny models are bound by it.
     launch_s: float = 0.0
+    # Host costs of the runtime's data-parallel wrappers (FSDP2), measured by `rlloom bench
+    # hw`; 0 on catalogue GPUs for the reason above. `sharded_launch_s`: added per optimizer-
+    # step operator (clipping, AdamW) on DTensor parameters. `wrapped_pass_s`: the hooks of
+    # one wrapped module (a decoder layer, the root) per forward and backward of a micro-batch.
+    sharded_launch_s: float = 0.0
+    wrapped_pass_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

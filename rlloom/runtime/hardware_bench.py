@@ -49,9 +49,9 @@ def memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src))
 
 
-def dispatch_seconds() -> float:
-    """Host time per operator: a forward of a model too small to compute anything, divided by
-    the operators it dispatches (the same code path a tiny model's decode takes)."""
+def _dispatch_model() -> tuple[torch.nn.Module, torch.Tensor, int]:
+    """A model too small to compute anything, its input, and the operators a forward
+    dispatches (the same code path a tiny model's decode takes)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlloom.models.config import ModelConfig
@@ -66,10 +66,79 @@ def dispatch_seconds() -> float:
 
     model = CausalLM(ModelConfig("qwen3", 16, 8, 16, 1, 1, 1, 8, qk_norm=True))
     ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad(), Count():
+        model(ids)
+    return model, ids, Count.ops
+
+
+def dispatch_seconds() -> float:
+    """Host time per operator: a forward of `_dispatch_model` divided by its operators."""
+    model, ids, ops = _dispatch_model()
     with torch.no_grad():
+        return _best_seconds(lambda: model(ids)) / ops
+
+
+def _wrapper_worker(rank: int, port: int, out: dict) -> None:
+    """In a world of one gloo process, `_dispatch_model` trained plain and under FSDP2's
+    replicate (each layer and the root wrapped, as every data-parallel layout that trains):
+    the added time of a forward + backward per wrapped module, and of an optimizer step
+    (clipping, AdamW, zero_grad) per operator."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlloom.parallel.grads import clip_grad_norm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        timed = []
+        for wrapped in (False, True):
+            model, ids, _ = _dispatch_model()
+            layers = list(model.model.layers)
+            if wrapped:
+                mesh = init_device_mesh("cpu", (1,))
+                for module in [*layers, model]:
+                    replicate(module, mesh=mesh)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def pass_(model: torch.nn.Module = model) -> None:
+                model(ids).float().sum().backward()
+
+            def step(model: torch.nn.Module = model, optim: torch.optim.Optimizer = optim
+                     ) -> None:
+                clip_grad_norm(model.parameters(), 1.0)
+                optim.step()
+                optim.zero_grad(set_to_none=False)
+            pass_()
+            step()
+            timed.append((_best_seconds(pass_), _best_seconds(step)))
+
+        class Count(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+                Count.ops += 1
+                return func(*args, **(kwargs or {}))
         with Count():
-            model(ids)
-        return _best_seconds(lambda: model(ids)) / Count.ops
+            step()  # the wrapped model's: the same operators as the plain one
+        out["wrapped_pass_s"] = max(timed[1][0] - timed[0][0], 0.0) / (len(layers) + 1)
+        out["sharded_launch_s"] = max(timed[1][1] - timed[0][1], 0.0) / Count.ops
+    finally:
+        dist.destroy_process_group()
+
+
+def wrapper_seconds() -> tuple[float, float]:
+    """(seconds per wrapped module per forward + backward, added seconds per optimizer-step
+    operator) of FSDP2's data-parallel wrappers (see `_wrapper_worker`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_wrapper_worker, args=(port, out), nprocs=1)
+        return out["wrapped_pass_s"], out["sharded_launch_s"]
 
 
 def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> None:
@@ -106,6 +175,8 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     bw = memory_bandwidth()
     progress("operator dispatch ...")
     launch = dispatch_seconds()
+    progress("data-parallel wrappers ...")
+    wrapped, sharded = wrapper_seconds()
     progress("gloo all-reduce between 2 processes ...")
     small, large = 4, 16 * 2**20
     times = all_reduce_times([small, large])
@@ -117,7 +188,8 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     return Hardware("local", {"fp32": fp32, "bf16": bf16}, mem_gib=round(ram, 1), mem_bw=bw,
                     intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
                     intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
-                    mem_eff=1.0, comm_eff=1.0, launch_s=launch,
+                    mem_eff=1.0, comm_eff=1.0, launch_s=launch, sharded_launch_s=sharded,
+                    wrapped_pass_s=wrapped,
                     extra={"threads": float(torch.get_num_threads()),
                            "cpus": float(os.cpu_count() or 1)})
 
@@ -128,7 +200,10 @@ def bench_hw(out: Path | None = None) -> str:
     hw.save(path)
     return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
-            f"operator dispatch {hw.launch_s * 1e6:.1f} us, gloo all-reduce latency "
+            f"operator dispatch {hw.launch_s * 1e6:.1f} us, FSDP2 wrappers "
+            f"{hw.wrapped_pass_s * 1e6:.0f} us per module per forward + backward and "
+            f"+{hw.sharded_launch_s * 1e6:.1f} us per optimizer operator, gloo all-reduce "
+            "latency "
             f"{hw.intra_node_latency * 1e6:.0f} us and {hw.intra_node_bw / 1e9:.2f} GB/s\n"
             f"saved {path} (use it as --gpus NxLOCAL or `rlloom perf validate`); its "
             "efficiencies are 1.0, the microbenchmarks' rates: `rlloom perf calibrate RUN_DIR` "

@@ -187,6 +187,30 @@ def test_validate_predicts_dispatch_bound_stages_by_hand(tmp_path):
     assert points[0].error == pytest.approx(by["generation"] - 1.0)
 
 
+def test_data_parallel_wrappers_cost_where_the_runtime_has_them():
+    """FSDP2 wraps each decoder layer and the root of a data-parallel model that trains (and
+    ZeRO-3 of a frozen one): wrapped_pass_s per wrapped module per micro-batch; clipping and
+    AdamW run on DTensor parameters under DP or TP: sharded_launch_s per optimizer operator.
+    A frozen model's plain dp replicas pay neither. By hand: 1 epoch x 1 mini-batch of one
+    micro-batch."""
+    shape = model_shape("qwen2.5-0.5b")
+    wl = Workload(prompts=2, samples=2, prompt_len=8, response=Lengths("fixed", 8),
+                  micro_batch=4)
+    hooks, per_op = 3e-3, 2e-4
+    dear = replace(FREE, wrapped_pass_s=hooks, sharded_launch_s=per_op)
+    wrapped, opt = shape.layers + 1, 110 * shape.layers + 42
+
+    def added(stage, layout, **kw):
+        return stage(shape, layout, wl, dear, "actor", **kw).seconds - \
+            stage(shape, layout, wl, FREE, "actor", **kw).seconds
+    assert added(cost.training, Layout(dp=2)) == pytest.approx(hooks * wrapped + per_op * opt)
+    assert added(cost.training, Layout(tp=2)) == pytest.approx(per_op * opt)
+    assert added(cost.training, Layout()) == 0
+    assert added(cost.forward, Layout(dp=2)) == 0
+    assert added(cost.forward, Layout(dp=2, zero=3)) == pytest.approx(hooks * wrapped)
+    assert added(cost.forward, Layout(dp=2), trained=True) == pytest.approx(hooks * wrapped)
+
+
 def test_validate_rejects_a_run_without_lengths(tmp_path):
     run = _fake_run(tmp_path, [5])
     (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "gen_s": 1.0}) + "\n")
@@ -248,6 +272,7 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     main(["bench", "hw", "--out", str(hw_file)])
     hw = load_hardware(hw_file)
     assert hw.peak_flops["fp32"] > 1e8 and hw.mem_bw > 1e8 and 0 < hw.launch_s < 1e-3
+    assert 0 <= hw.sharded_launch_s < 1e-2 and 0 <= hw.wrapped_pass_s < 1e-1
     main(["train", *tiny, f"run_dir={run}"])
     capsys.readouterr()
     main(["perf", "validate", str(run), "--hardware", str(hw_file)])
