@@ -158,6 +158,18 @@ def generation_layout(plan: Plan) -> Layout:
     return layout
 
 
+def needs_generation_copy(train: Layout, gen: Layout) -> bool:
+    """Whether an actor that trains and generates on the same ranks generates on its own copy,
+    resharded from the trained weights after every step (the runtime builds it, the cost
+    model prices it): on more than one rank, when generation uses another layout, when
+    training is data-parallel (replicas decode different prompts for different numbers of
+    steps, so their forwards must not need each other: ZeRO gathers would deadlock), on
+    sequence shards (a KV cache cannot decode them) or in pipeline stages (each holds only
+    some layers)."""
+    return train.world_size > 1 and (gen != train or train.dp > 1 or train.cp > 1
+                                     or train.pp > 1)
+
+
 def placement_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the plan's layouts do not fit its device groups (empty when they do): every model
     on a group uses all of the group's ranks."""

@@ -24,6 +24,7 @@ from rlloom.plan import (
     device_groups,
     generation_layout,
     model_layout,
+    needs_generation_copy,
     placement_problems,
     stage_group,
 )
@@ -73,14 +74,13 @@ def reshard_seconds(shape: ModelShape, train: Layout, gen: Layout, hw: Hardware)
 
 
 def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,
-          gen_layout: Layout | None = None, offline: bool = False,
-          gen_copy: bool = False) -> Priced:
+          gen_layout: Layout | None = None, offline: bool = False) -> Priced:
     """Predict one RL step of `plan`; `models` maps each role the algorithm needs to its shape.
     The groups, which stages each runs and which weights each holds come from
     `plan.device_groups`, the same mapping the runtime starts its groups from.
     `gen_layout` is the generation ("rollout") layout, when not already in the plan.
-    `gen_copy`: a colocated actor generates on its own copy (resharded every step) even in
-    its training layout, as the torchrun trainer does when the actor trains data-parallel.
+    A colocated actor generates on its own copy, resharded every step, where the runtime
+    makes one (`plan.needs_generation_copy`).
     Offline (DPO) steps generate nothing: the workload's K samples are the chosen and rejected
     responses, scored by the reference and trained on."""
     if gen_layout is not None:
@@ -93,7 +93,7 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     assert actor is not None
     train, gen = plan.layout("actor"), generation_layout(plan)
     apart = gen_g != train_g  # generation on a group of its own, fed by weight sync
-    hybrid = not apart and "rollout" in plan.layouts and (gen_copy or gen != train)
+    hybrid = not apart and needs_generation_copy(train, gen)  # the runtime's rule
     problems = placement_problems(plan, tuple(active))
 
     def layout_of(g: str, role: str) -> Layout:

@@ -220,8 +220,7 @@ def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, dev
             gens = [None] + [g for g in copies if g.tp != x.tp]
         for gen in gens:
             plan = Plan(layouts=lay)
-            result.add(price(plan, models, wl, hw, gen, offline=not online,
-                             gen_copy=gen is not None))
+            result.add(price(plan, models, wl, hw, gen, offline=not online))
 
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,

@@ -23,8 +23,10 @@ def test_sync_with_fixed_lengths_equals_the_priced_step():
                    gen_layout=best.gen_layout)
     assert sim.step_s == pytest.approx(best.step_s, rel=1e-9)
     assert all(0.0 <= f <= 1.0 for f in sim.idle.values())
-    if best.plan.placement == "colocated":  # a hybrid layout generates on the same devices
-        assert set(sim.idle) == {"all"} and sim.idle["all"] < 1e-9
+    if best.plan.placement == "colocated":  # generation runs on the same devices; only the
+        # reshard into the generation copy runs no stage
+        assert set(sim.idle) == {"all"}
+        assert 0 < sim.idle["all"] <= best.sync_s / best.step_s  # not before step 1
 
 
 def test_async_is_never_slower_than_sync_on_the_same_devices():

@@ -26,12 +26,12 @@ from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_checkpoint
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.parallel.pipeline import PipelinedModel
-from rlloom.plan import DeviceGroup, generation_layout, model_layout
+from rlloom.plan import DeviceGroup, generation_layout, model_layout, needs_generation_copy
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
-from rlloom.runtime.executor.ranks import RankGroup, Share, needs_generation_copy, reshard
+from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import greedy_accuracy
@@ -183,7 +183,7 @@ class TrainingHost:
         gen = generation_layout(plan) if generates else self.layout
         self.generator = self.policy
         if ranks.world > 1 and (self.layout.cp > 1 or self.layout.pp > 1 or (
-                generates and needs_generation_copy(self.layout, gen))):
+                generates and needs_generation_copy(self.layout, gen))):  # the priced rule
             self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
         # with pp > 1 the policy that trains is this rank's pipeline stage
         self.policy, self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,

@@ -291,15 +291,6 @@ def _first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def needs_generation_copy(train: Layout, gen: Layout) -> bool:
-    """Whether the actor generates on its own copy beside training: when generation uses
-    another layout, when training is data-parallel (replicas decode different prompts for
-    different numbers of steps, so their forwards must not need each other: ZeRO gathers
-    would deadlock), on sequence shards (a KV cache cannot decode them) or in pipeline
-    stages (each holds only some layers)."""
-    return gen != train or train.dp > 1 or train.cp > 1 or train.pp > 1
-
-
 def leave_world() -> None:
     """Destroy the process group, if one was joined, while the interpreter is still whole:
     left to interpreter teardown, gloo's worker threads may release tensors after Python is
