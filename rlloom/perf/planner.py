@@ -69,7 +69,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
-            if runnable and (not _torchrun_applies(Layout(tp=tp), shape)
+            if runnable and (not _tp_applies(tp, shape)
                              or (tp > 1 and cp * pp > 1)):
                 continue
             dp = n // (tp * pp * cp)
@@ -134,27 +134,24 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
 
 
 def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_gen: bool,
-         rollout_only: bool, cache: dict, torchrun: bool = False, runnable: bool = False
-         ) -> list[Layout]:
-    """The TOP_K fastest layouts of a role alone on n devices that fit; `torchrun`: only
-    those the torchrun trainer applies; `runnable`: only those the executor applies."""
-    key = (role, n, with_gen, rollout_only, torchrun, runnable)
+         rollout_only: bool, cache: dict, runnable: bool = False) -> list[Layout]:
+    """The TOP_K fastest layouts of a role alone on n devices that fit; `runnable`: only those
+    the executor applies."""
+    key = (role, n, with_gen, rollout_only, runnable)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only
         # a generation-only layout holds no optimizer state: ZeRO would only add gathers
         candidates = [x for x in layouts(n, shape, hw, trainable, runnable)
-                      if not (rollout_only and x.zero)
-                      and (not torchrun or _torchrun_applies(x, shape))]
+                      if not (rollout_only and x.zero)]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
                   for i, x in enumerate(candidates)]
         cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]
     return cache[key]
 
 
-def _torchrun_applies(x: Layout, shape: ModelShape) -> bool:
-    """dp (ZeRO 0-3) x tp, whose TP shards the KV heads and the MLP too
-    (parallel/mesh.layout_problems)."""
-    return x.pp == x.cp == x.ep == 1 and shape.kv_heads % x.tp == 0 and shape.ffn % x.tp == 0
+def _tp_applies(tp: int, shape: ModelShape) -> bool:
+    """TP also shards the KV heads and the MLP (parallel/mesh.layout_problems)."""
+    return shape.kv_heads % tp == 0 and shape.ffn % tp == 0
 
 
 def _degrees(x: Layout) -> tuple[int, ...]:
@@ -171,10 +168,10 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
-    devices can cost less). Runtime "torchrun": only the plans `rlloom train` runs under
-    torchrun (`torchrun_plans`). By default only plans the executor runs are searched and
-    ranked; `price_only` widens the search to pipeline, context and expert parallelism, which
-    the model prices but the executor does not run yet."""
+    devices can cost less). Runtime "torchrun": only the colocated, sync plans, which one
+    torchrun world runs (`runtime/executor/distributed.py`). By default only plans the
+    executor runs are searched and ranked; `price_only` widens the search to the pipeline,
+    context and expert layouts the model prices but the executor does not run yet."""
     start = time.perf_counter()
     result = Search([], runnable=not price_only)
     if objective == "cost" and hw.price_per_hour <= 0:
@@ -182,9 +179,11 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
                          "time or a hardware file with price_per_hour")
     counts = [devices // d for d in (1, 2, 4, 8) if devices % d == 0] \
         if objective == "cost" else [devices]
-    enumerate_at = torchrun_plans if runtime == "torchrun" else _search_at
     for n, micro_batch in itertools.product(counts, MICRO_BATCHES):
-        enumerate_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
+        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
+    if runtime == "torchrun":  # one world: every model on all of it, steps in order
+        result.ranked = [p for p in result.ranked
+                         if p.plan.placement == "colocated" and p.plan.schedule == "sync"]
     # stable: of equally good plans the smaller micro-batch (less memory) comes first
     result.ranked.sort(key=(lambda q: cost_per_step(q, hw)) if objective == "cost"
                        else (lambda q: q.step_s))
@@ -195,32 +194,6 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
 def cost_per_step(p: Priced, hw: Hardware) -> float:
     """USD of device time one step takes."""
     return p.step_s * p.devices * hw.price_per_hour / 3600
-
-
-def torchrun_plans(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
-                   reward: ModelShape | None, result: Search) -> None:
-    """The plans `torchrun --nproc_per_node N rlloom train PLAN_FILE` runs (runtime/
-    distributed.py): colocated and sync; the actor trained with dp (ZeRO 0-3) x tp, with or
-    without checkpointing, the critic in the actor's layout and frozen roles in its dp x tp at
-    ZeRO 0. Generation runs on a TP-only copy resharded every step (always when the actor
-    trains data-parallel: by default the copy has the actor's dp x tp) or in place."""
-    roles, online = PRESETS[algo].roles, PRESETS[algo].online
-    models = role_models(actor, roles, reward)
-    active = [r for r, m in models.items() if m is not None]
-    tps = sorted({x.tp for x in layouts(devices, actor, hw, False)
-                  if _torchrun_applies(x, actor)})
-    copies = [Layout(dp=devices // tp, tp=tp) for tp in tps]
-    for x in _top("actor", actor, devices, wl, hw, online, False, {}, torchrun=True):
-        lay = {r: x if r in TRAINABLE else Layout(dp=x.dp, tp=x.tp) for r in active}
-        if not online:
-            gens: list[Layout | None] = [None]
-        elif x.dp > 1:
-            gens = list(copies)
-        else:  # unsharded by DP: in place, or a copy with another tp
-            gens = [None] + [g for g in copies if g.tp != x.tp]
-        for gen in gens:
-            plan = Plan(layouts=lay)
-            result.add(price(plan, models, wl, hw, gen, offline=not online))
 
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,

@@ -128,7 +128,7 @@ def test_a_plan_file_for_torchrun_runs_as_written(tmp_path, tiny):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     from rlloom.config import load_config
-    ran = load_config(run / "config.yaml")
-    assert ran.plan.layouts["actor"].dp == 2 and ran.plan.layouts["rollout"].dp == 2
+    ran, written = load_config(run / "config.yaml"), load_config(plan)
+    assert ran.plan == written.plan and ran.plan.layouts["actor"].world_size == 2
     # the priced micro-batch of sequences at the longest context
     assert ran.train.micro_batch_tokens % (512 + 2048) == 0
