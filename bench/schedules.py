@@ -31,8 +31,8 @@ from pathlib import Path
 from rlloom.config import load_config
 from rlloom.perf.compose import price
 from rlloom.perf.validate import load_run
+from rlloom.runtime.executor.ray_launch import train_ray
 from rlloom.runtime.executor.ray_plan import RayOptions
-from rlloom.runtime.executor.ray_runtime import train_ray
 
 WARMUP = 2
 ARMS = {  # name -> plan overrides

@@ -72,7 +72,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     from rlloom.runtime.executor import ray_plan
     if args.ray or args.ray_address or ray_plan.needs_ray(cfg):
-        from rlloom.runtime.executor import ray_runtime as rr
+        from rlloom.runtime.executor import ray_launch as rr
         from rlloom.runtime.executor.ray_cluster import WorkerFailure
         try:
             import ray  # noqa: F401

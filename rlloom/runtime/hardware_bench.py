@@ -52,10 +52,18 @@ def memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
 def _dispatch_model() -> tuple[torch.nn.Module, torch.Tensor, int]:
     """A model too small to compute anything, its input, and the operators a forward
     dispatches (the same code path a tiny model's decode takes)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from rlloom.models.config import ModelConfig
     from rlloom.models.transformer import CausalLM
+
+    model = CausalLM(ModelConfig("qwen3", 16, 8, 16, 1, 1, 1, 8, qk_norm=True))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        return model, ids, _operators(lambda: model(ids))
+
+
+def _operators(fn: Callable[[], object]) -> int:
+    """How many operators `fn()` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -63,12 +71,9 @@ def _dispatch_model() -> tuple[torch.nn.Module, torch.Tensor, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
             Count.ops += 1
             return func(*args, **(kwargs or {}))
-
-    model = CausalLM(ModelConfig("qwen3", 16, 8, 16, 1, 1, 1, 8, qk_norm=True))
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    with torch.no_grad(), Count():
-        model(ids)
-    return model, ids, Count.ops
+    with Count():
+        fn()
+    return Count.ops
 
 
 def dispatch_seconds() -> float:
@@ -85,7 +90,6 @@ def _wrapper_worker(rank: int, port: int, out: dict) -> None:
     (clipping, AdamW, zero_grad) per operator."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlloom.parallel.grads import clip_grad_norm
 
@@ -114,17 +118,9 @@ def _wrapper_worker(rank: int, port: int, out: dict) -> None:
             pass_()
             step()
             timed.append((_best_seconds(pass_), _best_seconds(step)))
-
-        class Count(TorchDispatchMode):
-            ops = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-                Count.ops += 1
-                return func(*args, **(kwargs or {}))
-        with Count():
-            step()  # the wrapped model's: the same operators as the plain one
+        ops = _operators(step)  # the wrapped model's: the same operators as the plain one
         out["wrapped_pass_s"] = max(timed[1][0] - timed[0][0], 0.0) / (len(layers) + 1)
-        out["sharded_launch_s"] = max(timed[1][1] - timed[0][1], 0.0) / Count.ops
+        out["sharded_launch_s"] = max(timed[1][1] - timed[0][1], 0.0) / ops
     finally:
         dist.destroy_process_group()
 

@@ -35,16 +35,13 @@ import torch
 
 from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import PRESETS
-from rlloom.config import ConfigError, RunConfig, dump_config
-from rlloom.data.prompts import load_prompt_sets
-from rlloom.models.hf_io import load_tokenizer, read_model_config
+from rlloom.config import ConfigError, RunConfig
 from rlloom.plan import stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.executor.hosts import DECOUPLED_LOSSES, save_final, step_row
 from rlloom.runtime.executor.ray_cluster import (
     USER_ERRORS,
-    Cluster,
     GroupCall,
     WorkerFailure,
     WorkerGroup,
@@ -57,8 +54,6 @@ from rlloom.runtime.executor.ray_cluster import (
 )
 from rlloom.runtime.executor.ray_plan import (
     RayOptions,
-    check_group_layouts,
-    check_ray_runnable,
     group_specs,
     state_keys,
 )
@@ -470,37 +465,3 @@ class RayRun:
                           "recreating the groups from the last checkpoint")
         finally:
             self._stop_groups()
-
-
-def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
-              opts: RayOptions | None = None) -> dict[str, float]:
-    """`rlloom train` on Ray: validate, start or join a cluster, run, shut down."""
-    from rlloom.runtime.default_model import ensure_default_model
-    from rlloom.runtime.executor.trainer import check_prompt_lengths, new_run_dir
-    opts = opts or RayOptions()
-    check_ray_runnable(cfg, opts)
-    run_dir = resume_dir or new_run_dir(cfg)
-    model_path = (Path(cfg.model.path) if cfg.model.path
-                  else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU
-    check_group_layouts(cfg, read_model_config(model_path))
-    d = cfg.data
-    sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
-                            d.prompt_file, d.eval_fraction, d.columns)
-    check_prompt_lengths(load_tokenizer(model_path), sets.train + sets.eval,
-                         d.max_prompt_tokens, d.prompt_file or f"built-in task {d.task}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) * g.ranks for g in group_specs(cfg)))
-    if cluster.note:
-        print(cluster.note)
-    try:
-        run = RayRun(cfg, run_dir, opts, model_path)
-        resume = resume_dir is not None and bool(checkpoint_dirs(run_dir))
-        if resume:
-            print(f"resuming {run_dir} from its last checkpoint")
-        return run.run(resume)
-    except WorkerFailure as e:
-        e.run_dir = run_dir
-        raise
-    finally:
-        cluster.stop()

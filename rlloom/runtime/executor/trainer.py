@@ -17,7 +17,6 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, PromptStream, load_prompt_sets
-from rlloom.data.synthetic import Problem
 from rlloom.models.hf_io import load_tokenizer, read_model_config
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
@@ -63,8 +62,13 @@ def check_runnable(cfg: RunConfig, world: int = 1) -> None:
         raise ConfigError("this algorithm cannot run: " + "; ".join(problems))
 
 
-def check_prompt_lengths(tokenizer: PreTrainedTokenizerBase, problems: list[Problem], limit: int,
-                         source: str) -> None:
+def check_prompt_lengths(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse, before any work, prompts longer than `data.max_prompt_tokens`."""
+    d = cfg.data
+    sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
+                            d.prompt_file, d.eval_fraction, d.columns)
+    problems, limit = sets.train + sets.eval, d.max_prompt_tokens
+    source = d.prompt_file or f"built-in task {d.task}"
     lengths = [len(ids) for ids in encode(tokenizer, [p.prompt for p in problems])]
     too_long = [(i, n) for i, n in enumerate(lengths) if n > limit]
     if too_long:
@@ -108,11 +112,8 @@ class Trainer:
             raise DataError(f"the tokenizer in {self.model_path} needs an EOS and a pad token")
         if world > 1:
             check_group_layouts(cfg, read_model_config(self.model_path))
+        check_prompt_lengths(cfg, tokenizer)
         d = cfg.data
-        sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
-                                d.prompt_file, d.eval_fraction, d.columns)
-        check_prompt_lengths(tokenizer, sets.train + sets.eval, d.max_prompt_tokens,
-                             d.prompt_file or f"built-in task {d.task}")
         self.pool = (SandboxPool(cfg.reward.sandbox_workers) if cfg.data.task == "code"
                      else None)
         self.spans = SpanLog("local", keep=self.ranks.main)

@@ -9,6 +9,7 @@ alongside the rows; its statistics are broadcast from there.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,21 +87,6 @@ def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
     return objective.means(dict(zip(keys, stats.tolist())))
 
 
-@torch.no_grad()
-def pipelined_logprobs(pipe: PipelinedModel, r: Rollout, temperature: float
-                       ) -> torch.Tensor:
-    """Response log-probs [n, T] of a pipelined actor (forward only), on every rank."""
-    ids, mask, span = joined(r)
-    n = len(ids)
-    padded = _rows_for(pipe, n)
-    logits = pipe.score(_padded(ids, padded), _padded(mask, padded))
-    out = torch.zeros(r.response_ids.shape, device=pipe.device)
-    if pipe.is_last:
-        out = _logprobs(logits[:n, span], r.response_ids, temperature)[0]
-    dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
-    return out
-
-
 def pipelined_critic_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
                               norm: LossNorm, cfg: RunConfig, micro_batch_tokens: int | None,
                               agree: Agree | None = None) -> float:
@@ -127,15 +113,29 @@ def pipelined_critic_backward(pipe: PipelinedModel, exp: Experience, idx: torch.
 
 
 @torch.no_grad()
-def pipelined_values(pipe: PipelinedModel, r: Rollout) -> torch.Tensor:
-    """A pipelined critic's values [n, T] of the state before each response token, on every
-    rank of the pipeline."""
+def _scored(pipe: PipelinedModel, r: Rollout,
+            head: Callable[[torch.Tensor, slice], torch.Tensor], dtype: torch.dtype
+            ) -> torch.Tensor:
+    """`head(last stage's outputs of the rows, response span)` [n, T] of a forward-only pass,
+    broadcast from the last stage to every rank of the pipeline."""
     ids, mask, span = joined(r)
     n = len(ids)
     padded = _rows_for(pipe, n)
-    values = pipe.score(_padded(ids, padded), _padded(mask, padded))
-    out = torch.zeros(r.response_ids.shape, dtype=pipe.dtype, device=pipe.device)
+    outputs = pipe.score(_padded(ids, padded), _padded(mask, padded))
+    out = torch.zeros(r.response_ids.shape, dtype=dtype, device=pipe.device)
     if pipe.is_last:
-        out = values[:n, span].contiguous()
+        out = head(outputs[:n], span).to(dtype).contiguous()
     dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
     return out
+
+
+def pipelined_logprobs(pipe: PipelinedModel, r: Rollout, temperature: float) -> torch.Tensor:
+    """Response log-probs [n, T] of a pipelined actor (forward only), on every rank."""
+    return _scored(pipe, r, lambda logits, span: _logprobs(logits[:, span], r.response_ids,
+                                                           temperature)[0], torch.float32)
+
+
+def pipelined_values(pipe: PipelinedModel, r: Rollout) -> torch.Tensor:
+    """A pipelined critic's values [n, T] of the state before each response token, on every
+    rank of the pipeline."""
+    return _scored(pipe, r, lambda values, span: values[:, span], pipe.dtype)
