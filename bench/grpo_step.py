@@ -44,7 +44,7 @@ import torch
 from rlloom.config import RunConfig, load_config
 from rlloom.rewards.tasks import task_terms
 from rlloom.runtime.default_model import ensure_default_model
-from rlloom.runtime.executor.trainer import Trainer
+from rlloom.runtime.executor.trainer import local_loop
 
 
 def clocks() -> tuple[float, float]:
@@ -143,15 +143,17 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     cfg = rlloom_config(a, str(Path(tmp.name) / "rlloom"))
     model_path = Path(cfg.model.path) if cfg.model.path else ensure_default_model(cfg)
-    ours = Trainer(cfg, Path(cfg.run_dir))
+    ours = local_loop(cfg, Path(cfg.run_dir))
+    ours.ex.start()
+    worker = ours.ex.worker
     total = a.warmup + a.steps
     b, k = cfg.train.prompts_per_step, cfg.rollout.n_samples
     # A copy of the stream yields exactly the prompts the trainer will draw, in its order.
-    problems = copy.deepcopy(ours.generation.stream).next(b * total)
+    problems = copy.deepcopy(worker.generation.stream).next(b * total)
     weights = cfg.reward.weights
 
     def verifier(prompts, completions, row, **_):
-        terms = task_terms([problems[i] for i in row], completions, cfg.data.task, ours.pool)
+        terms = task_terms([problems[i] for i in row], completions, cfg.data.task, worker.pool)
         scores = [sum(w * terms[name][j] for name, w in weights.items())
                   for j in range(len(completions))]
         timer.rewards += scores
@@ -207,7 +209,7 @@ def main() -> None:
     theirs.train()
     tmp.cleanup()
 
-    n_params = sum(p.numel() for p in ours.training.policy.parameters())
+    n_params = sum(p.numel() for p in worker.training.policy.parameters())
     print(f"\nGRPO step: {model_path.name} ({n_params / 1e3:.0f}k params, fp32), B={b} prompts "
           f"x K={k}, <= {cfg.rollout.max_new_tokens} new tokens, temperature 1, "
           f"{cfg.algo.epochs} epochs x {mb} minibatches = {cfg.algo.epochs * mb} optimizer "

@@ -64,8 +64,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     if args.dry_run:
         from rlloom.runtime.executor.dry_run import dry_run
-        from rlloom.runtime.executor.ray_plan import RayOptions
-        print(dry_run(cfg, args.hardware, RayOptions(group_cpus=_group_cpus(args.group_cpus))))
+        from rlloom.runtime.executor.ray_plan import RunOptions
+        print(dry_run(cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus))))
         print("dry run: every check passed; nothing was built or run")
         return
     import os
@@ -84,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         if "*" in cpus:
             cpus = {g.name: cpus["*"] for g in ray_plan.group_specs(cfg)}
         try:
-            rr.train_ray(cfg, resume, ray_plan.RayOptions(
+            rr.train_ray(cfg, resume, ray_plan.RunOptions(
                 address=args.ray_address, worker_timeout_s=args.worker_timeout,
                 max_restarts=args.max_restarts, group_cpus=cpus,
                 fused_chunks=args.fused_chunks,

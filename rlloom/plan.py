@@ -55,12 +55,11 @@ class Plan(Strict):
         return self.layouts.get(role, Layout())
 
     def single_process_problems(self) -> list[str]:
-        """Why this plan cannot run in one process (empty when it can)."""
+        """Why this plan cannot run in one process (empty when it can): one process is one
+        colocated group of one rank, under any schedule."""
         problems = []
         if self.placement != "colocated":
             problems.append(f"plan.placement={self.placement} (use colocated)")
-        if self.schedule != "sync":
-            problems.append(f"plan.schedule={self.schedule} (use sync)")
         for role, layout in self.layouts.items():
             if layout.world_size != 1 or layout.ep != 1 or layout.zero:
                 problems.append(f"plan.layouts.{role} asks for {layout.world_size} devices")

@@ -5,7 +5,7 @@ import torch
 
 from rlloom.config import ConfigError, load_config
 from rlloom.runtime.device import resolve_device, torchrun_device
-from rlloom.runtime.executor.ray_plan import RayOptions, ray_problems
+from rlloom.runtime.executor.ray_plan import RunOptions, ray_problems
 
 
 @pytest.fixture
@@ -39,9 +39,9 @@ def test_torchrun_picks_the_gpu_itself():
 def test_ray_ranks_get_a_gpu_each_where_the_cluster_has_gpus():
     from rlloom.runtime.executor.ray_cluster import worker_device
     assert any("train.device=cuda:1: on Ray every rank gets a GPU of its own" in p
-               for p in ray_problems(load_config(None, ["train.device=cuda:1"]), RayOptions()))
+               for p in ray_problems(load_config(None, ["train.device=cuda:1"]), RunOptions()))
     for device in ("auto", "cuda", "cpu"):
-        assert ray_problems(load_config(None, [f"train.device={device}"]), RayOptions()) == []
+        assert ray_problems(load_config(None, [f"train.device={device}"]), RunOptions()) == []
     assert worker_device("auto", 8) == torch.device("cuda")
     assert worker_device("cpu", 8) == worker_device("auto", 0) == torch.device("cpu")
     with pytest.raises(ConfigError, match="the Ray cluster has no GPUs"):

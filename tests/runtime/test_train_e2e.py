@@ -12,7 +12,7 @@ import torch
 from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.models.hf_io import load_model
-from rlloom.runtime.executor.trainer import Trainer, train
+from rlloom.runtime.executor.trainer import local_loop, train
 from rlloom.runtime.stages.batch import decode_responses
 from rlloom.runtime.stages.online import sample_groups
 
@@ -81,14 +81,17 @@ def test_explicit_cpu_device_runs_and_resumes(tmp_path, tiny):
     train(cfg)
     cfg = load_config(run / "config.yaml", ["train.steps=2"])
     assert cfg.train.device == "cpu"
-    trainer = Trainer(cfg, run)
-    assert trainer.resume() and trainer.step == 1
-    assert trainer.device == torch.device("cpu")
-    models = [trainer.training.policy, trainer.assessment.reference]
+    loop = local_loop(cfg, run)
+    loop.ex.start()
+    assert loop.restore(from_checkpoint=True) and loop.step == 1
+    worker = loop.ex.worker
+    assert worker.device == torch.device("cpu")
+    models = [worker.training.policy, worker.assessment.reference]
     assert {p.device for m in models for p in m.parameters()} == {torch.device("cpu")}
-    trainer.run()
+    trained = worker.training.policy
+    loop.run(resume=True)
     assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").open())] == [1, 2]
-    trained = trainer.training.policy.state_dict()
+    trained = trained.state_dict()
     for name, tensor in load_model(run / "final").state_dict().items():
         assert torch.equal(tensor, trained[name]), name
 
@@ -99,11 +102,13 @@ def test_rollout_stop_strings_and_min_p_reach_generation(tmp_path, tiny):
     samples mostly agree, where plain sampling makes nearly all of them differ."""
     def sampled(*overrides: str):
         cfg = load_config(None, [*tiny, *overrides, f"run_dir={tmp_path / 'r'}"])
-        trainer = Trainer(cfg, tmp_path / "r")
-        g = trainer.generation
+        loop = local_loop(cfg, tmp_path / "r")
+        loop.ex.start()
+        g = loop.ex.worker.generation
         problems = g.stream.next(8)
-        s = sample_groups(trainer.training.policy, g.tokenizer, problems, cfg, g.rewarder,
-                          g.sample_gen)
+        s = sample_groups(loop.ex.worker.training.policy, g.tokenizer, problems, cfg,
+                          g.rewarder, g.sample_gen)
+        loop.ex.stop()
         return s, decode_responses(g.tokenizer, s.rollout)
 
     s, texts = sampled("rollout.stop=['1']", "rollout.max_new_tokens=24")

@@ -12,12 +12,12 @@ from rlloom.runtime.executor.ray_plan import run_models, world_size
 
 def distributed_problems(cfg: RunConfig, world: int) -> list[str]:
     """Why this plan cannot run in a `torchrun` world of `world` processes (empty when it can).
-    Placement and schedule across groups are the Ray runtime's; here every model shares the
-    world, each in its own layout over all of it."""
+    Placements of several groups are the Ray runtime's; here every model shares the world,
+    each in its own layout over all of it, under any schedule of the step loop."""
     plan, problems = cfg.plan, []
-    if plan.placement != "colocated" or plan.schedule != "sync":
-        problems.append(f"plan.placement={plan.placement}, plan.schedule={plan.schedule}: "
-                        "torchrun runs colocated/sync plans (use the Ray runtime for others)")
+    if plan.placement != "colocated":
+        problems.append(f"plan.placement={plan.placement}: torchrun runs colocated plans, one "
+                        "group over its world (use the Ray runtime for groups of their own)")
     for role in ("actor", "rollout"):
         layout = plan.layouts.get(role)
         if layout is None and role == "rollout":

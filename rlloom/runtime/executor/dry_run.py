@@ -17,7 +17,7 @@ from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import generation_layout, model_layout
 from rlloom.runtime.default_model import tiny_model_config
 from rlloom.runtime.executor.ray_plan import (
-    RayOptions,
+    RunOptions,
     check_group_layouts,
     check_ray_runnable,
     group_specs,
@@ -31,12 +31,12 @@ def _architecture(cfg: RunConfig) -> ModelConfig:
     return tiny_model_config(cfg, len(build_char_tokenizer()))  # the built-in model, unbuilt
 
 
-def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RayOptions | None = None) -> str:
+def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None = None) -> str:
     """The checks' verdict and what the run would use; raises ConfigError on a problem.
     `hardware_name` prices memory per device (worst case: every prompt at
     data.max_prompt_tokens, every response at rollout.max_new_tokens)."""
     from rlloom.runtime.executor.trainer import check_runnable
-    opts = opts or RayOptions()
+    opts = opts or RunOptions()
     on_ray = needs_ray(cfg)
     if on_ray:
         check_ray_runnable(cfg, opts)

@@ -21,6 +21,7 @@ from rlloom.algos.advantages import ADVANTAGES
 from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
+from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_checkpoint
@@ -35,6 +36,7 @@ from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import greedy_accuracy
+from rlloom.runtime.stages.offline import preference_step
 from rlloom.runtime.stages.online import (
     Experience,
     Rewarder,
@@ -137,7 +139,7 @@ class LiveModel:
     """The trainer's own weights, read in place (generation in the trainer's process): its
     generation copy for the actor, its critic (or shared actor-critic) for values."""
 
-    def __init__(self, training: "TrainingHost", critic: bool = False) -> None:
+    def __init__(self, training: TrainingHost, critic: bool = False) -> None:
         self.training, self.critic = training, critic
 
     @contextmanager
@@ -408,6 +410,31 @@ class AssessmentHost:
         return self._out(exp, span["seconds"] + self._chunk_s.pop(step, 0.0))
 
 
+class PreferenceHost:
+    """Offline training (DPO-style): preference pairs take the place of generation and
+    assessment; the policy and the frozen reference are the training and assessment hosts'."""
+
+    def __init__(self, cfg: RunConfig, spans: SpanLog, training: TrainingHost,
+                 assessment: AssessmentHost) -> None:
+        self.cfg, self.spans, self.ranks = cfg, spans, training.ranks
+        self.training, self.assessment = training, assessment
+        self.pairs = PromptStream(read_preference_file(cfg.data.preference_file), cfg.seed)
+
+    @_in_compute_dtype
+    def train(self, step: int) -> dict[str, Any]:
+        t, cfg = self.training, self.cfg
+        pairs = self.pairs.next(cfg.train.prompts_per_step)
+        with self.spans.span("training", step, "actor+reference") as span:
+            stats = preference_step(t.policy, self.assessment.reference, t.optimizer,
+                                    t.tokenizer, pairs, cfg.algo, cfg.train.grad_clip)
+        t.version = step
+        return {**stats, "train_s": span["seconds"]}
+
+    def state(self) -> dict[str, Any]:
+        return {"data_position": self.pairs.position}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.pairs.position = state["data_position"]
 
 
 # -- what every driver reports and writes ----------------------------------------------------

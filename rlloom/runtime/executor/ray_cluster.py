@@ -16,7 +16,7 @@ from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
 from rlloom.parallel.mesh import LayoutError
 from rlloom.plan import DeviceGroup
-from rlloom.runtime.executor.ray_plan import RayOptions
+from rlloom.runtime.executor.ray_plan import RunOptions
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
 USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)
@@ -44,7 +44,7 @@ class Cluster:
     """A local Ray instance with its files under the run directory, or a connection to an
     existing cluster; leaves an instance that was already running in this process alone."""
 
-    def __init__(self, opts: RayOptions, run_dir: Path, cpus: float) -> None:
+    def __init__(self, opts: RunOptions, run_dir: Path, cpus: float) -> None:
         import ray
         self.owned = not ray.is_initialized()
         self.note: str | None = None
@@ -136,7 +136,7 @@ def worker_device(requested: str, cluster_gpus: float) -> torch.device:
     return torch.device("cuda" if requested != "cpu" and cluster_gpus else "cpu")
 
 
-def place_groups(cfg: RunConfig, opts: RayOptions, specs: list[DeviceGroup], model_path: Path,
+def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], model_path: Path,
                  device: torch.device, worker: Any) -> dict[str, WorkerGroup]:
     """Each group: a placement group of one bundle per rank (one GPU each on GPU machines)
     and one (not yet started) `worker` actor per bundle; refused at once when the cluster

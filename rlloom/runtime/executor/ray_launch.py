@@ -1,30 +1,33 @@
-"""`rlloom train` on Ray: validate the run, start or join a cluster, run the driver
-(`ray_runtime.RayRun`) and shut the cluster down."""
+"""`rlloom train` on Ray: validate the run, start or join a cluster, run the step loop
+(`loop.StepLoop`) over the Ray executor (`ray_runtime.RayExecutor`) and shut the cluster
+down."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig, dump_config
 from rlloom.models.hf_io import load_tokenizer, read_model_config
 from rlloom.runtime.checkpoint import checkpoint_dirs
 from rlloom.runtime.default_model import ensure_default_model
+from rlloom.runtime.executor.loop import StepLoop
 from rlloom.runtime.executor.ray_cluster import Cluster, WorkerFailure
 from rlloom.runtime.executor.ray_plan import (
-    RayOptions,
+    RunOptions,
     check_group_layouts,
     check_ray_runnable,
     group_specs,
 )
-from rlloom.runtime.executor.ray_runtime import RayRun
+from rlloom.runtime.executor.ray_runtime import RayExecutor
 from rlloom.runtime.executor.trainer import check_prompt_lengths, new_run_dir
 
 
 def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
-              opts: RayOptions | None = None) -> dict[str, float]:
+              opts: RunOptions | None = None) -> dict[str, float]:
     """`rlloom train` on Ray: validate, start or join a cluster, run, shut down."""
-    opts = opts or RayOptions()
+    opts = opts or RunOptions()
     check_ray_runnable(cfg, opts)
     run_dir = resume_dir or new_run_dir(cfg)
     model_path = (Path(cfg.model.path) if cfg.model.path
@@ -37,10 +40,10 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     if cluster.note:
         print(cluster.note)
     try:
-        run = RayRun(cfg, run_dir, opts, model_path)
+        specs = group_specs(cfg)
+        ex = RayExecutor(cfg, opts, model_path, specs, "critic" in PRESETS[cfg.algo.name].roles)
+        run = StepLoop(cfg, run_dir, ex, model_path, specs, opts)
         resume = resume_dir is not None and bool(checkpoint_dirs(run_dir))
-        if resume:
-            print(f"resuming {run_dir} from its last checkpoint")
         return run.run(resume)
     except WorkerFailure as e:
         e.run_dir = run_dir

@@ -21,8 +21,9 @@ from rlloom.plan import (
 
 
 @dataclass
-class RayOptions:
-    """How the Ray runtime runs (the plan says what runs where)."""
+class RunOptions:
+    """How the executor runs (the plan says what runs where); the cluster, CPU and fault
+    fields are the Ray executor's."""
     address: str | None = None      # join this cluster ("auto", "host:6379"); None: start one
     worker_timeout_s: float = 600.0  # longest wait for any worker answer once started
     startup_timeout_s: float = 600.0  # longest wait for a group's resources and models
@@ -48,15 +49,10 @@ def group_specs(cfg: RunConfig) -> list[DeviceGroup]:
     return device_groups(cfg.plan, run_models(cfg))
 
 
-def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
-    """Why the Ray runtime cannot run this configuration (empty when it can)."""
-    problems = []
-    if not PRESETS[cfg.algo.name].online:
-        problems.append(f"algo={cfg.algo.name} trains offline (no generation); run it with the "
-                        "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
-                        "no --ray)")
-    plan = cfg.plan
-    problems += runnable_problems(plan, run_models(cfg))
+def loop_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
+    """Why the step loop cannot run this schedule over this plan's groups, whichever executor
+    runs them (empty when it can)."""
+    plan, problems = cfg.plan, []
     gen, train = generation_layout(plan), plan.layout("actor")
     b = cfg.train.prompts_per_step
     chunks = min(opts.fused_chunks, b) if plan.schedule == "fused" else 1
@@ -68,15 +64,29 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
     if rows < most:
         problems.append(f"mini-batches of {rows} rows do not give each of the {most} training "
                         "replicas one; lower algo.minibatches or raise the batch")
-    if cfg.train.device.startswith("cuda:"):
-        problems.append(f"train.device={cfg.train.device}: on Ray every rank gets a GPU of its "
-                        "own; set train.device=cuda (or auto)")
     if plan.schedule == "fused" and cfg.algo.dynamic_sampling:
         problems.append("plan.schedule=fused streams fixed chunks of prompts, but "
                         "algo.dynamic_sampling refills the batch from whole-batch rewards; "
                         "use plan.schedule=sync or async")
+    if plan.schedule != "sync" and not PRESETS[cfg.algo.name].online:
+        problems.append(f"plan.schedule={plan.schedule}: algo={cfg.algo.name} trains offline "
+                        "(no generation to overlap); use plan.schedule=sync")
     if opts.fused_chunks < 1:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
+    return problems
+
+
+def ray_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
+    """Why the Ray runtime cannot run this configuration (empty when it can)."""
+    problems = []
+    if not PRESETS[cfg.algo.name].online:
+        problems.append(f"algo={cfg.algo.name} trains offline (no generation); run it with the "
+                        "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
+                        "no --ray)")
+    problems += runnable_problems(cfg.plan, run_models(cfg)) + loop_problems(cfg, opts)
+    if cfg.train.device.startswith("cuda:"):
+        problems.append(f"train.device={cfg.train.device}: on Ray every rank gets a GPU of its "
+                        "own; set train.device=cuda (or auto)")
     if opts.worker_timeout_s <= 0 or opts.max_restarts < 0:
         problems.append("--worker-timeout must be > 0 and --max-restarts >= 0")
     names = {g.name for g in group_specs(cfg)}
@@ -89,13 +99,14 @@ def ray_problems(cfg: RunConfig, opts: RayOptions) -> list[str]:
     return problems
 
 
-def check_ray_runnable(cfg: RunConfig, opts: RayOptions) -> None:
+def check_ray_runnable(cfg: RunConfig, opts: RunOptions) -> None:
     from rlloom.runtime.executor.trainer import check_runnable
     problems = ray_problems(cfg, opts)
     if problems:
         raise ConfigError("the Ray runtime cannot run this configuration: " + "; ".join(problems))
     # the registry checks of the single-process runtime, for a plan it can run
-    check_runnable(cfg.model_copy(update={"plan": Plan(actor_critic=cfg.plan.actor_critic)}))
+    check_runnable(cfg.model_copy(update={"plan": Plan(actor_critic=cfg.plan.actor_critic)}),
+                   opts=opts)
 
 
 def check_group_layouts(cfg: RunConfig, model: ModelConfig) -> None:
@@ -115,7 +126,7 @@ def check_group_layouts(cfg: RunConfig, model: ModelConfig) -> None:
 
 def needs_ray(cfg: RunConfig) -> bool:
     """Plans that only the Ray runtime executes (outside torchrun): placements other than
-    colocated, schedules other than sync, and layouts over more than one device."""
+    colocated, and layouts over more than one device."""
     return bool(cfg.plan.single_process_problems()) and world_size() == 1
 
 

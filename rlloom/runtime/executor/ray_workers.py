@@ -1,4 +1,5 @@
-"""The process (a Ray actor) that hosts the stages of one rank of a device group.
+"""One rank of a device group, hosting the stages its group runs: a Ray actor, or this process
+(and each of its torchrun peers) in `local.py`.
 
 A `GroupWorker` is one rank of a device group (`plan.device_groups`); the group's ranks form
 one torch.distributed world (`ranks.RankGroup`: NCCL on GPUs, gloo on CPUs) and every model
@@ -12,16 +13,17 @@ on the group uses all of them in its own layout. A worker hosts the stages its g
 - training: the policy, the critic, their optimizers and the shuffling RNG; held-out
   evaluation runs here because the newest weights live here.
 
-Each stage runs the functions the single-process trainer runs (`generate_group`, `assess`,
-`optimise` of `online.py`) on the group's ranks, so a synchronous run matches `rlloom train`
-without Ray. The driver calls every rank of a group with the same arguments and reads rank
-0's answer. Stages in one group share one model object instead of a synced copy: generation
-of a colocated or interleaved group reads the trainer's live weights (or, when the actor
-generates in another layout or trains data-parallel, a copy resharded after each step).
+Each stage runs the functions of `online.py` (`generate_group`, `assess`, `optimise`) on
+the group's ranks. The step loop (`loop.py`) calls every rank of a group with the same
+arguments and reads rank 0's answer (on Ray), or each rank reads its own (`spmd`: every
+process of a torchrun world runs the loop). Stages in one group share one model object
+instead of a synced copy: generation of a colocated or interleaved group reads the trainer's
+live weights (or, when the actor generates in another layout or trains data-parallel, a copy
+resharded after each step).
 
-This module imports no Ray: the driver (`ray_runtime.py`) wraps `GroupWorker` as an actor and
-picks each call's concurrency group ("control" for pings, spans and weight pushes, which must
-answer while a stage runs on the default thread; they issue no collectives).
+This module imports no Ray: the Ray executor (`ray_runtime.py`) wraps `GroupWorker` as an
+actor and picks each call's concurrency group ("control" for pings, spans and weight pushes,
+which must answer while a stage runs on the default thread; they issue no collectives).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.rewards.sandbox import SandboxPool
@@ -39,6 +42,7 @@ from rlloom.runtime.executor.hosts import (
     AssessmentHost,
     Batch,
     GenerationHost,
+    PreferenceHost,
     SpanLog,
     TrainingHost,
 )
@@ -54,9 +58,10 @@ class GroupWorker:
     `start` joins the group's world and builds the models (every rank at once)."""
 
     def __init__(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
-                 threads: int, device: str) -> None:
+                 threads: int, device: str, spmd: bool = False) -> None:
         torch.set_num_threads(threads)
         self.cfg, self.path, self.group, self.rank = cfg, Path(model_path), group, rank
+        self.spmd = spmd
         self.device = torch.device(device)
         # one rank speaks for the group in the trace
         self.spans = SpanLog(group.name, keep=rank == 0)
@@ -64,6 +69,7 @@ class GroupWorker:
         self.training: TrainingHost | None = None
         self.generation: GenerationHost | None = None
         self.assessment: AssessmentHost | None = None
+        self.preferences: PreferenceHost | None = None
         self.channels: dict[str, WeightChannel] = {}  # weight sync: "policy", "critic"
 
     def address(self) -> str:
@@ -76,15 +82,18 @@ class GroupWorker:
         needs_pool = cfg.data.task == "code" and (group.runs("generation")
                                                   or group.runs("training"))
         self.pool = SandboxPool(cfg.reward.sandbox_workers) if needs_pool else None
+        online = PRESETS[cfg.algo.name].online
         if group.runs("training"):
             self.training = TrainingHost(cfg, self.path, self.spans, self.pool, self.ranks,
-                                         group.runs("generation"))
-        if group.runs("generation"):
+                                         online and group.runs("generation"))
+        if group.runs("generation") and online:
             self.generation = GenerationHost(cfg, self.path, self.spans, self.pool, self.ranks,
                                              self.training)
         if group.runs("assessment"):
             self.assessment = AssessmentHost(cfg, self.path, self.spans, self.ranks, group,
                                              self.training)
+        if not online:
+            self.preferences = PreferenceHost(cfg, self.spans, self.training, self.assessment)
         return self.ping()
 
     # control calls (answered while a stage runs; no collectives)
@@ -130,10 +139,13 @@ class GroupWorker:
         return self._lead(exp), info
 
     def _lead(self, result: Any) -> Any:
-        return result if self.ranks.main else None
+        return result if self.ranks.main or self.spmd else None
 
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool) -> dict:
         return self.training.train(step, exp, kl_coef, correct)
+
+    def train_preferences(self, step: int) -> dict:
+        return self.preferences.train(step)
 
     def evaluate(self, step: int) -> float:
         return self.training.evaluate(step)
@@ -154,7 +166,7 @@ class GroupWorker:
         return self.training.state()
 
     def generation_state(self) -> dict[str, Any]:
-        return self.generation.state()
+        return (self.generation or self.preferences).state()
 
     def save_shards(self, path: str) -> None:
         self.training.save_shards(Path(path))
@@ -164,8 +176,8 @@ class GroupWorker:
             self.training.load_state(state)
             if shards is not None:
                 self.training.load_shards(Path(shards))
-        if self.generation is not None:
-            self.generation.load_state(state)
+        if self.generation is not None or self.preferences is not None:
+            (self.generation or self.preferences).load_state(state)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,0 +1,374 @@
+"""The executor's one step loop: the plan's schedule over its device groups, whatever runs the
+groups (`Executor`: Ray actors of `ray_runtime.py`, or this process and its torchrun peers,
+`local.py`). Every placement, schedule and layout runs through this loop; a one-rank group is
+the one-process case of the same calls.
+
+Schedules (`train_step`):
+- sync: generation -> assessment -> training with barriers (eta = 0).
+- fused: generation runs in `fused_chunks` requests of whole prompts; each chunk's
+  assessment forwards are submitted as the chunk arrives, then advantages are computed over
+  the whole batch and training follows.
+- async (staleness eta): generation of step i+eta is submitted once step i-1's weights are
+  synced, so it runs while step i trains; samples more than eta versions old are generated
+  again; stale samples are corrected as decoupled PPO (`hosts.decoupled`) for ppo and
+  decoupled_ppo. Assessment on a group of its own is prefetched too; on the training group
+  it is submitted with its own step, or it would queue ahead of the training it overlaps.
+  Groups that generate and train take turns in submission order, which keeps the staleness
+  semantics: in one process the same calls run one after another and give the same versions.
+
+Offline algorithms (DPO-style) train on preference pairs in place of the three stages.
+Faults (Ray): every wait has a timeout and waits on every rank; with `max_restarts` the loop
+recreates the groups, reloads the last checkpoint and continues (docs/ray.md).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rlloom.algos.kl import kl_controller
+from rlloom.algos.presets import PRESETS
+from rlloom.config import ConfigError, RunConfig
+from rlloom.plan import DeviceGroup, stage_group
+from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
+from rlloom.runtime.executor.hosts import DECOUPLED_LOSSES, save_final, step_row
+from rlloom.runtime.executor.ray_cluster import GroupCall, WorkerFailure
+from rlloom.runtime.executor.ray_plan import RunOptions, state_keys
+from rlloom.runtime.outputs.metrics import MetricsLog
+from rlloom.runtime.outputs.plots import plot_run
+from rlloom.runtime.outputs.progress import progress_bar
+from rlloom.runtime.outputs.tracing import Tracer
+
+PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s",
+                 "staleness")
+
+
+class Group(Protocol):
+    spec: DeviceGroup
+
+    @property
+    def name(self) -> str: ...
+
+    def call(self, method: str, *args: Any, num_returns: int = 1, control: bool = False
+             ) -> GroupCall: ...
+
+
+class Executor(Protocol):
+    """What runs the groups. `call` submits a method to every rank of a group (at once, or
+    run in place), `get` waits for answers and names a failed rank; files are written where
+    `main` is true."""
+    main: bool
+    label: str
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def group(self, name: str) -> Group: ...
+    def get(self, refs: Any, what: str, step: int, group: Group | None = None,
+            timeout_s: float | None = None) -> Any: ...
+    def answers(self, call: GroupCall) -> list[Any]: ...
+    def first_ready(self, refs: list[Any], what: str, step: int, group: Group
+                    ) -> list[int]: ...
+    def put(self, value: Any) -> Any: ...
+    def inject(self, step: int) -> None: ...
+    def spans(self) -> list[dict]: ...
+    def save(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> None: ...
+    def barrier(self) -> None: ...
+
+
+def weight_copies(groups: list[DeviceGroup], has_critic: bool) -> list[tuple[str, str]]:
+    """(group, "policy" or "critic") for every group that holds a copy of trained weights,
+    refreshed by weight sync after each step: a generation group apart from training, an
+    assessment group scoring a critic."""
+    train = stage_group(groups, "training")
+    gen, ass = stage_group(groups, "generation"), stage_group(groups, "assessment")
+    return ([(gen.name, "policy")] if gen is not train else []) + (
+        [(ass.name, "critic")] if has_critic and ass is not train else [])
+
+
+@dataclass
+class InFlight:
+    """A step's generation and assessment, submitted but not yet consumed."""
+    batch: Any        # the batch (a ref to rank 0's on Ray)
+    ginfo: Any        # GroupCall or ref of dict (version, seconds)
+    exp: Any          # the experience; None until assessment is submitted
+    ainfo: Any        # GroupCall of dict; None until then
+
+
+class StepLoop:
+    def __init__(self, cfg: RunConfig, run_dir: Path, ex: Executor, model_path: Path,
+                 specs: list[DeviceGroup], opts: RunOptions) -> None:
+        self.cfg, self.run_dir, self.ex, self.model_path = cfg, run_dir, ex, model_path
+        self.specs, self.opts = specs, opts
+        self.online = PRESETS[cfg.algo.name].online
+        self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
+        self.correct = self.eta > 0 and cfg.algo.policy_loss in DECOUPLED_LOSSES
+        self.copies = weight_copies(specs, "critic" in PRESETS[cfg.algo.name].roles)
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.tracer = Tracer(run_dir / "trace.json")
+        self.inflight: dict[int, InFlight] = {}
+        self.failures: list[dict[str, Any]] = []
+        self.attempt = 0
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        a = self.cfg.algo
+        self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
+        self.step = 0
+        self.eval_history: list[tuple[int, float]] = []
+
+    def _host(self, stage: str) -> Group:
+        return self.ex.group(stage_group(self.specs, stage).name)
+
+    def _get(self, refs: Any, what: str, step: int, group: Group | None = None) -> Any:
+        return self.ex.get(refs, what, step, group)
+
+    # -- state -------------------------------------------------------------------------------
+    def restore(self, from_checkpoint: bool) -> bool:
+        """Load the newest checkpoint into every group (True), or start afresh (False);
+        forget metrics and spans logged after it."""
+        state = load_latest(self.run_dir) if from_checkpoint else None
+        if state is None:
+            self._reset_state()
+            if self.main:
+                self.metrics.truncate_after(0)
+            self.tracer.events = []
+            return False
+        self.step = state["step"]
+        self.kl.value = state["kl_coef"]
+        self.eval_history = [tuple(e) for e in state["eval_history"]]
+        latest = checkpoint_dirs(self.run_dir)[-1]
+        shards = str(latest) if (latest / "actor").is_dir() else None
+        train = self._host("training")
+        if shards is None and train.spec.ranks > 1:
+            raise ConfigError(f"{latest} holds whole weights (written by a one-rank training "
+                              f"group); group {train.name!r} has {train.spec.ranks} ranks: resume "
+                              "it with plan.layouts.actor on one device, then change layouts at "
+                              "the next checkpoint")
+        loads = [self.ex.group(g.name).call("load_state", {
+            k: v for k, v in state.items() if k in state_keys(g.stages)}, shards)
+            for g in self.specs if g.runs("training") or g.runs("generation")]
+        self._get(loads, "checkpoint loading", self.step)
+        if self.main:  # one writer: two ranks racing on the same rename lose the log
+            self.metrics.truncate_after(self.step)
+        self.tracer.drop_after(self.step)
+        self._sync(self.step)
+        for item in state.get("buffered", []):
+            if self.step < item["step"] <= self.cfg.train.steps:
+                self._submit(item["step"], self.ex.put(item["batch"]),
+                             self.ex.put(item["info"]))
+        return True
+
+    def checkpoint(self) -> None:
+        """checkpoints/step_NNNNNN, atomically, with the batches generated ahead (async) and,
+        from a group of several training ranks, their DCP shards."""
+        buffered = []
+        if self.online:
+            gen = self._host("generation")
+            for j in sorted(self.inflight):
+                item = self.inflight[j]
+                info = self._get(item.ginfo, "generation", j, gen)
+                buffered.append({"step": j, "batch": self._get(item.batch, "generation", j, gen),
+                                 "info": info})
+        train = self._host("training")
+        tstate, gstate = self._get([train.call("training_state"),
+                                    self._host("generation").call("generation_state")],
+                                   "checkpoint", self.step)
+        state = {"step": self.step, **tstate, "kl_coef": self.kl.value, **gstate,
+                 "eval_history": list(self.eval_history), "buffered": buffered}
+        self.ex.save(self.run_dir, self.step, state, self.cfg.checkpoint.keep)
+        self._save_trace()
+
+    def _save_trace(self) -> None:
+        self.tracer.events += self.ex.spans()
+        if self.main:
+            self.tracer.save()
+
+    # -- stages ------------------------------------------------------------------------------
+    def _submit(self, step: int, batch: Any = None, ginfo: Any = None) -> None:
+        """Generation (unless given) and, on a group of its own, assessment of `step`; nothing
+        waits here. Assessment that shares the training group is submitted with its own step
+        (`_assessed`): a rank runs calls in submission order, so a prefetched assessment
+        would queue ahead of the training it should overlap and wait for the next batch."""
+        if batch is None:
+            call = self._host("generation").call("generate", step, num_returns=2)
+            batch, ginfo = call.part(0).lead, call.part(1)
+        self.inflight[step] = InFlight(batch, ginfo, None, None)
+        if self._host("assessment") is not self._host("training"):
+            self._assessed(step, self.inflight[step])
+
+    def _assessed(self, step: int, item: InFlight) -> InFlight:
+        if item.exp is None:
+            call = self._host("assessment").call("assess", step, item.batch, self.kl.value,
+                                                 num_returns=2)
+            item.exp, item.ainfo = call.part(0).lead, call.part(1)
+        return item
+
+    def _generated(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
+        """Experience, generation info and assessment info of a sync or async step
+        (training is submitted before assessment ends: only the version check waits)."""
+        gen = self._host("generation")
+        for j in range(step, min(step + self.eta, self.cfg.train.steps) + 1):
+            if j not in self.inflight:
+                self._submit(j)
+        self.ex.inject(step)
+        dropped = 0
+        while True:
+            item = self.inflight.pop(step)
+            ginfo = self._get(item.ginfo, "generation", step, gen)
+            if step - 1 - ginfo["version"] <= self.eta:
+                break
+            # generated by weights older than the staleness bound allows: regenerate
+            dropped += ginfo["rollouts"]
+            self._submit(step)
+        ginfo["dropped"] = dropped
+        item = self._assessed(step, item)
+        return item.exp, ginfo, item.ainfo, [ginfo]
+
+    def _fused(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
+        """Chunks of prompts generate one after another; each is assessed as it arrives."""
+        gen, ass = self._host("generation"), self._host("assessment")
+        b = self.cfg.train.prompts_per_step
+        sizes = [len(c) for c in torch.arange(b).chunk(min(self.opts.fused_chunks, b))]
+        chunks = [gen.call("generate", step, n, num_returns=2) for n in sizes]
+        self.ex.inject(step)
+        pending, infos, assessed = list(range(len(chunks))), [], []
+        while pending:
+            ready = self.ex.first_ready([chunks[c].part(1).lead for c in pending],
+                                        "a generated chunk", step, gen)
+            done = [pending[i] for i in ready]
+            pending = [c for c in pending if c not in done]
+            for c in done:
+                infos.append(self._get(chunks[c].part(1), "generation", step, gen))
+                assessed.append(ass.call("assess_chunk", step, c, chunks[c].part(0).lead))
+        # the chunks' results as arguments: a failed chunk fails the merge with its error
+        merged = ass.call("finish_assessment", step, self.kl.value,
+                          *[r for a in assessed for r in a.refs], num_returns=2)
+        exp, ainfo = merged.part(0).lead, merged.part(1)
+        ginfo = {"gen_s": sum(i["gen_s"] for i in infos),
+                 "score_s": sum(i["score_s"] for i in infos), "dropped": 0,
+                 "version": min(i["version"] for i in infos)}
+        return exp, ginfo, ainfo, infos
+
+    def _sync(self, step: int) -> tuple[float, int]:
+        """Broadcast the trainer's weights (gathered whole on training rank 0) over each copy's
+        channel to every rank of its group; seconds, and the bytes one receiving rank takes
+        in (what the cost model prices: `perf.comm.broadcast_between_groups` of the whole
+        model). Groups that train and generate read the trainer's own weights: no sync."""
+        if not self.copies:
+            return 0.0, 0
+        t0 = time.perf_counter()
+        train = self._host("training")
+        calls = []
+        for name, what in self.copies:
+            calls += [train.call("send_weights", what),  # a collective over the training ranks
+                      self.ex.group(name).call("receive_weights", what, step, step,
+                                               self.opts.worker_timeout_s, control=True)]
+        self._get(calls, "weight sync", step, self.ex.group(self.copies[0][0]))
+        received = [max(d["bytes"] for d in self.ex.answers(call)) for call in calls[1::2]]
+        return time.perf_counter() - t0, sum(received)
+
+    def evaluate(self) -> float:
+        train = self._host("training")
+        acc = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
+        self.eval_history.append((self.step, acc))
+        return acc
+
+    def _online_step(self, step: int) -> dict[str, Any]:
+        exp, ginfo, ainfo, infos = (self._fused(step) if self.cfg.plan.schedule == "fused"
+                                    else self._generated(step))
+        train = self._host("training")
+        stats = train.call("train", step, exp, self.kl.value, self.correct)
+        ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
+        stats = self._get(stats, "training", step, train)
+        sync_s, sync_bytes = self._sync(step)
+        lags: dict[str, int] = {}
+        for info in infos:
+            lag = str(step - 1 - info["version"])
+            lags[lag] = lags.get(lag, 0) + info.get("rollouts", 0)
+        behaviour = stats.pop("behaviour_kl", 0.0)
+        row, kl_now = step_row(ginfo, ainfo, stats, self.kl.value)
+        row.update({
+            "staleness": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
+            "staleness_hist": lags, "dropped": ginfo["dropped"], "behaviour_kl": behaviour,
+            "sync_s": sync_s, "sync_bytes": sync_bytes})
+        self.kl.update(kl_now, len(row["response_lens"]))
+        return row
+
+    def _offline_step(self, step: int) -> dict[str, Any]:
+        train = self._host("training")
+        stats = self._get(train.call("train_preferences", step), "training", step, train)
+        return {**stats, "gen_s": 0.0, "assess_s": 0.0}
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        step = self.step + 1
+        row = self._online_step(step) if self.online else self._offline_step(step)
+        self.step = step
+        return {"step": step, **row, "step_s": time.perf_counter() - t0}
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        if self.step == 0 and not self.eval_history:
+            before = self.evaluate()
+            if self.main:
+                print(f"held-out greedy accuracy before RL: {before:.3f}")
+        with progress_bar(self.ex.label, cfg.train.steps, done=self.step,
+                          show=self.main) as bar:
+            while self.step < cfg.train.steps:
+                row = self.train_step()
+                if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
+                    row["eval_accuracy"] = self.evaluate()
+                if self.main:
+                    self.metrics.append(row)
+                if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
+                    self.checkpoint()
+                else:
+                    self.tracer.events += self.ex.spans()
+                bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS})
+
+    def _final(self) -> dict[str, float]:
+        train = self._host("training")
+        weights = self._get(train.call("policy_weights"), "the final weights", self.step)
+        before, after = self.eval_history[0][1], self.eval_history[-1][1]
+        if self.main:
+            save_final(self.cfg, self.model_path, weights, self.run_dir / "final")
+            self._save_trace()
+            plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
+            print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
+                  f"({100 * (after - before):+.1f} points)")
+        self.ex.barrier()
+        return {"eval_before": before, "eval_after": after, "restarts": float(self.attempt)}
+
+    @property
+    def main(self) -> bool:
+        return self.ex.main
+
+    def run(self, resume: bool = False) -> dict[str, float]:
+        """Train to `train.steps`, recreating the groups after a worker fault while
+        `max_restarts` allows."""
+        try:
+            while True:
+                try:
+                    self.ex.start()
+                    restored = self.restore(from_checkpoint=resume or self.attempt > 0)
+                    if restored and self.main and self.attempt == 0:
+                        print(f"resuming {self.run_dir} at step {self.step}")
+                    self._loop()
+                    return self._final()
+                except WorkerFailure as f:
+                    self.failures.append(f.record())
+                    with (self.run_dir / "failures.jsonl").open("a") as out:
+                        out.write(json.dumps(f.record()) + "\n")
+                    self.ex.stop()
+                    self.inflight.clear()
+                    if self.attempt >= self.opts.max_restarts:
+                        raise
+                    self.attempt += 1
+                    print(f"{f}\nrestart {self.attempt} of {self.opts.max_restarts}: "
+                          "recreating the groups from the last checkpoint")
+        finally:
+            self.ex.stop()
