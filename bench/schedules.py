@@ -1,15 +1,17 @@
 """Colocated sync against disaggregated async at equal devices, with long-tailed response
 lengths, measured next to the performance model:
-``python bench/schedules.py [--steps 12] [--max-new 512] [--temperature 1.6]``.
+``python bench/schedules.py [--steps 12] [--max-new 256] [--difficulty "{1: 0.94, 16: 0.06}"]``.
 
 Both arms run 2 one-thread ranks of one CPU each on Ray:
 - colocated sync dp2: one group of 2 ranks; each generates half the prompts (the K samples
   of a prompt stay together) on its copy and trains on half of every mini-batch;
 - disaggregated async (eta=1) 1:1: a generation rank and a training rank; generation of step
   i+1 runs while step i trains, fed by weight sync.
-No reference model (kl_coef=0), so no third group. The task is the built-in arith task on a
-tiny, barely warm-started model sampled hot, so most responses end within a few dozen
-tokens and a few run to the cap (the script prints p50 and p99).
+No reference model (kl_coef=0), so no third group. The task is the built-in arith task with
+a difficulty mixture: 94% of the prompts take one operation and 6% take sixteen, and the
+tiny model is warm-started on worked solutions only (sft.direct_fraction=0), so most
+responses are about a dozen tokens and a few are ten times longer, the long tail of
+reasoning RL (the script prints p50 and p99; the target is p99/p50 >= 8).
 
 Step time is the interval between the ends of consecutive training spans (trace.json) after
 the warm-up steps (their median), the simulator's definition, so an async pipeline's overlap
@@ -72,11 +74,13 @@ def predicted(runs: dict[str, Path]) -> dict[str, float] | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--max-new", type=int, default=512, help="rollout.max_new_tokens")
-    ap.add_argument("--temperature", type=float, default=1.6)
+    ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--difficulty", default="{1: 0.94, 16: 0.06}", help="data.difficulty: "
+                    "arith operations, or a mixture {operations: weight}")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--sft-steps", type=int, default=20, help="warm start of the tiny model")
+    ap.add_argument("--sft-steps", type=int, default=200, help="warm start of the tiny model")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
     a = ap.parse_args()
     import ray
@@ -84,8 +88,9 @@ def main() -> None:
     temp = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
     ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     overrides = ["model.hidden_size=64", "model.layers=2", "model.heads=2", "model.kv_heads=1",
-                 "data.difficulty=1", "data.train_size=200", "data.eval_size=16",
-                 f"sft.steps={a.sft_steps}", "sft.batch_size=16", f"train.steps={a.steps}",
+                 f"data.difficulty={a.difficulty}", "data.train_size=400",
+                 "data.eval_size=16", f"sft.steps={a.sft_steps}", "sft.batch_size=16",
+                 "sft.direct_fraction=0", f"train.steps={a.steps}",
                  f"train.prompts_per_step={a.prompts}", f"rollout.n_samples={a.samples}",
                  f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
                  "algo.kl_coef=0", "eval.max_new_tokens=16", "eval.every=1000",

@@ -179,7 +179,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=["time", "cost"], default="time", help="rank by step "
                    "time, or by cost per step (also trying 1/2, 1/4, 1/8 of the devices)")
     p.add_argument("--runtime", choices=["any", "torchrun"], default="any", help="torchrun: "
-                   "only the colocated, sync plans, which `torchrun ... rlloom train "
+                   "only the colocated plans, which `torchrun ... rlloom train "
                    "PLAN_FILE` runs in one world")
 
 

@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rlloom.algos.presets import PRESETS
+from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
+from rlloom.data.synthetic import check_difficulty
 from rlloom.plan import Plan, Strict
 
 
@@ -48,8 +50,10 @@ class DataSection(Strict):
     task: Literal["arith", "countdown", "code", "math"] = Field(
         "arith", description="task, which selects the verifier: arith, countdown and code are "
         "built in; math needs data.prompt_file (prompt, answer rows)")
-    difficulty: int = Field(5, ge=1, description="task difficulty (arith: operations, "
-                                                 "countdown: numbers)")
+    difficulty: int | dict[int, float] = Field(5, description="task difficulty (arith: "
+                                               "operations, countdown: numbers), or a mixture "
+                                               "{level: weight}, e.g. {1: 0.95, 16: 0.05} for "
+                                               "long-tailed response lengths")
     prompt_file: str | None = Field(None, description="prompts: a .jsonl or .parquet file or a "
                                     "datasets save_to_disk directory; null = the built-in task")
     columns: dict[str, str] = Field(default_factory=dict, description="field -> column name in "
@@ -61,6 +65,12 @@ class DataSection(Strict):
     eval_fraction: float = Field(0.05, gt=0, lt=1, description="share of a prompt file held "
                                                                "out for evaluation")
     max_prompt_tokens: int = Field(64, ge=1, description="longest allowed prompt, in tokens")
+
+    @model_validator(mode="after")
+    def _difficulty_fits_task(self) -> "DataSection":
+        if self.task in BUILT_IN_TASKS:
+            check_difficulty(self.task, self.difficulty)
+        return self
 
 
 class RolloutSection(Strict):

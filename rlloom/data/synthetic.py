@@ -1,7 +1,7 @@
 """Deterministic generators for built-in tasks whose answers can be checked exactly.
 
 Tasks:
-- ``arith``: a left-to-right chain of ``difficulty`` additions/subtractions of
+- ``arith``: a left-to-right chain of ``difficulty`` (1..32) additions/subtractions of
   single-digit integers, e.g. prompt ``Q:7+5-8=``, solution ``7+5=12,12-8=4.A:4``.
   Single digits keep the per-step arithmetic learnable by a tiny model in a minute of
   SFT; the number of steps is what makes it hard.
@@ -30,7 +30,7 @@ class Problem:
     source: str = field(default="", compare=False)  # "file:line" of a prompt-file row
 
 
-_DIFFICULTY = {"arith": (1, 6), "countdown": (2, 5), "code": (1, 3)}
+_DIFFICULTY = {"arith": (1, 32), "countdown": (2, 5), "code": (1, 3)}
 _TARGET_RANGE = (1, 200)
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 # Floor division is exact here because "/" is only chosen when it divides evenly.
@@ -39,14 +39,23 @@ _ATOM = 3
 _ARITH_MAX_OPERAND = 9
 
 
-def _check_difficulty(task: str, difficulty: int) -> None:
+Difficulty = int | dict[int, float]  # one level, or a mixture: level -> weight
+
+
+def check_difficulty(task: str, difficulty: Difficulty) -> None:
     lo, hi = _DIFFICULTY[task]
-    if not lo <= difficulty <= hi:
-        raise ValueError(f"{task} difficulty must be in {lo}..{hi}, got {difficulty}")
+    levels = difficulty if isinstance(difficulty, dict) else {difficulty: 1.0}
+    for level, weight in levels.items():
+        if not lo <= level <= hi:
+            raise ValueError(f"{task} difficulty must be in {lo}..{hi}, got {level}")
+        if not weight > 0:
+            raise ValueError(f"difficulty mixture weights must be > 0, got {level}: {weight}")
+    if not levels:
+        raise ValueError("a difficulty mixture needs at least one level, e.g. {1: 0.9, 16: 0.1}")
 
 
 def _arith(rng: random.Random, difficulty: int) -> Problem:
-    _check_difficulty("arith", difficulty)
+    check_difficulty("arith", difficulty)
     value = rng.randint(0, _ARITH_MAX_OPERAND)
     expression = str(value)
     steps = []
@@ -86,7 +95,7 @@ def _build(rng: random.Random, leaves: list[int]) -> tuple[int, str, int]:
 
 
 def _countdown(rng: random.Random, difficulty: int) -> Problem:
-    _check_difficulty("countdown", difficulty)
+    check_difficulty("countdown", difficulty)
     top = 20 if difficulty <= 3 else 50
     while True:  # most draws land in range, so this ends after a few tries
         numbers = [rng.randint(1, top) for _ in range(difficulty)]
@@ -110,7 +119,7 @@ def _code(rng: random.Random, difficulty: int) -> Problem:
     Three examples are shown; the tests also check two unseen inputs, so copying the examples
     into a lookup table does not pass.
     """
-    _check_difficulty("code", difficulty)
+    check_difficulty("code", difficulty)
     a, b, c = rng.randint(1, 20), rng.randint(0, 99 if difficulty == 1 else 50), rng.randint(0, 50)
     body = {1: f"x+{b}", 2: f"{a}*x+{b}", 3: f"x*x+{b}*x+{c}"}[difficulty]
     shown, hidden = [1, 2, 3], [rng.randint(5, 9), rng.randint(10, 20)]
@@ -131,13 +140,18 @@ TASKS: dict[str, Callable[[random.Random, int], Problem]] = {
 }
 
 
-def generate(task: str, n: int, seed: int, difficulty: int) -> list[Problem]:
-    """``n`` problems, fully determined by (task, n, seed, difficulty)."""
+def generate(task: str, n: int, seed: int, difficulty: Difficulty) -> list[Problem]:
+    """``n`` problems, fully determined by (task, n, seed, difficulty). A mixture
+    ``{level: weight}`` draws each problem's level with those weights: a few long problems
+    among many short ones give the long-tailed response lengths of reasoning RL."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {sorted(TASKS)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     # Checked up front too, so that n == 0 still rejects a bad difficulty.
-    _check_difficulty(task, difficulty)
+    check_difficulty(task, difficulty)
     rng = random.Random(seed)
-    return [TASKS[task](rng, difficulty) for _ in range(n)]
+    if isinstance(difficulty, int):
+        return [TASKS[task](rng, difficulty) for _ in range(n)]
+    levels, weights = list(difficulty), list(difficulty.values())
+    return [TASKS[task](rng, rng.choices(levels, weights)[0]) for _ in range(n)]

@@ -168,8 +168,8 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
-    devices can cost less). Runtime "torchrun": only the colocated, sync plans, which one
-    torchrun world runs (`runtime/executor/distributed.py`). By default only plans the
+    devices can cost less). Runtime "torchrun": only the colocated plans, which one torchrun
+    world runs as one group (`runtime/executor/distributed.py`). By default only plans the
     executor runs are searched and ranked; `price_only` widens the search to the pipeline,
     context and expert layouts the model prices but the executor does not run yet."""
     start = time.perf_counter()
@@ -181,9 +181,8 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
         if objective == "cost" else [devices]
     for n, micro_batch in itertools.product(counts, MICRO_BATCHES):
         _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
-    if runtime == "torchrun":  # one world: every model on all of it, steps in order
-        result.ranked = [p for p in result.ranked
-                         if p.plan.placement == "colocated" and p.plan.schedule == "sync"]
+    if runtime == "torchrun":  # one world: every model on all of it
+        result.ranked = [p for p in result.ranked if p.plan.placement == "colocated"]
     # stable: of equally good plans the smaller micro-batch (less memory) comes first
     result.ranked.sort(key=(lambda q: cost_per_step(q, hw)) if objective == "cost"
                        else (lambda q: q.step_s))

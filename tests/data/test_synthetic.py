@@ -114,8 +114,8 @@ def test_unknown_task() -> None:
 @pytest.mark.parametrize(
     ("task", "difficulty", "valid"),
     [
-        ("arith", 0, "1..6"),
-        ("arith", 7, "1..6"),
+        ("arith", 0, "1..32"),
+        ("arith", 33, "1..32"),
         ("countdown", 1, "2..5"),
         ("countdown", 6, "2..5"),
     ],
@@ -125,6 +125,21 @@ def test_bad_difficulty(task: str, difficulty: int, valid: str) -> None:
         generate(task, 0, seed=0, difficulty=difficulty)
     with pytest.raises(ValueError, match=valid):
         TASKS[task](random.Random(0), difficulty)
+
+
+def test_difficulty_mixture_draws_each_level_with_its_weight() -> None:
+    """{1: 0.95, 16: 0.05}: every problem has 1 or 16 operations, about 5% have 16 (binomial
+    sd of 2000 draws at p=0.05 is 0.49 points), and the draw is deterministic."""
+    problems = generate("arith", 2000, seed=3, difficulty={1: 0.95, 16: 0.05})
+    ops = [p.prompt.count("+") + p.prompt.count("-") for p in problems]
+    assert set(ops) == {1, 16}
+    assert 0.035 < ops.count(16) / len(ops) < 0.065
+    assert problems == generate("arith", 2000, seed=3, difficulty={1: 0.95, 16: 0.05})
+    # worked solutions, the responses SFT teaches, differ in length about 10x
+    lengths = sorted(len(p.solution) for p in problems)
+    assert lengths[len(lengths) // 2] * 8 < lengths[int(0.99 * len(lengths))]
+    with pytest.raises(ValueError, match="weights must be > 0"):
+        generate("arith", 1, seed=0, difficulty={1: 1.0, 16: 0.0})
 
 
 def test_negative_n() -> None:
