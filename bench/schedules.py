@@ -88,7 +88,7 @@ def main() -> None:
     temp = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
     ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     overrides = ["model.hidden_size=64", "model.layers=2", "model.heads=2", "model.kv_heads=1",
-                 f"data.difficulty={a.difficulty}", "data.train_size=400",
+                 f"data.difficulty={a.difficulty}", "data.train_size=120",
                  "data.eval_size=16", f"sft.steps={a.sft_steps}", "sft.batch_size=16",
                  "sft.direct_fraction=0", f"train.steps={a.steps}",
                  f"train.prompts_per_step={a.prompts}", f"rollout.n_samples={a.samples}",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlloom.data.row_files import DataError, read_rows
-from rlloom.data.synthetic import Problem, generate
+from rlloom.data.synthetic import Difficulty, Problem, generate
 
 # Fields each task's reward needs in a prompt-file row, beyond "prompt".
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -95,7 +95,7 @@ def read_prompt_file(path: str | Path, task: str,
             for where, row in read_rows(path, "prompt file")]
 
 
-def load_prompt_sets(task: str, difficulty: int, seed: int, train_size: int, eval_size: int,
+def load_prompt_sets(task: str, difficulty: Difficulty, seed: int, train_size: int, eval_size: int,
                      prompt_file: str | None, eval_fraction: float,
                      columns: dict[str, str] | None = None) -> PromptSets:
     """Built-in task problems (eval disjoint from train) or a prompt file split by `seed`;
