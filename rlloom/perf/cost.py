@@ -23,6 +23,9 @@ SPREAD_POINTS = 128  # quantile points that stand for a replica's rollouts in th
 FORWARD_OPS = (87, 45)  # a teacher-forced forward (prefill or micro-batch): per layer, fixed
 DECODE_OPS = (77, 123)  # one decode step of the generation engine, sampling included
 OPTIMIZER_OPS = (110, 42)  # gradient clipping + AdamW step + zero_grad: per layer, fixed
+# one training pass (a micro-batch, or the shared prompt pass): forward, backward, log-probs,
+# entropy and the objective, counted on the runtime's training stage
+TRAIN_OPS = (270, 185)
 TRAIN_ACTIVATION_PASSES = 3.5  # forward + backward activation traffic, in forwards (counted)
 
 
@@ -295,7 +298,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
     optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
-    comm_s += steps * (hw.launch_s * m * pieces * passes * _ops(FORWARD_OPS, shape, layout)
+    per_pass = _ops(TRAIN_OPS, shape, layout) + ckpt * _ops(FORWARD_OPS, shape, layout)
+    comm_s += steps * (hw.launch_s * m * pieces * per_pass
                        + optimizer_op_s * _ops(OPTIMIZER_OPS, shape, layout)
                        + m * _wrapper_s(hw, shape, layout, True))
     act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(

@@ -55,6 +55,47 @@ def test_operator_counts_match_the_runtime():
     assert (o3 - o1) / 2 == pytest.approx(cost.OPTIMIZER_OPS[0], rel=0.15)
 
 
+def test_training_operator_counts_match_the_runtime(tmp_path, tiny):
+    """TRAIN_OPS: the operators one training pass dispatches (forward, backward and the
+    objective), counted on the runtime's training stage of 1- and 3-layer models, against the
+    cost model's passes (a shared prompt pass and response micro-batches) of the same steps;
+    within 15%. Measured here 277 per layer and 167 fixed (with 8 prompts and 64-token
+    responses: 267 and 210)."""
+    from rlloom.perf.validate import step_workload
+    from rlloom.runtime.executor.trainer import local_loop
+    unit = replace(FREE, launch_s=1.0)  # priced seconds = priced operators
+    per_mb = {}
+    for layers in (1, 3):
+        cfg = load_config(None, [*tiny, f"model.layers={layers}", "algo.kl_coef=0",
+                                 "rollout.temperature=1.5", f"run_dir={tmp_path / str(layers)}"])
+        loop = local_loop(cfg, tmp_path / str(layers))
+        loop.ex.start()
+        host = loop.ex.worker.training
+        train, counts = host.train, []
+
+        def counted(*args, train=train, counts=counts):
+            with _Count() as c:
+                out = train(*args)
+            counts.append(c.ops)
+            return out
+        host.train = counted
+        shape = model_shape(str(loop.model_path))
+        ops = []
+        for _ in range(2):
+            wl = step_workload(loop.train_step(), cfg)
+            steps, layout = wl.ppo_epochs * wl.minibatches, Layout()
+            priced = cost.training(shape, layout, wl, unit, "actor", prompts_once=True).seconds
+            micro = (priced / steps - cost._ops(cost.OPTIMIZER_OPS, shape, layout)) / \
+                cost._ops(cost.TRAIN_OPS, shape, layout)  # the model's micro-batches per step
+            ops.append((counts[-1] / steps - cost._ops(cost.OPTIMIZER_OPS, shape, layout))
+                       / micro)
+        loop.ex.stop()
+        per_mb[layers] = sum(ops) / len(ops)
+    per_layer = (per_mb[3] - per_mb[1]) / 2
+    assert per_layer == pytest.approx(cost.TRAIN_OPS[0], rel=0.15)
+    assert per_mb[1] - per_layer == pytest.approx(cost.TRAIN_OPS[1], rel=0.15)
+
+
 def test_engine_decode_operator_counts():
     from rlloom.rollout.engine import EngineConfig, engine_generate
     from rlloom.rollout.sampling import SamplingParams
@@ -181,9 +222,9 @@ def test_validate_predicts_dispatch_bound_stages_by_hand(tmp_path):
     # assessment: the reference runs the 2 prompts in one pass, then the 4 responses in one
     # length bucket: 2 forwards
     assert by["assessment"] == pytest.approx(LAUNCH * 2 * fwd)
-    # training: 2 epochs x 2 mini-batches, each a prompt pass and a response bucket forward
-    # +backward (3 passes) and an optimizer step
-    assert by["training"] == pytest.approx(LAUNCH * 4 * (3 * 2 * fwd + 110 * 2 + 42))
+    # training: 2 epochs x 2 mini-batches, each a prompt pass and a response bucket (forward,
+    # backward and objective: TRAIN_OPS) and an optimizer step
+    assert by["training"] == pytest.approx(LAUNCH * 4 * (2 * (270 * 2 + 185) + 110 * 2 + 42))
     assert points[0].error == pytest.approx(by["generation"] - 1.0)
 
 
