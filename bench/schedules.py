@@ -71,20 +71,13 @@ def predicted(runs: dict[str, Path]) -> dict[str, float] | None:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--difficulty", default="{1: 0.94, 16: 0.06}", help="data.difficulty: "
-                    "arith operations, or a mixture {operations: weight}")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--sft-steps", type=int, default=200, help="warm start of the tiny model")
-    ap.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
-    a = ap.parse_args()
+def _dir(arm: str) -> str:
+    return arm.replace(" ", "_").replace(":", "-")
+
+
+def run_arms(a: argparse.Namespace, base: Path) -> dict[str, float]:
+    """Run each arm on a local Ray instance of 2 CPUs; its measured step time."""
     import ray
-    base = Path(a.out or tempfile.mkdtemp(prefix="rlloom-bench-"))
     temp = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
     ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     overrides = ["model.hidden_size=64", "model.layers=2", "model.heads=2", "model.kv_heads=1",
@@ -98,7 +91,7 @@ def main() -> None:
     measured: dict[str, float] = {}
     try:
         for name, plan_overrides in ARMS.items():
-            run = base / name.replace(" ", "_").replace(":", "-")
+            run = base / _dir(name)
             shutil.rmtree(run, ignore_errors=True)
             cfg = load_config(None, [*overrides, *plan_overrides, f"run_dir={run}"])
             t0 = time.perf_counter()
@@ -109,7 +102,29 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-    runs = {name: base / name.replace(" ", "_").replace(":", "-") for name in ARMS}
+    return measured
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--difficulty", default="{1: 0.94, 16: 0.06}", help="data.difficulty: "
+                    "arith operations, or a mixture {operations: weight}")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--sft-steps", type=int, default=200, help="warm start of the tiny model")
+    ap.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
+    ap.add_argument("--reprice", action="store_true", help="measure and price the runs "
+                    "already in --out (after `rlloom perf calibrate`, say) without running")
+    a = ap.parse_args()
+    if a.reprice and not a.out:
+        ap.error("--reprice needs --out, the directory of an earlier run of this bench")
+    base = Path(a.out or tempfile.mkdtemp(prefix="rlloom-bench-"))
+    measured = (run_arms(a, base) if not a.reprice else
+                {name: step_interval(base / _dir(name), WARMUP + 1) for name in ARMS})
+    runs = {name: base / _dir(name) for name in ARMS}
     pred = predicted(runs)
     first = runs["colocated sync dp2"]
     lens = sorted(n for line in (first / "metrics.jsonl").read_text().splitlines()
