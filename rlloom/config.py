@@ -83,6 +83,10 @@ class RolloutSection(Strict):
                          "likely token's probability; 0 = off")
     stop: list[str] = Field([], description="strings that end a response like EOS (they stay "
                             "in it, and the response counts as finished)")
+    max_batch: int = Field(0, ge=0, description="rollouts decoding at once per generation "
+                           "replica (the engine's KV slots; continuous batching refills a "
+                           "finished one); 0 = as many as the device memory left after the "
+                           "model state holds (on a CPU: every rollout)")
     engine: Literal["rlloom", "plain"] = Field(
         "rlloom", description="sampler: rlloom's engine (prefix sharing, continuous batching; "
         "unsharded models) or plain (one batched decode loop, what a tensor-parallel "

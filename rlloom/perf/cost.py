@@ -6,7 +6,9 @@ s * p consecutive devices.
 """
 from __future__ import annotations
 
+import heapq
 import math
+import random
 from dataclasses import dataclass, replace
 
 from rlloom.perf import comm
@@ -16,7 +18,8 @@ from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
 from rlloom.plan import Layout
 
-SPREAD_POINTS = 128  # quantile points that stand for a replica's rollouts in the decode simulation
+ENGINE_POINTS = 2048  # rollouts simulated one by one per replica; beyond, each stands for several
+PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (rollout.engine.EngineConfig)
 # Operators dispatched by rlloom's runtime, per decoder layer and per call (counted with a
 # TorchDispatchMode on rlloom's own model; tests/perf/test_validate.py recounts them). They
 # price `Hardware.launch_s`, which only a CPU has non-zero.
@@ -127,17 +130,20 @@ def _weight_bytes(shape: ModelShape, layout: Layout, wl: Workload) -> float:
 
 def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
                kv_budget: float, role: str = "actor") -> StageCost:
-    """Prefill (once per prompt: the K samples share it) and a simulated decode in which live
-    sequences finish at their own lengths. Concurrency per replica is capped by `kv_budget`
-    bytes per device; when not all rollouts fit, they run in static waves (no continuous
-    batching refill: conservative)."""
+    """Generation as rlloom's engine runs it (rollout/engine.py): continuous batching over
+    KV slots sized at the longest context, as many per replica as `kv_budget` bytes per
+    device hold (capped by `wl.max_batch`); a finished slot takes the next rollout before the
+    next decode step, and a prompt is prefilled once for its K samples when its first sample
+    is admitted (`engine_schedule`). Each decode step is bound by compute or by reading
+    weights + live KV, plus communication and operator dispatch."""
     per_replica = math.ceil(wl.rollouts / layout.dp)
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
-    concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one))
+    concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one),
+                     wl.max_batch or per_replica)
     if concurrent < 1:
         return _infeasible("generation", role, kv_one)
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
-    # it reuses one decode simulation
+    # it reuses one simulation
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
            replace(wl, micro_batch=0), _hardware_key(hw), concurrent)
     if key not in _GEN_CACHE:
@@ -148,65 +154,116 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
 _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generation many times
 
 
+@dataclass(frozen=True)
+class EngineSchedule:
+    """What the engine runs for one replica: `segments` of (decode steps, live rollouts,
+    their generated tokens summed at the segment's start), and the prompts each prefill
+    forward of an admission takes."""
+    segments: tuple[tuple[int, int, int], ...]
+    prefills: tuple[int, ...]
+
+    @property
+    def decode_steps(self) -> int:
+        return sum(steps for steps, _, _ in self.segments)
+
+    @property
+    def rollout_steps(self) -> int:
+        """Live rollouts summed over the decode steps."""
+        return sum(steps * live for steps, live, _ in self.segments)
+
+
+def engine_schedule(lengths: list[int], slots: int, samples: int) -> EngineSchedule:
+    """The decode steps and prefills of rollouts with response `lengths` (tokens, in queue
+    order; each run of `samples` shares a prompt) over `slots` KV slots with continuous
+    batching, as the engine runs them: admitted rollouts take their first token from the
+    prefill's logits; one decode step gives every live rollout a token; the slots freed by
+    rollouts that end are refilled before the next step, a rollout of one token freeing its
+    slot at once (another prefill forward)."""
+    n, step, waiting, free, generated = len(lengths), 0, 0, slots, 0
+    live: list[tuple[int, int]] = []  # (decode steps done when it ends, its length)
+    prefilled: set[int] = set()
+    segments: list[tuple[int, int, int]] = []
+    prefills: list[int] = []
+    while True:
+        while free and waiting < n:  # admission: one prefill forward per round
+            new = range(waiting, min(n, waiting + free))
+            waiting, free = new.stop, free - len(new)
+            groups = {i // samples for i in new} - prefilled
+            if groups:
+                prefills.append(len(groups))
+                prefilled |= groups
+            for i in new:
+                if lengths[i] <= 1:
+                    free += 1
+                else:
+                    heapq.heappush(live, (step + lengths[i] - 1, lengths[i]))
+                    generated += 1
+        if not live:
+            return EngineSchedule(tuple(segments), tuple(prefills))
+        steps = live[0][0] - step
+        segments.append((steps, len(live), generated))
+        generated += steps * len(live)
+        step += steps
+        while live and live[0][0] == step:
+            generated -= heapq.heappop(live)[1]
+            free += 1
+
+
+def _queue_lengths(wl: Workload, n: int) -> list[int]:
+    """A replica's `n` response lengths at spread quantiles (the tail kept whatever `n`), in a
+    fixed shuffled queue order: lengths do not follow the order prompts arrive in."""
+    lengths = [max(1, round(x)) for x in wl.response.spread(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
+
+
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
               per_replica: int, role: str) -> StageCost:
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
-    waves = math.ceil(per_replica / concurrent)
+    # beyond ENGINE_POINTS rollouts a simulated rollout stands for `weight` of them
+    points = min(per_replica, ENGINE_POINTS)
+    weight = per_replica / points
+    sched = engine_schedule(_queue_lengths(wl, points), max(1, round(concurrent / weight)),
+                            max(1, round(wl.samples / weight)))
     flops_s = hw.flops(wl.dtype) * layout.tp  # decode has no sequence to split: CP idles
     bw = hw.mem_bw * hw.mem_eff
     s = wl.prompt_len
-
-    prompts = math.ceil(concurrent / wl.samples)
-    logits = 2 * shape.vocab * shape.hidden
-    pre_flops = prompts * (s * shape.forward_flops(s, logits=False) + logits)
+    pp = layout.pp
     # A replica's tokens cross its pp stages one after another (prefill runs as one batch,
     # decode one token at a time), so the per-stage costs (reads, TP and EP collectives,
     # non-matmul operators, launches) add up over the stages: PP saves memory here, not time.
-    pp = layout.pp
-    pre_s = max(pre_flops / flops_s, _weight_bytes(shape, layout, wl) * pp / bw)
-    pre_s += pp * (hw.launch_s * _ops(FORWARD_OPS, shape, layout)
-                   + _activation_s(shape, layout, wl, hw, prompts * s)
-                   + _tp_comm(hw, layout, shape, prompts * s, 2)
-                   + _ep_comm(hw, layout, shape, prompts * s, 2))
-    pre_s += _pp_comm(hw, layout, shape, prompts * s, 1)
-
+    totals = [0.0] * 6  # flops, bytes, compute_s, memory_s, comm_s, seconds
+    logits = 2 * shape.vocab * shape.hidden
+    for simulated in sched.prefills:
+        prompts = simulated * weight
+        forwards = math.ceil(prompts * s / PREFILL_TOKENS)
+        f = prompts * (s * shape.forward_flops(s, logits=False) + logits)
+        b = forwards * _weight_bytes(shape, layout, wl) * pp
+        c = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
+            _activation_s(shape, layout, wl, hw, prompts * s)
+            + _tp_comm(hw, layout, shape, prompts * s, 2)
+            + _ep_comm(hw, layout, shape, prompts * s, 2)) + _pp_comm(
+                hw, layout, shape, prompts * s, 1)
+        for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
+            totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
-    dec_flops, dec_bytes, compute_s, memory_s, comm_s, dec_s = _decode(
-        concurrent, shape, layout, wl, hw, flops_s, bw, kv_tok)
-    seconds = waves * (pre_s + dec_s)
-    total_flops = layout.dp * waves * (pre_flops + dec_flops)
-    depth = forward_depth(shape, wl.max_context) * wl.response.max
-    note = f"{concurrent} concurrent rollouts per replica, {waves} wave(s)"
-    return StageCost("generation", role, total_flops, waves * dec_bytes, depth, waves * compute_s,
-                     waves * memory_s, waves * comm_s, seconds, concurrent * kv_one, note)
-
-
-def _decode(concurrent: int, shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
-            flops_s: float, bw: float, kv_tok: float) -> tuple[float, ...]:
-    """Decode steps segment by segment between consecutive finishing lengths; each step is
-    bound by compute or by reading weights + KV, so the max is taken per segment.
-    Returns (flops, bytes, compute_s, memory_s, comm_s, seconds) for one replica and wave."""
-    points = min(concurrent, SPREAD_POINTS)
-    weight = concurrent / points
-    totals = [0.0] * 6
-    pp = layout.pp  # per-stage costs add up over the stages (see `_generate`)
     launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout)
-    prev = 1.0  # the first token comes out of prefill
-    for i, length in enumerate(wl.response.spread(points)):
-        steps = length - prev
-        if steps <= 0:
-            continue
-        live = (points - i) * weight
-        pos = wl.prompt_len + (prev + length) / 2
+    for steps, simulated, generated in sched.segments:
+        live = simulated * weight
+        pos = s + (generated + simulated * (steps - 1) / 2) / simulated  # mean over the segment
         f = live * shape.decode_flops(pos)
-        b = _decode_weight_bytes(shape, layout, wl, live) * layout.pp + live * pos * kv_tok
+        b = _decode_weight_bytes(shape, layout, wl, live) * pp + live * pos * kv_tok
         c = (pp * (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
                    + _activation_s(shape, layout, wl, hw, live))
              + _pp_comm(hw, layout, shape, live, 1) + launch)
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
-        prev = length
-    return tuple(totals)
+    flops, nbytes, compute_s, memory_s, comm_s, seconds = totals
+    depth = forward_depth(shape, wl.max_context) * wl.response.max
+    note = (f"{concurrent} of {per_replica} rollouts per replica at once, continuous batching: "
+            f"{sched.decode_steps} decode steps, {len(sched.prefills)} prefill forwards")
+    return StageCost("generation", role, layout.dp * flops, nbytes, depth, compute_s,
+                     memory_s, comm_s, seconds, concurrent * kv_one, note)
 
 
 def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: float) -> float:

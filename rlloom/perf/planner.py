@@ -235,9 +235,10 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
         choice = {r: top(r, devices, with_gen=(r == "actor" and online)) for r in trained + ref}
         if all(choice.values()):
             add({"placement": "colocated", "actor_critic": ac}, choice, None)
-            if online:  # hybrid: generate with a generation-only layout, reshard each step
-                add({"placement": "colocated", "actor_critic": ac}, choice,
-                    top("actor", devices, rollout=True))
+            if online:  # hybrid: generate with a generation-only layout, reshard each step;
+                # the actor's own layout then only trains, so it is ranked by training alone
+                add({"placement": "colocated", "actor_critic": ac},
+                    {**choice, "actor": top("actor", devices)}, top("actor", devices, rollout=True))
         else:
             result.rejected.append((f"colocated/{ac}/mb{wl.micro_batch}", "some role fits no "
                                     f"layout on {devices} devices"))

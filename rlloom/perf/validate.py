@@ -67,7 +67,8 @@ def step_workload(row: dict, cfg: RunConfig) -> Workload:
                     prompt_len=round(row["prompt_len"]), response=Lengths.empirical(lengths),
                     ppo_epochs=cfg.algo.epochs, minibatches=cfg.algo.minibatches,
                     dtype=run_dtype(cfg),
-                    micro_batch_tokens=cfg.train.micro_batch_tokens)
+                    micro_batch_tokens=cfg.train.micro_batch_tokens,
+                    max_batch=cfg.rollout.max_batch)
 
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:

@@ -99,6 +99,9 @@ class Workload:
     # each distinct prompt once, then the responses in length buckets padded to their longest
     # row and cut at this many padded tokens
     micro_batch_tokens: int = 0
+    # the engine's KV slots per generation replica (`rollout.max_batch`); 0: as many as the
+    # memory left after the model state holds
+    max_batch: int = 0
 
     def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
         """(tokens computed, forward passes) of one forward over `rows` rollouts.

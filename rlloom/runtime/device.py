@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rlloom.config import ConfigError
+from rlloom.perf.memory import USABLE
 
 
 def _no_cuda(requested: str) -> ConfigError:
@@ -73,3 +74,13 @@ def compute_precision(requested: str, device: torch.device) -> AbstractContextMa
     precision."""
     dtype = compute_dtype(requested, device)
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+def kv_budget_bytes(device: torch.device) -> int:
+    """Bytes a generation's KV cache may take on `device`: on a GPU the usable memory
+    (`perf.memory.USABLE`, as the cost model sizes it) less what is allocated now (the model
+    state); 0, no cap, on a CPU, whose KV lives in host memory."""
+    if device.type != "cuda":
+        return 0
+    usable = torch.cuda.get_device_properties(device).total_memory * USABLE
+    return max(1, int(usable - torch.cuda.memory_allocated(device)))

@@ -28,6 +28,7 @@ from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
 from rlloom.rollout.sampling import SamplingParams
+from rlloom.runtime.device import kv_budget_bytes, model_device
 from rlloom.runtime.executor.ranks import RankGroup, Share
 from rlloom.runtime.stages.batch import (
     decode_responses,
@@ -177,9 +178,10 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
         rollout = generate(policy, prompts, params, tokenizer.eos_token_id,
                            tokenizer.pad_token_id, generator, decode=tokenizer.decode)
     else:  # a sharded model falls back to the plain loop inside the engine
+        engine = EngineConfig(max_batch=r.max_batch, n_samples=k,
+                              kv_budget_bytes=kv_budget_bytes(model_device(policy)))
         rollout = engine_generate(policy, prompts, params, tokenizer.eos_token_id,
-                                  tokenizer.pad_token_id, generator, EngineConfig(n_samples=k),
-                                  tokenizer.decode)
+                                  tokenizer.pad_token_id, generator, engine, tokenizer.decode)
     group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)

@@ -1,0 +1,98 @@
+"""Generation is priced as the engine runs it: continuous batching over KV slots, prefills at
+admission (`cost.engine_schedule`), checked against the engine's own decode steps, and the
+long tail kept at any concurrency."""
+import pytest
+import torch
+
+from rlloom.models.config import ModelConfig
+from rlloom.models.transformer import CausalLM
+from rlloom.perf import cost
+from rlloom.perf.hardware import hardware
+from rlloom.perf.shapes import model_shape
+from rlloom.perf.workload import Lengths, Workload
+from rlloom.plan import Layout
+from rlloom.rollout import engine
+from rlloom.rollout.engine import EngineConfig, engine_generate
+from rlloom.rollout.sampling import SamplingParams
+
+K = 4
+BASE = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3, 4, 5, 6, 7, 8, 9, 10, 11], [17],
+        [20, 21, 22]]
+
+
+def test_engine_schedule_by_hand():
+    """Lengths 3, 1, 2, 4 (two prompts of 2 samples) on 2 slots: rollouts 0 and 1 take the
+    slots after one prefill; 1 ends on its prefill token, so 2 takes its slot in a second
+    prefill round; one step ends 2 and 3 takes its slot (its prompt is prefilled already);
+    one more step ends 0; 3 decodes alone for 2 steps. Decode steps make the 10 - 4 tokens
+    the prefills did not."""
+    s = cost.engine_schedule([3, 1, 2, 4], slots=2, samples=2)
+    assert s.segments == ((1, 2, 2), (1, 2, 3), (2, 1, 2))
+    assert s.prefills == (1, 1)
+    assert s.decode_steps == 4 and s.rollout_steps == 6
+
+
+@pytest.mark.parametrize("slots", [1, 5, 9, 24])
+def test_engine_schedule_is_what_the_engine_runs(slots, monkeypatch):
+    """The engine's decode steps, live rollouts per step and prefill forwards, counted on a
+    real sampled run, equal the schedule priced from its response lengths."""
+    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    model = CausalLM(cfg)
+    model.init_weights(seed=3, std=0.3)
+    seen = {"steps": 0, "live": 0, "prefills": 0}
+    decode, prefill = engine._Run._decode_step, engine._Run._prefill
+
+    def counted_decode(run):
+        seen["steps"] += 1
+        seen["live"] += run.live
+        decode(run)
+
+    def counted_prefill(run, groups):
+        seen["prefills"] += 1
+        prefill(run, groups)
+    monkeypatch.setattr(engine._Run, "_decode_step", counted_decode)
+    monkeypatch.setattr(engine._Run, "_prefill", counted_prefill)
+    prompts = [p for p in BASE for _ in range(K)]
+    out = engine_generate(model.eval(), prompts, SamplingParams(max_new_tokens=14,
+                                                                temperature=1.0), 7, 0,
+                          torch.Generator().manual_seed(1),
+                          EngineConfig(max_batch=slots, n_samples=K))
+    lengths = out.response_lengths.tolist()
+    assert len(set(lengths)) > 3, "the test needs varied lengths"
+    priced = cost.engine_schedule(lengths, slots, K)
+    assert seen["steps"] == priced.decode_steps
+    assert seen["live"] == priced.rollout_steps == sum(lengths) - len(lengths)
+    assert seen["prefills"] == len(priced.prefills)
+    assert sum(priced.prefills) == len(BASE)
+
+
+def test_the_tail_is_paid_whatever_the_concurrency():
+    """A replica of 64 rollouts whose longest is 30x the median: with 8 KV slots it still
+    decodes at least as many steps as the longest rollout needs (the old static-wave model
+    priced 8-point waves and lost it), and more slots never take more decode steps."""
+    wl = Workload(prompts=16, samples=4, prompt_len=16,
+                  response=Lengths("lognormal", p50=100, p99=3000))
+    longest = max(round(x) for x in wl.response.spread(64))
+    steps = []
+    for slots in (1, 8, 16, 64):
+        s = cost.engine_schedule(cost._queue_lengths(wl, 64), slots, 4)
+        assert s.decode_steps >= longest - 1
+        steps.append(s.decode_steps)
+    assert steps == sorted(steps, reverse=True)
+    assert steps[-1] == longest - 1  # every rollout at once: the longest sets the step count
+
+
+def test_generation_refills_slots_instead_of_waves():
+    """Half the rollouts fit: continuous batching costs less than two static waves of the
+    same slots (two full tails) and more than all at once."""
+    shape, hw = model_shape("qwen2.5-0.5b"), hardware("h100")
+    wl = Workload(prompts=64, samples=8, prompt_len=256,
+                  response=Lengths("lognormal", p50=500, p99=8000))
+    kv_one = cost.mem.kv_bytes_per_rollout(shape, Layout(), wl.max_context)
+    all_at_once = cost.generation(shape, Layout(), wl, hw, kv_one * 512).seconds
+    half = cost.generation(shape, Layout(), wl, hw, kv_one * 256)
+    assert "256 of 512 rollouts per replica at once" in half.note
+    waves = 2 * cost.generation(shape, Layout(), Workload(
+        prompts=32, samples=8, prompt_len=256, response=wl.response), hw, kv_one * 256).seconds
+    assert all_at_once < half.seconds < waves
