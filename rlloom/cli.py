@@ -118,7 +118,8 @@ def _request(args: argparse.Namespace) -> "Request":
     return Request(args.model, args.algo, args.gpus, args.prompts, args.samples, args.prompt_len,
                    args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None,
                    args.epochs, args.minibatches, args.objective, args.runtime,
-                   getattr(args, "price_only", False))
+                   getattr(args, "price_only", False),
+                   Path(args.hardware) if args.hardware else None, args.max_response)
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -171,8 +172,17 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (S)")
     p.add_argument("--p50", type=int, default=2048, help="median response tokens")
     p.add_argument("--p99", type=int, default=16384, help="p99 response tokens (lognormal)")
-    p.add_argument("--lengths-from", metavar="RUN_DIR",
-                   help="use the response lengths a run generated instead of --p50/--p99")
+    p.add_argument("--max-response", type=int, default=0, metavar="N", help="the generation "
+                   "cap (max new tokens): lognormal lengths beyond it stop there, a mass of "
+                   "truncated responses (default: --p99, 1%% of them)")
+    p.add_argument("--lengths-from", metavar="RUN_DIR|FILE",
+                   help="use measured response lengths instead of --p50/--p99: a run's "
+                   "directory or metrics.jsonl, or a file of lengths (JSON list or one per "
+                   "line); plan and simulate both draw from them as they are")
+    p.add_argument("--hardware", metavar="FILE", help="a hardware file (YAML or JSON with the "
+                   "fields of rlloom.perf.hardware.Hardware: peak_flops per dtype, mem_gib, "
+                   "mem_bw, intra_node_bw, inter_node_bw, ...) instead of --gpus's device "
+                   "name; --gpus then gives the count (e.g. --gpus 64)")
     p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
     p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")

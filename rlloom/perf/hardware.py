@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+
+import yaml
 
 GB = 1e9
 TB = 1e12
@@ -61,8 +63,39 @@ class Hardware:
 
 
 def load_hardware(path: str | Path) -> Hardware:
-    """Read a Hardware written by `Hardware.save` (unknown keys are an error)."""
-    return Hardware(**json.loads(Path(path).read_text()))
+    """A hardware file: JSON (as `Hardware.save` and `rlloom bench hw` write it) or YAML with
+    the same fields (`Hardware`'s: peak FLOP/s per dtype, memory, HBM bandwidth, intra- and
+    inter-node links, ...); unknown or missing fields are named in the error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"hardware file {path} not found")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a hardware file is a mapping of Hardware fields")
+    known = {f.name for f in fields(Hardware)}
+    required = {f.name for f in fields(Hardware) if f.default is MISSING
+                and f.default_factory is MISSING}
+    unknown, missing = sorted(set(data) - known), sorted(required - set(data))
+    if unknown or missing:
+        raise ValueError(f"{path}: " + "; ".join(
+            ([f"unknown fields {unknown}"] if unknown else [])
+            + ([f"missing fields {missing}"] if missing else []))
+            + f" (fields: {', '.join(sorted(known))})")
+
+    def number(key: str, value: object) -> float:
+        try:  # YAML reads 1e15 (no dot) as a string
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: {key} must be a number, got {value!r}") from None
+    for key, value in data.items():
+        if key in ("peak_flops", "extra"):
+            data[key] = {k: number(f"{key}.{k}", v) for k, v in dict(value).items()}
+        elif key == "devices_per_node":
+            data[key] = int(number(key, value))
+        elif key != "name":
+            data[key] = number(key, value)
+    return Hardware(**data)
 
 
 def local_hardware_path() -> Path:

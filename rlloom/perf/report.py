@@ -14,11 +14,11 @@ from rlloom.algos.presets import PRESETS
 from rlloom.perf import memory as mem
 from rlloom.perf.compose import Priced, role_models
 from rlloom.perf.gantt import plot_gantt
-from rlloom.perf.hardware import Hardware, hardware
+from rlloom.perf.hardware import Hardware, hardware, load_hardware
 from rlloom.perf.planner import Search, cost_per_step, describe, naive, search
 from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.perf.simulate import simulate
-from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
+from rlloom.perf.workload import Lengths, Workload, lengths_from
 
 
 def _sec(x: float) -> str:
@@ -61,12 +61,14 @@ class Request:
     objective: str = "time"  # rank by step time, or by cost per step ("cost")
     runtime: str = "any"  # "torchrun": only plans `torchrun ... rlloom train PLAN_FILE` runs
     price_only: bool = False  # also plans the executor does not run yet (pp, cp, ep)
+    hardware_file: Path | None = None  # a hardware file instead of --gpus's device name
+    max_response: int = 0  # the generation cap of lognormal lengths (0: p99)
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
-            response = lengths_from_metrics(self.lengths_from)
+            response = lengths_from(self.lengths_from)
         elif self.p99 > self.p50:
-            response = Lengths("lognormal", self.p50, self.p99)
+            response = Lengths("lognormal", self.p50, self.p99, cap=self.max_response)
         else:
             response = Lengths("fixed", self.p50)
         # offline DPO scores and trains on a chosen and a rejected response per prompt
@@ -79,6 +81,12 @@ class Request:
                       runtime=self.runtime, price_only=self.price_only)
 
     def cluster(self) -> tuple[int, Hardware]:
+        if self.hardware_file is not None:
+            count = self.gpus.split("x")[0]
+            if not count.isdigit():
+                raise ValueError(f"--gpus {self.gpus!r}: with --hardware give the device "
+                                 "count, e.g. --gpus 64")
+            return int(count), load_hardware(self.hardware_file)
         devices, hw_name = parse_gpus(self.gpus)
         return devices, hardware(hw_name)
 

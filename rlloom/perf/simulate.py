@@ -45,10 +45,9 @@ class Simulation:
 
 
 def step_lengths(wl: Workload, rng: random.Random) -> Lengths:
-    """This step's length distribution: median and p99 of one sample of B*K lengths."""
-    sample = sorted(wl.response.sample(wl.rollouts, rng))
-    p50, p99 = sample[len(sample) // 2], sample[min(len(sample) - 1, int(0.99 * len(sample)))]
-    return Lengths("lognormal", p50, p99) if p99 > p50 else Lengths("fixed", p50)
+    """This step's B*K lengths, drawn from the workload's distribution and priced as they are
+    (no refit: `rlloom plan` and `rlloom simulate` read one distribution the same way)."""
+    return Lengths.empirical(wl.response.sample(wl.rollouts, rng))
 
 
 def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,

@@ -20,9 +20,10 @@ class Lengths:
     """Response length distribution in tokens.
 
     fixed: always `p50`; uniform: between `low` and `high`; lognormal: median `p50` and 99th
-    percentile `p99`. For lognormal, `max` is p99 (the top 1% are truncated there: a generation
-    cap at p99 is what long-reasoning runs set, and the true maximum of a lognormal is infinite).
-    empirical: the lengths a run measured (`values`, e.g. from its metrics.jsonl).
+    percentile `p99`, cut at the generation cap `cap` (default p99): every response the
+    lognormal would make longer stops at the cap, a mass of truncated responses there (1% at
+    the default; `1 - Phi(ln(cap / p50) / sigma)` in general). empirical: measured lengths
+    (`values`, e.g. a run's metrics.jsonl), every step drawing from them as they are.
     """
     kind: Literal["fixed", "uniform", "lognormal", "empirical"] = "fixed"
     p50: float = 512
@@ -30,12 +31,16 @@ class Lengths:
     low: float = 0
     high: float = 0
     values: tuple[float, ...] = ()
+    cap: float = 0  # lognormal: the generation cap (max new tokens); 0 = p99
 
     def __post_init__(self) -> None:
         if self.kind == "uniform" and not 0 <= self.low <= self.high:
             raise ValueError("uniform lengths need 0 <= low <= high")
         if self.kind == "lognormal" and not self.p99 > self.p50 > 0:
             raise ValueError("lognormal lengths need p99 > p50 > 0")
+        if self.cap and not self.cap > self.p50:
+            raise ValueError(f"the response cap ({self.cap:g}) must exceed the median "
+                             f"({self.p50:g})")
         if self.kind == "empirical":
             if not self.values or min(self.values) < 0:
                 raise ValueError("empirical lengths need at least one length, none negative")
@@ -57,17 +62,25 @@ class Lengths:
             return self.low + q * (self.high - self.low)
         if self.kind == "empirical":
             return self.values[min(int(q * len(self.values)), len(self.values) - 1)]
-        return min(self.p50 * math.exp(self._sigma * NormalDist().inv_cdf(q)), self.p99)
+        return min(self.p50 * math.exp(self._sigma * NormalDist().inv_cdf(q)), self.max)
 
     @property
     def max(self) -> float:
         if self.kind == "empirical":
             return self.values[-1]
-        return {"fixed": self.p50, "uniform": self.high, "lognormal": self.p99}[self.kind]
+        return {"fixed": self.p50, "uniform": self.high,
+                "lognormal": self.cap or self.p99}[self.kind]
+
+    @property
+    def at_cap(self) -> float:
+        """The share of responses the cap truncates (lognormal), 0 otherwise."""
+        if self.kind != "lognormal":
+            return 0.0
+        return 1 - NormalDist().cdf(math.log(self.max / self.p50) / self._sigma)
 
     @cached_property
     def mean(self) -> float:
-        """Mean of the distribution as generated (the lognormal truncated at p99), by quadrature."""
+        """Mean of the distribution as generated (the lognormal cut at its cap), by quadrature."""
         if self.kind == "empirical":
             return sum(self.values) / len(self.values)
         if self.kind != "lognormal":
@@ -150,14 +163,27 @@ class Workload:
         return self.rollouts * self.mean_context
 
 
-def lengths_from_metrics(path: Path) -> Lengths:
-    """Every response length a run generated (its metrics.jsonl `response_lens`)."""
+def lengths_from(path: Path) -> Lengths:
+    """Response lengths measured elsewhere: every `response_lens` of a run (its directory or
+    metrics.jsonl), or a file of lengths (a JSON list, or one number per line)."""
     metrics = path / "metrics.jsonl" if path.is_dir() else path
     if not metrics.is_file():
-        raise ValueError(f"{metrics}: not found; pass a run directory or its metrics.jsonl")
-    values = [n for line in metrics.read_text().splitlines()
-              for n in json.loads(line).get("response_lens", [])]
+        raise ValueError(f"{metrics}: not found; pass a run directory, its metrics.jsonl or a "
+                         "file of lengths (a JSON list or one per line)")
+    text = metrics.read_text()
+    if metrics.name == "metrics.jsonl":
+        values = [n for line in text.splitlines()
+                  for n in json.loads(line).get("response_lens", [])]
+        if not values:
+            raise ValueError(f"{metrics}: no response_lens recorded (an offline run, or one "
+                             "made before lengths were logged)")
+        return Lengths.empirical(values)
+    try:
+        values = (json.loads(text) if text.lstrip().startswith("[")
+                  else [float(x) for x in text.split()])
+    except ValueError:
+        raise ValueError(f"{metrics}: not a JSON list of lengths nor one number per "
+                         "line") from None
     if not values:
-        raise ValueError(f"{metrics}: no response_lens recorded (an offline run, or one made "
-                         "before lengths were logged)")
-    return Lengths.empirical(values)
+        raise ValueError(f"{metrics}: no lengths in it")
+    return Lengths.empirical([float(v) for v in values])

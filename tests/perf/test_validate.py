@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlloom.cli import main
 from rlloom.config import dump_config, load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
@@ -15,7 +16,7 @@ from rlloom.perf.compose import price, role_models
 from rlloom.perf.hardware import hardware, load_hardware
 from rlloom.perf.shapes import model_shape
 from rlloom.perf.validate import validate_run
-from rlloom.perf.workload import Lengths, Workload, lengths_from_metrics
+from rlloom.perf.workload import Lengths, Workload, lengths_from
 from rlloom.plan import Layout, Plan
 
 
@@ -179,13 +180,20 @@ def test_empirical_lengths():
         Lengths("empirical")
 
 
-def test_lengths_from_metrics(tmp_path):
+def test_lengths_from(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "response_lens": [4, 2]}) + "\n"
         + json.dumps({"step": 2, "response_lens": [6]}) + "\n")
-    assert lengths_from_metrics(tmp_path).values == (2, 4, 6)
+    assert lengths_from(tmp_path).values == (2, 4, 6)
     with pytest.raises(ValueError, match="not found"):
-        lengths_from_metrics(tmp_path / "nope")
+        lengths_from(tmp_path / "nope")
+    (tmp_path / "lens.json").write_text("[30, 10, 20]")
+    (tmp_path / "lens.txt").write_text("30\n10\n20\n")
+    assert lengths_from(tmp_path / "lens.json").values == (10, 20, 30)
+    assert lengths_from(tmp_path / "lens.txt").values == (10, 20, 30)
+    (tmp_path / "bad.txt").write_text("ten\n")
+    with pytest.raises(ValueError, match="one number per line"):
+        lengths_from(tmp_path / "bad.txt")
 
 
 # A device whose arithmetic, memory and links are free: only operator dispatch costs time, so
@@ -396,3 +404,31 @@ def test_hardware_files_are_written_whole(tmp_path):
     path = tmp_path / "hw" / "local.json"
     FREE.save(path)
     assert load_hardware(path) == FREE and not list(path.parent.glob("*.tmp"))
+
+
+def test_hardware_file_in_yaml_prices_a_plan(tmp_path, capsys):
+    """`rlloom plan --hardware FILE --gpus N`: a YAML hardware file (1e15 without a dot, as
+    people write it) stands for a catalogue name; a wrong field is named with the fix."""
+    (tmp_path / "gpu.yaml").write_text(
+        "name: my-gpu\npeak_flops: {bf16: 1e15, fp32: 6.7e13}\nmem_gib: 80\nmem_bw: 3.35e12\n"
+        "intra_node_bw: 4.5e11\ninter_node_bw: 5e10\n")
+    main(["plan", "--gpus", "16", "--hardware", str(tmp_path / "gpu.yaml"), "--model",
+          "qwen2.5-0.5b", "--prompts", "64", "--p50", "256", "--p99", "2048", "--top", "1"])
+    out = capsys.readouterr().out
+    assert "on 16 x my-gpu" in out
+    assert load_hardware(tmp_path / "gpu.yaml").peak_flops["bf16"] == 1e15
+    (tmp_path / "bad.yaml").write_text("name: x\nmem_gib: 80\nhbm: 3\n")
+    with pytest.raises(ValueError, match=r"unknown fields \['hbm'\]; missing fields"):
+        load_hardware(tmp_path / "bad.yaml")
+
+
+def test_max_response_caps_lognormal_lengths_with_a_mass_at_the_cap():
+    """p50 100, p99 1000: sigma = ln 10 / z99 = 0.98985. Cut at 500 the lognormal puts
+    1 - Phi(ln 5 / sigma) = 1 - Phi(1.6259) = 5.20% of responses at the cap; the default cap
+    is p99 (1%)."""
+    capped = Lengths("lognormal", 100, 1000, cap=500)
+    assert capped.max == 500 and capped.at_cap == pytest.approx(0.0520, abs=2e-4)
+    assert capped.quantile(0.96) == 500 and capped.quantile(0.94) < 500
+    assert Lengths("lognormal", 100, 1000).at_cap == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="must exceed the median"):
+        Lengths("lognormal", 100, 1000, cap=50)
