@@ -17,6 +17,11 @@ class Preset:
         return "reward" in self.roles
 
 
+# Losses whose stale samples (async, staleness > 0) the trainer corrects as decoupled PPO:
+# it recomputes the actor's log-probs over every rollout before the update (the proximal
+# policy), a forward the cost model prices (`perf.compose.price`).
+DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
+
 ONLINE = ("actor", "reference", "reward")
 # Presets whose default KL coefficient is 0 need no reference model.
 NO_REFERENCE = ("actor", "reward")

@@ -8,8 +8,9 @@ generation group of its own, the critic's to an assessment group's copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from rlloom.algos.presets import DECOUPLED_LOSSES
 from rlloom.perf import comm, cost
 from rlloom.perf import memory as mem
 from rlloom.perf.cost import StageCost
@@ -93,6 +94,7 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     assert actor is not None
     train, gen = plan.layout("actor"), generation_layout(plan)
     apart = gen_g != train_g  # generation on a group of its own, fed by weight sync
+    stale = plan.schedule == "async" and plan.staleness > 0  # samples of older weights
     hybrid = not apart and needs_generation_copy(train, gen)  # the runtime's rule
     problems = placement_problems(plan, tuple(active))
 
@@ -137,6 +139,13 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
                               trained=role in TRAINABLE and groups[g].runs("training"))
             stages.append(st)
             where[id(st)] = g
+        if role == "actor" and stale and wl.policy_loss in DECOUPLED_LOSSES:
+            # the proximal log-probs of the decoupled correction: a forward over every
+            # rollout in the training layout before the update (runtime: hosts.decoupled)
+            st = replace(cost.forward(shape, layout_of(train_g, role), wl, hw, role,
+                                      trained=True), stage="training", note="proximal")
+            stages.append(st)
+            where[id(st)] = train_g
         if role in TRAINABLE:
             st = cost.training(shape, layout_of(train_g, role), wl, hw, role, role == "actor",
                                prompts_once=role == "actor" and not shared)

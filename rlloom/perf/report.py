@@ -74,7 +74,8 @@ class Request:
         # offline DPO scores and trains on a chosen and a rejected response per prompt
         samples = self.samples if PRESETS[self.algo].online else 2
         return Workload(self.prompts, samples, self.prompt_len, response,
-                        ppo_epochs=self.epochs, minibatches=self.minibatches)
+                        ppo_epochs=self.epochs, minibatches=self.minibatches,
+                        policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"))
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,

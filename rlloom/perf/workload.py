@@ -115,6 +115,7 @@ class Workload:
     # the engine's KV slots per generation replica (`rollout.max_batch`); 0: as many as the
     # memory left after the model state holds
     max_batch: int = 0
+    policy_loss: str = "ppo"  # the algorithm's loss (stale samples of ppo losses are corrected)
 
     def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
         """(tokens computed, forward passes) of one forward over `rows` rollouts.

@@ -14,7 +14,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.perf import cost
 from rlloom.perf.compose import price, role_models
 from rlloom.perf.hardware import hardware, load_hardware
-from rlloom.perf.shapes import model_shape
+from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.perf.validate import validate_run
 from rlloom.perf.workload import Lengths, Workload, lengths_from
 from rlloom.plan import Layout, Plan
@@ -432,3 +432,24 @@ def test_max_response_caps_lognormal_lengths_with_a_mass_at_the_cap():
     assert Lengths("lognormal", 100, 1000).at_cap == pytest.approx(0.01)
     with pytest.raises(ValueError, match="must exceed the median"):
         Lengths("lognormal", 100, 1000, cap=50)
+
+
+def test_async_ppo_pays_the_proximal_forward_it_runs():
+    """Stale samples of a ppo loss are corrected (hosts.decoupled): the trainer recomputes the
+    actor's log-probs over every rollout first. By hand on the dispatch-only device: 16
+    rollouts of 5 tokens after 7 prompt tokens in one micro-batch is one forward, 87 x 2 + 45
+    operators. Sync, and a REINFORCE loss (no correction), pay nothing."""
+    shape = ModelShape.from_hf_config({
+        "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 32,
+        "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "vocab_size": 40}, "tiny")
+    models = role_models(shape, ("actor", "reward"))
+    wl = Workload(prompts=8, samples=2, prompt_len=7, response=Lengths("fixed", 5),
+                  micro_batch=16)
+    sync = Plan(placement="disaggregated")
+    stale = Plan(placement="disaggregated", schedule="async", staleness=1)
+
+    def train_s(plan, loss="ppo"):
+        return price(plan, models, replace(wl, policy_loss=loss), FREE).train_s
+    assert train_s(stale) - train_s(sync) == pytest.approx(LAUNCH * (87 * 2 + 45))
+    assert train_s(stale, "reinforce") == pytest.approx(train_s(sync, "reinforce"))

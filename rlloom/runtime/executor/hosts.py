@@ -50,10 +50,6 @@ from rlloom.runtime.stages.online import (
 )
 from rlloom.runtime.stages.pipelined import pipelined_logprobs
 
-# losses whose stale samples the trainer corrects as decoupled PPO (see `decoupled`)
-DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
-
-
 # -- batches and stage helpers (no Ray, unit-tested directly) -------------------------------
 
 @dataclass

@@ -31,11 +31,11 @@ from typing import Any, Protocol
 import torch
 
 from rlloom.algos.kl import kl_controller
-from rlloom.algos.presets import PRESETS
+from rlloom.algos.presets import DECOUPLED_LOSSES, PRESETS
 from rlloom.config import ConfigError, RunConfig
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
-from rlloom.runtime.executor.hosts import DECOUPLED_LOSSES, save_final, step_row
+from rlloom.runtime.executor.hosts import save_final, step_row
 from rlloom.runtime.executor.ray_cluster import GroupCall, WorkerFailure
 from rlloom.runtime.executor.ray_plan import RunOptions, state_keys
 from rlloom.runtime.outputs.metrics import MetricsLog
