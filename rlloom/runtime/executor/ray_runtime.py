@@ -105,6 +105,11 @@ class RayExecutor:
             cause = getattr(e, "cause", None)
             if isinstance(cause, USER_ERRORS):
                 raise cause from None
+            # a rank whose peer died fails its collective (gloo: connection reset) before
+            # Ray reports the dead peer: name the dead or silent rank when there is one
+            failure = self._failure(what, step, first_line(e), None, group)
+            if failure.state != "is alive":
+                raise failure from None
             raise
 
     def answers(self, call: GroupCall) -> list[Any]:
