@@ -55,16 +55,17 @@ class Search:
 
 
 def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
-            runnable: bool = False) -> list[Layout]:
+            runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    either cp or pp without tp, or ep = dp alone; see `plan.runnable_problems`)."""
+    either cp or pp without tp, or ep = dp alone; pp without tp for a frozen role that may
+    be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
     if runnable:
         splits = ([(1, cp) for cp in CONTEXT_PARALLEL] + [(2, 1), (4, 1)] if trainable
-                  else [(1, 1)])
+                  else [(1, 1), (2, 1), (4, 1)] if pipelined else [(1, 1)])
     while tp <= min(n, hw.devices_per_node):
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
@@ -134,14 +135,15 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
 
 
 def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_gen: bool,
-         rollout_only: bool, cache: dict, runnable: bool = False) -> list[Layout]:
+         rollout_only: bool, cache: dict, runnable: bool = False, pipelined: bool = False
+         ) -> list[Layout]:
     """The TOP_K fastest layouts of a role alone on n devices that fit; `runnable`: only those
-    the executor applies."""
-    key = (role, n, with_gen, rollout_only, runnable)
+    the executor applies; `pipelined`: a frozen role may take pp stages."""
+    key = (role, n, with_gen, rollout_only, runnable, pipelined)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only
         # a generation-only layout holds no optimizer state: ZeRO would only add gathers
-        candidates = [x for x in layouts(n, shape, hw, trainable, runnable)
+        candidates = [x for x in layouts(n, shape, hw, trainable, runnable, pipelined)
                       if not (rollout_only and x.zero)]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
                   for i, x in enumerate(candidates)]
@@ -215,7 +217,10 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
 
     def top(role: str, n: int, with_gen: bool = False, rollout: bool = False) -> list[Layout]:
         shape = models[role] if role in models and models[role] else actor
-        return _top(role, shape, n, wl, hw, with_gen, rollout, cache, runnable=result.runnable)
+        # a pipelined reference, unless a synced critic copy is scored beside it
+        pipelined = role == "reference" and "critic" not in active
+        return _top(role, shape, n, wl, hw, with_gen, rollout, cache, runnable=result.runnable,
+                    pipelined=pipelined)
 
     def add(plan_kw: dict, choice: dict[str, list[Layout]], gen: list[Layout] | None) -> None:
         names = list(choice)

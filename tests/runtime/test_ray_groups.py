@@ -109,6 +109,21 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     _assert_same(single(algo, tiny), _rows(run))
 
 
+@pytest.mark.parametrize("plan", [
+    ["plan.placement=disaggregated", "plan.layouts.reference.pp=2"],
+    ["plan.placement=colocated", "plan.layouts.actor.dp=2", "plan.layouts.reference.pp=2",
+     "plan.layouts.rollout.tp=2"],
+])
+def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, plan):
+    """The frozen reference scores on 2 pipeline stages (a forward-only schedule, one layer
+    each, log-probs broadcast from the last stage to both): on a group of its own, and
+    colocated on the 2 ranks where the actor trains at dp2 and generates on a tp2 copy."""
+    run = tmp_path / "ray"
+    main(["train", *tiny, "algo=grpo", *EXACT, *plan, f"run_dir={run}",
+          "--worker-timeout", "300"])
+    _assert_same(single("grpo", tiny), _rows(run))
+
+
 @pytest.mark.parametrize("algo, zero", [("grpo", 3), ("ppo", 2)])
 def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero):
     """A built-in MoE model (4 routed experts, top 2, in every layer) trains on 2 ranks that

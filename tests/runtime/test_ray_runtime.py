@@ -114,9 +114,10 @@ def test_one_process_runs_every_schedule_as_a_one_rank_ray_group_does(tmp_path, 
 def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):
         main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.reference.pp=2",
+              "plan.layouts.reference.tp=2",
               "plan.layouts.actor.ep=2", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert "plan.layouts.reference.pp=2: pipeline stages train the actor" in err
+    assert "plan.layouts.reference.pp=2: pipeline stages run the actor" in err
     assert "plan.layouts.actor.ep=2: the executor spreads the experts" in err
     assert "--price-only" in err
     assert not (tmp_path / "run").exists()

@@ -241,14 +241,22 @@ class RankGroup:
             if layout.tp > 1:
                 apply_tensor_parallel(model, mesh["tp"])
         return model
-    def frozen(self, model: nn.Module, layout: Layout) -> nn.Module:
-        """A forward-only model in `layout`: TP shards it, ZeRO-3 shards it over dp (gathered
-        per layer as it runs); plain dp keeps a whole copy per replica (no gradients, so no
+    def frozen(self, model: nn.Module, layout: Layout) -> nn.Module | PipelinedModel:
+        """A forward-only model in `layout`: TP shards it, PP splits it into this rank's stage
+        (scored with a forward-only pipeline schedule), ZeRO-3 shards it over dp (gathered per
+        layer as it runs); plain dp keeps a whole copy per replica (no gradients, so no
         wrapper)."""
         mesh = self.mesh(layout)
         if mesh is None:
             return model
         validate_layout(layout, backbone_of(model).config, self.world)
+        if layout.pp > 1:
+            pipe = PipelinedModel(model, mesh["pp"].get_group(),
+                                  tied_group=_first_and_last_stages(mesh))
+            if layout.dp > 1 and layout.zero == 3:
+                apply_data_parallel(pipe.module, mesh["dp"], 3, mixed_precision=False,
+                                    layers=pipe.module.model.layers.values())
+            return pipe
         if layout.tp > 1:
             apply_tensor_parallel(model, mesh["tp"])
         if layout.dp > 1 and layout.zero == 3:

@@ -42,6 +42,7 @@ from rlloom.runtime.stages.packing import Agree, micro_batches, trim
 from rlloom.runtime.stages.pipelined import (
     pipelined_backward,
     pipelined_critic_backward,
+    pipelined_logprobs,
     pipelined_values,
 )
 from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
@@ -247,7 +248,7 @@ def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Sam
 
 
 @torch.no_grad()
-def scores(s: Samples, reference: CausalLM | None,
+def scores(s: Samples, reference: CausalLM | PipelinedModel | None,
            critic: ValueModel | ActorCritic | PipelinedModel | None,
            cfg: RunConfig, ranks: RankGroup | None = None, ref_share: Share = Share(),
            critic_share: Share = Share()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -269,8 +270,11 @@ def scores(s: Samples, reference: CausalLM | None,
                     out[got[0].to(out.device)] = got[1].to(out.device)
             return out
 
-        return ((scored(lambda mb: response_logprobs(reference, mb, cfg.rollout.temperature)[0],
-                        ref_share) if reference is not None else None),
+        def ref_logprobs(mb: Rollout) -> torch.Tensor:
+            if isinstance(reference, PipelinedModel):
+                return pipelined_logprobs(reference, mb, cfg.rollout.temperature)
+            return response_logprobs(reference, mb, cfg.rollout.temperature)[0]
+        return ((scored(ref_logprobs, ref_share) if reference is not None else None),
                 (scored(lambda mb: values_of(critic, mb), critic_share)
                  if critic is not None else None))
     ref_logp = None
