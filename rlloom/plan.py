@@ -196,6 +196,8 @@ def _sizer(plan: Plan, group: DeviceGroup) -> str:
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)
+    critic_copy = ("critic" in models and plan.actor_critic == "separate"
+                   and plan.placement != "colocated")  # scored beside the reference
     for role, layout in plan.layouts.items():
         if layout.ep > 1 and (role not in TRAINABLE or layout.ep != layout.dp
                               or layout.tp * layout.cp * layout.pp > 1 or layout.zero == 1):
@@ -208,8 +210,6 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of the models that train (actor, critic), with "
                             "tp=1; set cp=1 here")
-        critic_copy = ("critic" in models and plan.actor_critic == "separate"
-                       and plan.placement != "colocated")  # scored beside the reference
         if layout.pp > 1 and (role not in TRAINABLE + ("reference",) or layout.tp > 1
                               or layout.cp > 1
                               or plan.actor_critic == "shared" and "critic" in models

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlloom.cli import main
+from rlloom.data.synthetic import generate
 from rlloom.runtime.executor.ray_cluster import MAX_TEMP_DIR_CHARS, ray_temp_dir
 
 ray = pytest.importorskip("ray")
@@ -109,6 +110,27 @@ def test_one_process_runs_every_schedule_as_a_one_rank_ray_group_does(tmp_path, 
     if schedule == "fused":
         chunks = [e for e in trace if e["name"] == "assessment" and e["args"]["step"] == 2]
         assert sorted(str(e["args"]["chunk"]) for e in chunks) == ["0", "1", "merge"]
+
+
+def test_dpo_on_a_ray_group_equals_one_process(tmp_path, tiny):
+    """Offline training runs through the same step loop on Ray (a colocated one-rank group)
+    as in one process, with the same numbers; another placement is refused before start."""
+    pairs = tmp_path / "pairs.jsonl"
+    with pairs.open("w") as f:
+        for p in generate("arith", 40, seed=3, difficulty=1):
+            wrong = str(int(p.answer) + 1)
+            f.write(json.dumps({"prompt": p.prompt, "chosen": p.solution, "rejected":
+                                p.solution.replace(f"A:{p.answer}", f"A:{wrong}")}) + "\n")
+    args = [*tiny, "algo=dpo", f"data.preference_file={pairs}", "train.lr=1e-3"]
+    main(["train", *args, f"run_dir={tmp_path / 'single'}"])
+    main(["train", *args, f"run_dir={tmp_path / 'ray'}", "--ray", "--worker-timeout", "120"])
+    single, on_ray = _rows(tmp_path / "single"), _rows(tmp_path / "ray")
+    assert [r["step"] for r in on_ray] == [1, 2, 3] and single[-1]["margin"] > 0
+    for a, b in zip(single, on_ray):
+        for key in set(a) - TIMING:
+            assert a[key] == b[key], (a["step"], key)
+    with pytest.raises(SystemExit):
+        main(["train", *args, "plan.placement=disaggregated", f"run_dir={tmp_path / 'd'}"])
 
 
 def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, tiny, capsys):

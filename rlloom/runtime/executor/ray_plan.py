@@ -68,9 +68,11 @@ def loop_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
         problems.append("plan.schedule=fused streams fixed chunks of prompts, but "
                         "algo.dynamic_sampling refills the batch from whole-batch rewards; "
                         "use plan.schedule=sync or async")
-    if plan.schedule != "sync" and not PRESETS[cfg.algo.name].online:
-        problems.append(f"plan.schedule={plan.schedule}: algo={cfg.algo.name} trains offline "
-                        "(no generation to overlap); use plan.schedule=sync")
+    if not PRESETS[cfg.algo.name].online and (plan.schedule != "sync"
+                                              or plan.placement != "colocated"):
+        problems.append(f"algo={cfg.algo.name} trains offline on preference pairs: its policy "
+                        "and reference share one group with nothing to overlap; use "
+                        "plan.placement=colocated and plan.schedule=sync")
     if opts.fused_chunks < 1:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
     return problems
@@ -78,12 +80,7 @@ def loop_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
 
 def ray_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
     """Why the Ray runtime cannot run this configuration (empty when it can)."""
-    problems = []
-    if not PRESETS[cfg.algo.name].online:
-        problems.append(f"algo={cfg.algo.name} trains offline (no generation); run it with the "
-                        "single-process runtime (plan.placement=colocated, plan.schedule=sync, "
-                        "no --ray)")
-    problems += runnable_problems(cfg.plan, run_models(cfg)) + loop_problems(cfg, opts)
+    problems = runnable_problems(cfg.plan, run_models(cfg)) + loop_problems(cfg, opts)
     if cfg.train.device.startswith("cuda:"):
         problems.append(f"train.device={cfg.train.device}: on Ray every rank gets a GPU of its "
                         "own; set train.device=cuda (or auto)")

@@ -165,8 +165,13 @@ class GroupWorker:
     def training_state(self) -> dict[str, Any]:
         return self.training.state()
 
+    @property
+    def _stream(self) -> GenerationHost | PreferenceHost | None:
+        """The host that draws this group's data: prompts to sample, or preference pairs."""
+        return self.generation or self.preferences
+
     def generation_state(self) -> dict[str, Any]:
-        return (self.generation or self.preferences).state()
+        return self._stream.state()
 
     def save_shards(self, path: str) -> None:
         self.training.save_shards(Path(path))
@@ -176,8 +181,8 @@ class GroupWorker:
             self.training.load_state(state)
             if shards is not None:
                 self.training.load_shards(Path(shards))
-        if self.generation is not None or self.preferences is not None:
-            (self.generation or self.preferences).load_state(state)
+        if self._stream is not None:
+            self._stream.load_state(state)
 
     def close(self) -> None:
         if self.pool is not None:
