@@ -87,10 +87,29 @@ class RolloutSection(Strict):
                            "replica (the engine's KV slots; continuous batching refills a "
                            "finished one); 0 = as many as the device memory left after the "
                            "model state holds (on a CPU: every rollout)")
+    partial_tokens: int = Field(0, ge=0, description="partial rollouts: tokens a response "
+                                "may generate per step; one still going is carried to the "
+                                "next step and continued under its weights (its tokens keep "
+                                "their own log-probs and versions); must divide "
+                                "max_new_tokens; 0 = off")
     engine: Literal["rlloom", "plain"] = Field(
         "rlloom", description="sampler: rlloom's engine (prefix sharing, continuous batching; "
         "unsharded models) or plain (one batched decode loop, what a tensor-parallel "
         "generation layout runs; the one-process twin of such a layout)")
+
+
+    @model_validator(mode="after")
+    def _whole_chunks(self) -> "RolloutSection":
+        if self.partial_tokens and self.max_new_tokens % self.partial_tokens:
+            raise ValueError(f"rollout.partial_tokens ({self.partial_tokens}) must divide "
+                             f"rollout.max_new_tokens ({self.max_new_tokens}): a carried "
+                             "response resumes with whole chunks; e.g. partial_tokens="
+                             f"{_divisor_below(self.max_new_tokens, self.partial_tokens)}")
+        return self
+
+
+def _divisor_below(n: int, k: int) -> int:
+    return max(d for d in range(1, k + 1) if n % d == 0)
 
 
 class AlgoSection(Strict):

@@ -30,6 +30,7 @@ from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout, needs_generation_copy
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rollout.generate import Rollout
+from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
 from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
@@ -279,6 +280,8 @@ class GenerationHost:
         # process's, so a one-replica group samples what `rlloom train` samples
         self.sample_gen = torch.Generator().manual_seed(cfg.seed + self.share.part)
         self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
+        r = cfg.rollout
+        self.pool = PartialPool(r.partial_tokens, r.max_new_tokens) if r.partial_tokens else None
 
     @_in_compute_dtype
     def generate(self, step: int, prompts: int | None = None
@@ -292,21 +295,27 @@ class GenerationHost:
             with self.spans.span("generation", step, "actor", version=version) as span:
                 samples = generate_group(policy, self.tokenizer, self.stream, cfg,
                                          self.rewarder, self.sample_gen, self.ranks, self.share,
-                                         prompts)
+                                         prompts, self.pool, version)
                 baseline = (greedy_baseline(policy, self.tokenizer, samples, cfg, self.rewarder)
                             if self.greedy else None)
         batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)
+        tokens = samples.rollout.response_lengths.sum().item()
         return batch, {
             "version": version, "gen_s": span["seconds"] - samples.score_s,
-            "score_s": samples.score_s, "rollouts": len(samples.scores)}
+            "score_s": samples.score_s, "rollouts": len(samples.scores), "tokens": tokens,
+            "token_version": version if samples.version_sum is None
+            else samples.version_sum.sum().item() / max(tokens, 1)}
 
     def state(self) -> dict[str, Any]:
         return {**self.ranks.sampling_state(self.sample_gen),
-                "data_position": self.stream.position}
+                "data_position": self.stream.position,
+                **({"partial_pool": self.pool.state()} if self.pool else {})}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.ranks.load_sampling_state(self.sample_gen, state)
         self.stream.position = state["data_position"]
+        if self.pool:
+            self.pool.load_state(state["partial_pool"])
 
 
 class AssessmentHost:

@@ -105,7 +105,10 @@ class StepLoop:
         self.specs, self.opts = specs, opts
         self.online = PRESETS[cfg.algo.name].online
         self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
-        self.correct = self.eta > 0 and cfg.algo.policy_loss in DECOUPLED_LOSSES
+        # stale samples, or tokens of older weights in a partial rollout, are corrected
+        r = cfg.rollout
+        carried = 0 < r.partial_tokens < r.max_new_tokens
+        self.correct = (self.eta > 0 or carried) and cfg.algo.policy_loss in DECOUPLED_LOSSES
         self.copies = weight_copies(specs, "critic" in PRESETS[cfg.algo.name].roles)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.tracer = Tracer(run_dir / "trace.json")
@@ -289,11 +292,16 @@ class StepLoop:
         for info in infos:
             lag = str(step - 1 - info["version"])
             lags[lag] = lags.get(lag, 0) + info.get("rollouts", 0)
+        tokens = sum(i["tokens"] for i in infos)
         behaviour = stats.pop("behaviour_kl", 0.0)
         row, kl_now = step_row(ginfo, ainfo, stats, self.kl.value)
         row.update({
             "staleness": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
             "staleness_hist": lags, "dropped": ginfo["dropped"], "behaviour_kl": behaviour,
+            # versions behind the trained weights, per response token (partial rollouts carry
+            # tokens of older versions)
+            "token_staleness": step - 1 - sum(i["token_version"] * i["tokens"]
+                                               for i in infos) / max(tokens, 1),
             "sync_s": sync_s, "sync_bytes": sync_bytes})
         self.kl.update(kl_now, len(row["response_lens"]))
         return row

@@ -138,5 +138,5 @@ def state_keys(stages: tuple[str, ...]) -> set[str]:
     if "training" in stages:
         keys |= {"policy", "optimizer", "shuffle_gen", "critic", "critic_optimizer"}
     if "generation" in stages:
-        keys |= {"sample_gen", "sample_gens", "data_position"}
+        keys |= {"sample_gen", "sample_gens", "data_position", "partial_pool"}
     return keys

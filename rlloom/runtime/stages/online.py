@@ -27,7 +27,8 @@ from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
-from rlloom.rollout.sampling import SamplingParams
+from rlloom.rollout.partial import PartialPool
+from rlloom.rollout.sampling import SamplingParams, StopMatcher
 from rlloom.runtime.device import kv_budget_bytes, model_device
 from rlloom.runtime.executor.ranks import RankGroup, Share
 from rlloom.runtime.stages.batch import (
@@ -58,6 +59,9 @@ class Samples:
     scores: torch.Tensor        # [n] weighted sum of the terms
     rounds: int = 1             # generation rounds it took (dynamic sampling)
     score_s: float = 0.0        # seconds spent computing rewards (part of Assessment)
+    # [n] the weight versions of each response's tokens, summed (partial rollouts mix
+    # versions in one response); None: every token has the batch's one version
+    version_sum: torch.Tensor | None = None
 
     @property
     def correct(self) -> torch.Tensor:
@@ -80,7 +84,8 @@ class Samples:
         return replace(self, rollout=self.rollout.to(device),
                        group_ids=self.group_ids.to(device),
                        terms={k: v.to(device) for k, v in self.terms.items()},
-                       scores=self.scores.to(device))
+                       scores=self.scores.to(device),
+                       version_sum=_maybe(lambda v: v.to(device), self.version_sum))
 
     @classmethod
     def cat(cls, parts: list["Samples"], pad_id: int) -> "Samples":
@@ -95,7 +100,9 @@ class Samples:
                    torch.cat([s.group_ids + o for s, o in zip(parts, offsets)]),
                    {k: torch.cat([s.terms[k] for s in parts]) for k in parts[0].terms},
                    torch.cat([s.scores for s in parts]), max(s.rounds for s in parts),
-                   sum(s.score_s for s in parts))
+                   sum(s.score_s for s in parts),
+                   None if parts[0].version_sum is None
+                   else torch.cat([s.version_sum for s in parts]))
 
     def groups(self, keep: list[int]) -> "Samples":
         """The groups `keep` (indices into `problems`), renumbered from 0 in that order."""
@@ -105,7 +112,13 @@ class Samples:
         return replace(self, problems=[self.problems[g] for g in keep],
                        rollout=self.rollout.select(idx), group_ids=new_ids,
                        terms={k: v[idx] for k, v in self.terms.items()},
-                       scores=self.scores[idx])
+                       scores=self.scores[idx],
+                       version_sum=_maybe(lambda v: v[idx], self.version_sum))
+
+
+def _maybe(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor | None
+           ) -> torch.Tensor | None:
+    return None if x is None else fn(x)
 
 
 class Rewarder:
@@ -169,25 +182,77 @@ class Experience:
                           self.advantages.to(device), self.returns.to(device))
 
 
-def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                  cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
-    r, k = cfg.rollout, cfg.rollout.n_samples
-    prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
-    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
-                            stop=tuple(r.stop))
+def _params(cfg: RunConfig, max_new_tokens: int) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
+                          stop=tuple(r.stop))
+
+
+def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+             params: SamplingParams, cfg: RunConfig, generator: torch.Generator,
+             n_samples: int) -> Rollout:
+    r = cfg.rollout
     if r.engine == "plain":
-        rollout = generate(policy, prompts, params, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, generator, decode=tokenizer.decode)
-    else:  # a sharded model falls back to the plain loop inside the engine
-        engine = EngineConfig(max_batch=r.max_batch, n_samples=k,
-                              kv_budget_bytes=kv_budget_bytes(model_device(policy)))
-        rollout = engine_generate(policy, prompts, params, tokenizer.eos_token_id,
-                                  tokenizer.pad_token_id, generator, engine, tokenizer.decode)
+        return generate(policy, prompts, params, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id, generator, decode=tokenizer.decode)
+    # a sharded model falls back to the plain loop inside the engine
+    engine = EngineConfig(max_batch=r.max_batch, n_samples=n_samples,
+                          kv_budget_bytes=kv_budget_bytes(model_device(policy)))
+    return engine_generate(policy, prompts, params, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, generator, engine, tokenizer.decode)
+
+
+def _scored(problems: list[Problem], rollout: Rollout, k: int, rewarder: Rewarder,
+            versions: torch.Tensor | None = None) -> Samples:
     group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)
     return Samples(problems, rollout, group_ids, terms, scores,
-                   score_s=time.perf_counter() - t0)
+                   score_s=time.perf_counter() - t0, version_sum=versions)
+
+
+def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+                  cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
+    k = cfg.rollout.n_samples
+    prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
+    rollout = _rollout(policy, tokenizer, prompts, _params(cfg, cfg.rollout.max_new_tokens),
+                       cfg, generator, k)
+    return _scored(problems, rollout, k, rewarder)
+
+
+def partial_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, pool: PartialPool,
+                   draw: Callable[[int], list[Problem]], n: int, cfg: RunConfig,
+                   rewarder: Rewarder, generator: torch.Generator, version: int,
+                   ranks: RankGroup, share: Share) -> Samples:
+    """n whole groups from the partial-rollout pool: n new prompts join it, then one chunk of
+    every pending row is decoded (each replica its share of the rows, results all-gathered)
+    and, while fewer than n groups are complete, `draw` admits the shortfall and another
+    chunk follows. The pool so grows until a chunk completes about n groups a step, carrying
+    the rest; the oldest complete groups are taken and scored (on every rank alike)."""
+    k = cfg.rollout.n_samples
+    params = _params(cfg, pool.chunk)
+    stops = StopMatcher(params, tokenizer.decode)
+    admit = n
+    while admit > 0:
+        problems = draw(admit)
+        pool.admit(problems, encode(tokenizer, [p.prompt for p in problems]), k)
+        pending = pool.pending()
+        mine = pending[share.of(len(pending))]
+        part = (_rollout(policy, tokenizer, pool.requests(mine), params, cfg, generator, 0)
+                .to("cpu") if mine else None)
+        for got in ranks.gather((mine, part) if share.leader else None):
+            if got is not None and got[0]:
+                pool.absorb(*got, version, stops)
+        admit = n - len(pool.complete())
+    taken, rollout, versions = pool.take(pool.complete()[:n],
+                                         tokenizer.pad_token_id)
+    rows = rollout.response_lengths.tolist()
+    sums, at = [], 0
+    for n in rows:
+        sums.append(float(sum(versions[at:at + n])))
+        at += n
+    return _scored(taken, rollout.to(ranks.device), k, rewarder,
+                   torch.tensor(sums, device=ranks.device))
 
 
 def collect(sample_round: Callable[[int], Samples], cfg: RunConfig, pad_id: int) -> Samples:
@@ -214,12 +279,18 @@ def collect(sample_round: Callable[[int], Samples], cfg: RunConfig, pad_id: int)
 
 def generate_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
                    cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator,
-                   ranks: RankGroup, share: Share, prompts: int | None = None) -> Samples:
+                   ranks: RankGroup, share: Share, prompts: int | None = None,
+                   pool: PartialPool | None = None, version: int = 0) -> Samples:
     """The step's scored samples on every rank of a group (`collect`, with dynamic sampling),
     or a fused schedule's chunk of `prompts` prompts. Each round every rank draws the same
     prompts; each generation replica samples its `share` of them and the shares are
-    all-gathered in replica order, so every rank filters the same groups alike."""
+    all-gathered in replica order, so every rank filters the same groups alike. With a
+    partial-rollout `pool`, a round takes the pool's oldest complete groups instead
+    (`partial_groups`), sampled by weights `version` and earlier."""
     def sample_round(n: int) -> Samples:
+        if pool is not None:
+            return partial_groups(policy, tokenizer, pool, stream.next, n, cfg, rewarder,
+                                  generator, version, ranks, share)
         problems = stream.next(n)
         part = sample_groups(policy, tokenizer, problems[share.of(n)], cfg, rewarder, generator)
         if ranks.world == 1:
