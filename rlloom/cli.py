@@ -119,7 +119,8 @@ def _request(args: argparse.Namespace) -> "Request":
                    args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None,
                    args.epochs, args.minibatches, args.objective, args.runtime,
                    getattr(args, "price_only", False),
-                   Path(args.hardware) if args.hardware else None, args.max_response)
+                   Path(args.hardware) if args.hardware else None, args.max_response,
+                   args.staleness, args.partial_rollout)
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -183,6 +184,11 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    "fields of rlloom.perf.hardware.Hardware: peak_flops per dtype, mem_gib, "
                    "mem_bw, intra_node_bw, inter_node_bw, ...) instead of --gpus's device "
                    "name; --gpus then gives the count (e.g. --gpus 64)")
+    p.add_argument("--staleness", type=_positive, default=1, metavar="N", help="async plans: "
+                   "how many versions behind the trained weights generation may be")
+    p.add_argument("--partial-rollout", type=int, default=0, metavar="TOKENS", help="partial "
+                   "rollouts: a response generates at most TOKENS a step, one still going is "
+                   "carried to the next (rollout.partial_tokens; default 0: off)")
     p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
     p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")

@@ -100,6 +100,10 @@ class RolloutSection(Strict):
 
     @model_validator(mode="after")
     def _whole_chunks(self) -> "RolloutSection":
+        if self.partial_tokens >= self.max_new_tokens:
+            raise ValueError(f"rollout.partial_tokens ({self.partial_tokens}) must be below "
+                             f"rollout.max_new_tokens ({self.max_new_tokens}) to carry "
+                             "anything; set 0 for whole responses every step")
         if self.partial_tokens and self.max_new_tokens % self.partial_tokens:
             raise ValueError(f"rollout.partial_tokens ({self.partial_tokens}) must divide "
                              f"rollout.max_new_tokens ({self.max_new_tokens}): a carried "

@@ -94,7 +94,8 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     assert actor is not None
     train, gen = plan.layout("actor"), generation_layout(plan)
     apart = gen_g != train_g  # generation on a group of its own, fed by weight sync
-    stale = plan.schedule == "async" and plan.staleness > 0  # samples of older weights
+    # samples of older weights, or partial rollouts' tokens of older weights: corrected
+    stale = (plan.schedule == "async" and plan.staleness > 0) or wl.carries
     hybrid = not apart and needs_generation_copy(train, gen)  # the runtime's rule
     problems = placement_problems(plan, tuple(active))
 

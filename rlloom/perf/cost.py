@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from rlloom.perf import comm
 from rlloom.perf import memory as mem
 from rlloom.perf.hardware import Hardware
+from rlloom.perf.partial_pool import pool_steps
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
 from rlloom.plan import Layout
@@ -172,15 +173,20 @@ class EngineSchedule:
         return sum(steps * live for steps, live, _ in self.segments)
 
 
-def engine_schedule(lengths: list[int], slots: int, samples: int) -> EngineSchedule:
+def engine_schedule(lengths: list[int], slots: int, samples: int,
+                    groups: list[int] | None = None, done: list[int] | None = None
+                    ) -> EngineSchedule:
     """The decode steps and prefills of rollouts with response `lengths` (tokens, in queue
-    order; each run of `samples` shares a prompt) over `slots` KV slots with continuous
-    batching, as the engine runs them: admitted rollouts take their first token from the
-    prefill's logits; one decode step gives every live rollout a token; the slots freed by
-    rollouts that end are refilled before the next step, a rollout of one token freeing its
-    slot at once (another prefill forward)."""
+    order; each run of `samples` shares a prompt, or rows of equal `groups` entries do) over
+    `slots` KV slots with continuous batching, as the engine runs them: admitted rollouts take
+    their first token from the prefill's logits; one decode step gives every live rollout a
+    token; the slots freed by rollouts that end are refilled before the next step, a rollout
+    of one token freeing its slot at once (another prefill forward). `done`: tokens a
+    (partial) rollout already holds in its context before this call."""
     n, step, waiting, free, generated = len(lengths), 0, 0, slots, 0
-    live: list[tuple[int, int]] = []  # (decode steps done when it ends, its length)
+    group = groups or [i // samples for i in range(n)]
+    held = done or [0] * n
+    live: list[tuple[int, int]] = []  # (decode steps done when it ends, its context growth)
     prefilled: set[int] = set()
     segments: list[tuple[int, int, int]] = []
     prefills: list[int] = []
@@ -188,16 +194,16 @@ def engine_schedule(lengths: list[int], slots: int, samples: int) -> EngineSched
         while free and waiting < n:  # admission: one prefill forward per round
             new = range(waiting, min(n, waiting + free))
             waiting, free = new.stop, free - len(new)
-            groups = {i // samples for i in new} - prefilled
-            if groups:
-                prefills.append(len(groups))
-                prefilled |= groups
+            fresh = {group[i] for i in new} - prefilled
+            if fresh:
+                prefills.append(len(fresh))
+                prefilled |= fresh
             for i in new:
                 if lengths[i] <= 1:
                     free += 1
                 else:
-                    heapq.heappush(live, (step + lengths[i] - 1, lengths[i]))
-                    generated += 1
+                    heapq.heappush(live, (step + lengths[i] - 1, lengths[i] + held[i]))
+                    generated += 1 + held[i]
         if not live:
             return EngineSchedule(tuple(segments), tuple(prefills))
         steps = live[0][0] - step
@@ -220,11 +226,31 @@ def _queue_lengths(wl: Workload, n: int) -> list[int]:
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
               per_replica: int, role: str) -> StageCost:
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
-    # beyond ENGINE_POINTS rollouts a simulated rollout stands for `weight` of them
-    points = min(per_replica, ENGINE_POINTS)
-    weight = per_replica / points
-    sched = engine_schedule(_queue_lengths(wl, points), max(1, round(concurrent / weight)),
-                            max(1, round(wl.samples / weight)))
+    if wl.carries:
+        totals, decode_steps, prefills = _partial_totals(shape, layout, wl, hw, concurrent)
+        how = f"partial rollouts of {wl.partial_tokens} tokens a step"
+    else:
+        # beyond ENGINE_POINTS rollouts a simulated rollout stands for `weight` of them
+        points = min(per_replica, ENGINE_POINTS)
+        weight = per_replica / points
+        sched = engine_schedule(_queue_lengths(wl, points), max(1, round(concurrent / weight)),
+                                max(1, round(wl.samples / weight)))
+        totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
+        decode_steps, prefills = sched.decode_steps, len(sched.prefills)
+        how = "continuous batching"
+    flops, nbytes, compute_s, memory_s, comm_s, seconds = totals
+    depth = forward_depth(shape, wl.max_context) * wl.response.max
+    note = (f"{concurrent} of {per_replica} rollouts per replica at once, {how}: "
+            f"{decode_steps:.0f} decode steps, {prefills:.0f} prefill forwards")
+    return StageCost("generation", role, layout.dp * flops, nbytes, depth, compute_s,
+                     memory_s, comm_s, seconds, concurrent * kv_one, note)
+
+
+def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, layout: Layout,
+                     wl: Workload, hw: Hardware, resumed_tokens: float = 0.0) -> list[float]:
+    """[flops, bytes, compute_s, memory_s, comm_s, seconds] of one replica running `sched`,
+    each simulated rollout standing for `weight`; `resumed_tokens`: context that carried
+    partial rollouts prefill again (their tokens so far) on top of their prompts."""
     flops_s = hw.flops(wl.dtype) * layout.tp  # decode has no sequence to split: CP idles
     bw = hw.mem_bw * hw.mem_eff
     s = wl.prompt_len
@@ -234,16 +260,18 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
     # non-matmul operators, launches) add up over the stages: PP saves memory here, not time.
     totals = [0.0] * 6  # flops, bytes, compute_s, memory_s, comm_s, seconds
     logits = 2 * shape.vocab * shape.hidden
+    prompts_total = sum(sched.prefills) * weight
     for simulated in sched.prefills:
         prompts = simulated * weight
-        forwards = math.ceil(prompts * s / PREFILL_TOKENS)
-        f = prompts * (s * shape.forward_flops(s, logits=False) + logits)
+        tokens = prompts * s + resumed_tokens * prompts / max(prompts_total, 1e-9)
+        context = tokens / prompts
+        forwards = math.ceil(tokens / PREFILL_TOKENS)
+        f = prompts * (context * shape.forward_flops(context, logits=False) + logits)
         b = forwards * _weight_bytes(shape, layout, wl) * pp
         c = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
-            _activation_s(shape, layout, wl, hw, prompts * s)
-            + _tp_comm(hw, layout, shape, prompts * s, 2)
-            + _ep_comm(hw, layout, shape, prompts * s, 2)) + _pp_comm(
-                hw, layout, shape, prompts * s, 1)
+            _activation_s(shape, layout, wl, hw, tokens)
+            + _tp_comm(hw, layout, shape, tokens, 2)
+            + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
@@ -258,12 +286,41 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
              + _pp_comm(hw, layout, shape, live, 1) + launch)
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
-    flops, nbytes, compute_s, memory_s, comm_s, seconds = totals
-    depth = forward_depth(shape, wl.max_context) * wl.response.max
-    note = (f"{concurrent} of {per_replica} rollouts per replica at once, continuous batching: "
-            f"{sched.decode_steps} decode steps, {len(sched.prefills)} prefill forwards")
-    return StageCost("generation", role, layout.dp * flops, nbytes, depth, compute_s,
-                     memory_s, comm_s, seconds, concurrent * kv_one, note)
+    return totals
+
+
+POOL_POINTS = 1024  # rows a step admits in the partial-rollout replay; beyond, one stands for many
+MEASURED_STEPS = 4  # steady-state steps the partial-rollout replay averages over
+
+
+def _partial_totals(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
+                    concurrent: int) -> tuple[list[float], float, float]:
+    """One replica's mean step under partial rollouts (`partial_pool.pool_steps`, the
+    runtime's rule): the chunk calls of each steady-state step, pending rows dealt evenly
+    over the dp replicas; carried rows prefill their prompt and tokens so far again."""
+    k = wl.samples
+    prompts = min(wl.prompts, max(1, POOL_POINTS // k))
+    weight = wl.prompts / prompts / layout.dp  # a replica's rows per simulated row
+    lengths = [max(1, round(x)) for x in wl.response.spread(prompts * k * 8)]
+    warm = math.ceil(wl.response.max / wl.partial_tokens) + 1
+    key = (tuple(lengths), prompts, k, wl.partial_tokens, warm)
+    if key not in _POOL_CACHE:
+        _POOL_CACHE[key] = pool_steps(lengths, prompts, k, wl.partial_tokens,
+                                      warm + MEASURED_STEPS)[warm:]
+    totals, decode_steps, prefills = [0.0] * 6, 0.0, 0.0
+    for calls in _POOL_CACHE[key]:
+        for call in calls:
+            sched = engine_schedule(list(call.new), max(1, round(concurrent / weight)), k,
+                                    groups=list(call.groups), done=list(call.done))
+            part = _schedule_totals(sched, weight, shape, layout, wl, hw,
+                                    sum(call.done) * weight)
+            totals = [a + b / MEASURED_STEPS for a, b in zip(totals, part)]
+            decode_steps += sched.decode_steps / MEASURED_STEPS
+            prefills += len(sched.prefills) / MEASURED_STEPS
+    return totals, decode_steps, prefills
+
+
+_POOL_CACHE: dict[tuple, list] = {}
 
 
 def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: float) -> float:

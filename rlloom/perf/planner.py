@@ -166,14 +166,15 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
            reward: ModelShape | None = None, objective: str = "time",
-           runtime: str = "any", price_only: bool = False) -> Search:
+           runtime: str = "any", price_only: bool = False, staleness: int = 1) -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
     devices can cost less). Runtime "torchrun": only the colocated plans, which one torchrun
     world runs as one group (`runtime/executor/distributed.py`). By default only plans the
     executor runs are searched and ranked; `price_only` widens the search to the pipeline,
-    context and expert layouts the model prices but the executor does not run yet."""
+    context and expert layouts the model prices but the executor does not run yet. Async
+    plans are searched at bound `staleness`."""
     start = time.perf_counter()
     result = Search([], runnable=not price_only)
     if objective == "cost" and hw.price_per_hour <= 0:
@@ -182,7 +183,8 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     counts = [devices // d for d in (1, 2, 4, 8) if devices % d == 0] \
         if objective == "cost" else [devices]
     for n, micro_batch in itertools.product(counts, MICRO_BATCHES):
-        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result)
+        _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result,
+                   staleness)
     if runtime == "torchrun":  # one world: every model on all of it
         result.ranked = [p for p in result.ranked if p.plan.placement == "colocated"]
     # stable: of equally good plans the smaller micro-batch (less memory) comes first
@@ -198,7 +200,7 @@ def cost_per_step(p: Priced, hw: Hardware) -> float:
 
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
-               reward: ModelShape | None, result: Search) -> None:
+               reward: ModelShape | None, result: Search, staleness: int = 1) -> None:
     """Plans on the device groups of `plan.device_groups`: colocated (all roles on every
     device), interleaved (actor and critic with generation, the reference apart) and
     disaggregated (generation, training and the reference each on their own share). The critic
@@ -233,7 +235,7 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
                 continue  # the actor's own sharding: that is the plan without a copy
             result.add(price(p, models, wl, hw, g, offline=not online))
 
-    schedules = [("sync", 0), ("fused", 0), ("async", 1)] if online else [("sync", 0)]
+    schedules = [("sync", 0), ("fused", 0), ("async", staleness)] if online else [("sync", 0)]
     for ac in ac_modes:
         trained = ["actor"] + (["critic"] if ac == "separate" and "critic" in active else [])
         # colocated, sync: everyone on all devices

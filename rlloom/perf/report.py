@@ -63,6 +63,8 @@ class Request:
     price_only: bool = False  # also plans the executor does not run yet (pp, cp, ep)
     hardware_file: Path | None = None  # a hardware file instead of --gpus's device name
     max_response: int = 0  # the generation cap of lognormal lengths (0: p99)
+    staleness: int = 1  # the bound of the async plans searched
+    partial_rollout: int = 0  # rollout.partial_tokens: tokens per response per step (0: off)
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -75,11 +77,13 @@ class Request:
         samples = self.samples if PRESETS[self.algo].online else 2
         return Workload(self.prompts, samples, self.prompt_len, response,
                         ppo_epochs=self.epochs, minibatches=self.minibatches,
-                        policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"))
+                        policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"),
+                        partial_tokens=self.partial_rollout)
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
-                      runtime=self.runtime, price_only=self.price_only)
+                      runtime=self.runtime, price_only=self.price_only,
+                      staleness=self.staleness)
 
     def cluster(self) -> tuple[int, Hardware]:
         if self.hardware_file is not None:
@@ -100,9 +104,14 @@ def plan_file(p: Priced, title: str) -> str:
     plan = p.plan.model_copy(deep=True)
     if p.gen_layout is not None:
         plan.layouts["rollout"] = p.gen_layout
-    budget = math.ceil(p.micro_batch * p.workload.max_context)
-    body = yaml.safe_dump({"plan": plan.model_dump(mode="json"),
-                           "train": {"micro_batch_tokens": budget}}, sort_keys=False)
+    wl = p.workload
+    budget = math.ceil(p.micro_batch * wl.max_context)
+    config = {"plan": plan.model_dump(mode="json"), "train": {"micro_batch_tokens": budget}}
+    if wl.partial_tokens:  # whole chunks up to the priced longest response
+        chunk = wl.partial_tokens
+        config["rollout"] = {"partial_tokens": chunk,
+                             "max_new_tokens": math.ceil(wl.response.max / chunk) * chunk}
+    body = yaml.safe_dump(config, sort_keys=False)
     return f"# {title}\n{body}"
 
 

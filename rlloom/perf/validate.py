@@ -68,7 +68,8 @@ def step_workload(row: dict, cfg: RunConfig) -> Workload:
                     ppo_epochs=cfg.algo.epochs, minibatches=cfg.algo.minibatches,
                     dtype=run_dtype(cfg),
                     micro_batch_tokens=cfg.train.micro_batch_tokens,
-                    max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss)
+                    max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
+                    partial_tokens=cfg.rollout.partial_tokens)
 
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:

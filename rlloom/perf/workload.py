@@ -116,6 +116,15 @@ class Workload:
     # memory left after the model state holds
     max_batch: int = 0
     policy_loss: str = "ppo"  # the algorithm's loss (stale samples of ppo losses are corrected)
+    # partial rollouts (`rollout.partial_tokens`): tokens a response generates per step before
+    # it is carried to the next; 0 = off
+    partial_tokens: int = 0
+
+    @property
+    def carries(self) -> bool:
+        """Whether partial rollouts carry responses across steps (a chunk shorter than the
+        longest response)."""
+        return 0 < self.partial_tokens < self.response.max
 
     def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
         """(tokens computed, forward passes) of one forward over `rows` rollouts.

@@ -92,9 +92,10 @@ class PartialPool:
         open_groups = {r.group for r in self.rows if not r.done}
         return sorted({r.group for r in self.rows} - open_groups)
 
-    def take(self, groups: list[int], pad_id: int) -> tuple[list[Any], Rollout, list[int]]:
+    def take(self, groups: list[int], pad_id: int
+             ) -> tuple[list[Any], Rollout, list[list[int]]]:
         """Remove `groups` from the pool: their problems, their rows as one rollout (a group's
-        rows adjacent, in `groups` order) and every response token's weight version."""
+        rows adjacent, in `groups` order) and each row's response tokens' weight versions."""
         keep = set(groups)
         taken = sorted((r for r in self.rows if r.group in keep),
                        key=lambda r: groups.index(r.group))
@@ -108,7 +109,7 @@ class PartialPool:
         finished = torch.tensor([r.finished for r in taken])
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, logprobs,
                           finished)
-        return problems, rollout, [v for r in taken for v in r.versions]
+        return problems, rollout, [r.versions for r in taken]
 
     def state(self) -> dict[str, Any]:
         return {"rows": [vars(r).copy() for r in self.rows], "problems": dict(self.problems),

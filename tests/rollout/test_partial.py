@@ -50,7 +50,7 @@ def test_each_token_keeps_the_logprob_and_version_of_the_weights_that_sampled_it
     problems, rollout, versions = pool.take([2, 0, 1, 3], pad_id=0)
     assert problems == [2, 0, 1, 3]
     assert rollout.response_lengths.tolist() == [9] * 8  # no EOS: every row ran 3 chunks
-    assert versions == [v for _ in range(8) for v in (0, 0, 0, 1, 1, 1, 2, 2, 2)]
+    assert versions == [[0, 0, 0, 1, 1, 1, 2, 2, 2]] * 8
     for v, m in enumerate(models):
         again = response_logprobs(m, rollout, 1.0)[0]
         cols = slice(3 * v, 3 * v + 3)
@@ -88,7 +88,7 @@ def test_a_stop_sequence_across_the_chunk_boundary_ends_the_response(model):
     _, rollout, versions = pool.take(pool.complete(), pad_id=0)
     assert rollout.response_ids[0, :3].tolist() == free.response_ids[0, :3].tolist()
     assert rollout.response_lengths.tolist() == [3] and rollout.finished.tolist() == [True]
-    assert versions == [0, 0, 1]
+    assert versions == [[0, 0, 1]]
 
 
 def test_pool_state_round_trips_and_groups_complete_oldest_first(model):
@@ -104,7 +104,9 @@ def test_pool_state_round_trips_and_groups_complete_oldest_first(model):
     assert again.complete()[:2] == [0, 1] and again.next_group == 3
 
 
-def test_partial_tokens_must_divide_the_response_limit():
+def test_partial_tokens_must_divide_the_response_limit_and_be_below_it():
     with pytest.raises(ConfigError, match=r"partial_tokens \(5\) must divide.*"
                                           r"max_new_tokens \(16\).*partial_tokens=4"):
         load_config(None, ["rollout.max_new_tokens=16", "rollout.partial_tokens=5"])
+    with pytest.raises(ConfigError, match=r"partial_tokens \(16\) must be below"):
+        load_config(None, ["rollout.max_new_tokens=16", "rollout.partial_tokens=16"])

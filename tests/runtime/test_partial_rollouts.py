@@ -1,6 +1,7 @@
 """Partial rollouts through the step loop: carried responses mix weight versions (measured as
 token staleness and corrected by the decoupled loss), a run resumes with its pool, and a
-generation group of two replicas decodes what one process decodes."""
+generation group of two replicas decodes what one process decodes. (A chunk as long as the
+response limit decoding what plain generation decodes: tests/rollout/test_partial.py.)"""
 import json
 
 import pytest
@@ -21,12 +22,6 @@ def _run(tmp_path, name, args):
     run = tmp_path / name
     train(load_config(None, [*args, f"run_dir={run}"]))
     return run
-
-
-def test_a_chunk_as_long_as_the_limit_changes_nothing(tmp_path, tiny):
-    plain = _run(tmp_path, "plain", tiny)
-    chunked = _run(tmp_path, "chunked", [*tiny, "rollout.partial_tokens=16"])
-    assert _rows(chunked) == _rows(plain)
 
 
 def test_carried_tokens_are_stale_corrected_and_survive_a_resume(tmp_path, tiny):

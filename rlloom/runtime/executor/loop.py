@@ -106,9 +106,8 @@ class StepLoop:
         self.online = PRESETS[cfg.algo.name].online
         self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
         # stale samples, or tokens of older weights in a partial rollout, are corrected
-        r = cfg.rollout
-        carried = 0 < r.partial_tokens < r.max_new_tokens
-        self.correct = (self.eta > 0 or carried) and cfg.algo.policy_loss in DECOUPLED_LOSSES
+        stale = self.eta > 0 or cfg.rollout.partial_tokens > 0
+        self.correct = stale and cfg.algo.policy_loss in DECOUPLED_LOSSES
         self.copies = weight_copies(specs, "critic" in PRESETS[cfg.algo.name].roles)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.tracer = Tracer(run_dir / "trace.json")

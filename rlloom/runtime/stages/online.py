@@ -28,6 +28,7 @@ from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
 from rlloom.rollout.partial import PartialPool
+from rlloom.rollout.partial_rule import partial_step
 from rlloom.rollout.sampling import SamplingParams, StopMatcher
 from rlloom.runtime.device import kv_budget_bytes, model_device
 from rlloom.runtime.executor.ranks import RankGroup, Share
@@ -224,35 +225,34 @@ def partial_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, pool: P
                    draw: Callable[[int], list[Problem]], n: int, cfg: RunConfig,
                    rewarder: Rewarder, generator: torch.Generator, version: int,
                    ranks: RankGroup, share: Share) -> Samples:
-    """n whole groups from the partial-rollout pool: n new prompts join it, then one chunk of
-    every pending row is decoded (each replica its share of the rows, results all-gathered)
-    and, while fewer than n groups are complete, `draw` admits the shortfall and another
-    chunk follows. The pool so grows until a chunk completes about n groups a step, carrying
-    the rest; the oldest complete groups are taken and scored (on every rank alike)."""
+    """n whole groups from the partial-rollout pool, filled by `partial_step` (`draw` gives
+    the prompts it admits; each chunk's pending rows are dealt to the replicas by group and
+    the results all-gathered); the oldest complete groups are taken and scored (on every
+    rank alike)."""
     k = cfg.rollout.n_samples
     params = _params(cfg, pool.chunk)
     stops = StopMatcher(params, tokenizer.decode)
-    admit = n
-    while admit > 0:
-        problems = draw(admit)
+
+    def admit(more: int) -> None:
+        problems = draw(more)
         pool.admit(problems, encode(tokenizer, [p.prompt for p in problems]), k)
+
+    def decode_chunk() -> None:
         pending = pool.pending()
-        mine = pending[share.of(len(pending))]
+        # whole groups dealt round-robin: each replica gets carried and new rows alike
+        order = list(dict.fromkeys(pool.rows[i].group for i in pending))
+        dealt = set(order[share.part::share.parts])
+        mine = [i for i in pending if pool.rows[i].group in dealt]
         part = (_rollout(policy, tokenizer, pool.requests(mine), params, cfg, generator, 0)
                 .to("cpu") if mine else None)
         for got in ranks.gather((mine, part) if share.leader else None):
             if got is not None and got[0]:
                 pool.absorb(*got, version, stops)
-        admit = n - len(pool.complete())
-    taken, rollout, versions = pool.take(pool.complete()[:n],
-                                         tokenizer.pad_token_id)
-    rows = rollout.response_lengths.tolist()
-    sums, at = [], 0
-    for n in rows:
-        sums.append(float(sum(versions[at:at + n])))
-        at += n
+
+    partial_step(n, lambda: len(pool.complete()), admit, decode_chunk)
+    taken, rollout, versions = pool.take(pool.complete()[:n], tokenizer.pad_token_id)
     return _scored(taken, rollout.to(ranks.device), k, rewarder,
-                   torch.tensor(sums, device=ranks.device))
+                   torch.tensor([float(sum(v)) for v in versions], device=ranks.device))
 
 
 def collect(sample_round: Callable[[int], Samples], cfg: RunConfig, pad_id: int) -> Samples:
