@@ -140,11 +140,14 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
                               trained=role in TRAINABLE and groups[g].runs("training"))
             stages.append(st)
             where[id(st)] = g
-        if role == "actor" and stale and wl.policy_loss in DECOUPLED_LOSSES:
-            # the proximal log-probs of the decoupled correction: a forward over every
-            # rollout in the training layout before the update (runtime: hosts.decoupled)
+        proximal = stale and wl.policy_loss in DECOUPLED_LOSSES
+        if role == "actor" and (proximal or wl.recompute_logprobs):
+            # the proximal log-probs of the decoupled correction (runtime: hosts.decoupled),
+            # or a peer's recomputed old log-probs: a forward over every rollout in the
+            # training layout before the update
             st = replace(cost.forward(shape, layout_of(train_g, role), wl, hw, role,
-                                      trained=True), stage="training", note="proximal")
+                                      trained=True), stage="training",
+                         note="proximal" if proximal else "old log-probs")
             stages.append(st)
             where[id(st)] = train_g
         if role in TRAINABLE:

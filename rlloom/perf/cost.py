@@ -275,7 +275,7 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
-    launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout)
+    launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) + hw.decode_step_s
     for steps, simulated, generated in sched.segments:
         live = simulated * weight
         pos = s + (generated + simulated * (steps - 1) / 2) / simulated  # mean over the segment
@@ -377,7 +377,13 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     comm_s += m * _wrapper_s(hw, shape, layout, trained)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
-    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout) + comm_s
+    work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
+    # ZeRO-3 gathers each layer's parameters for every micro-batch's forward
+    dp_s = m * comm.gather_or_scatter(hw, layout.dp, layout.world_size, mem.PARAM_B
+                                      * mem.params_per_device(shape, layout)) \
+        if layout.zero == 3 else 0.0
+    seconds = work + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
+    comm_s += dp_s
     memory_s += act_s
     transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
     return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
@@ -408,7 +414,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,
                                                    2 * m * pieces)
-    comm_s += steps * _dp_comm(shape, layout, hw, m)
+    dp_s = steps * _dp_comm(shape, layout, hw, m)
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
     optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
@@ -418,7 +424,9 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
                        + m * _wrapper_s(hw, shape, layout, True))
     act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
         shape, layout, wl, hw, tokens / layout.cp)
-    seconds = (max(compute_s, memory_s) + act_s) * _bubble(layout) + comm_s
+    work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
+    seconds = work + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
+    comm_s += dp_s
     memory_s += act_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))
@@ -427,10 +435,18 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
                      depth, compute_s, memory_s, comm_s, seconds, transient)
 
 
+def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:
+    """The part of `dp_s` seconds of data-parallel collectives the layers' `work` does not
+    hide: the first layer's gather (nothing runs before it), and what the overlapped share
+    (`Hardware.dp_overlap`) of the rest exceeds the compute by."""
+    hidden = hw.dp_overlap * dp_s * (1 - 1 / max(layers, 1))
+    return dp_s - hidden + max(0.0, hidden - work)
+
+
 def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int) -> float:
     """Per optimizer step. ZeRO-0/1: all-reduce bf16 gradients; ZeRO-2: reduce-scatter them and
     all-gather updated parameters; ZeRO-3: per micro-batch, all-gather parameters for forward
-    and backward and reduce-scatter gradients. No overlap with compute is assumed."""
+    and backward and reduce-scatter gradients. `_exposed_dp` takes off what compute hides."""
     dp, span = layout.dp, layout.world_size
     grads = mem.GRAD_B * mem.params_per_device(shape, layout)
     if layout.zero <= 1:

@@ -43,6 +43,17 @@ class Hardware:
     # one wrapped module (a decoder layer, the root) per forward and backward of a micro-batch.
     sharded_launch_s: float = 0.0
     wrapped_pass_s: float = 0.0
+    # Share of the data-parallel collectives (FSDP2's parameter all-gathers and gradient
+    # reduce-scatters, replicate's all-reduce) that runs under the layers' compute. FSDP2
+    # prefetches the next layer's gather and reduces a layer's gradients while the backward
+    # goes on, on their own CUDA streams: 1 on catalogue GPUs. On a CPU, gloo collectives
+    # run in the thread that waits on them: 0.
+    dp_overlap: float = 0.0
+    # Host time of one decode step of the generation engine that the device does not hide
+    # (scheduling, sampling, Python between kernels); paid by every step however small its
+    # batch, it sets the floor under a long response's tail. 0 in the catalogue (vLLM-style
+    # engines with CUDA graphs); `calibrate` fits it.
+    decode_step_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -108,7 +119,7 @@ def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, hbm_t
          link_gbs: float, price: float) -> Hardware:
     return Hardware(name, {"bf16": bf16_tflops * TB, "fp32": fp32_tflops * TB},
                     mem_gib=mem_gb, mem_bw=hbm_tbs * TB, intra_node_bw=link_gbs * GB,
-                    inter_node_bw=IB_400G, price_per_hour=price)
+                    inter_node_bw=IB_400G, price_per_hour=price, dp_overlap=1.0)
 
 
 # Vendor datasheets (dense, not the "with sparsity" numbers); NVLink / IF per direction is half

@@ -119,6 +119,10 @@ class Workload:
     # partial rollouts (`rollout.partial_tokens`): tokens a response generates per step before
     # it is carried to the next; 0 = off
     partial_tokens: int = 0
+    # old log-probs recomputed by a forward of the actor before every update (verl's and
+    # OpenRLHF's default, priced for their runs); rlloom takes the sampler's, and recomputes
+    # only the proximal log-probs of stale samples
+    recompute_logprobs: bool = False
 
     @property
     def carries(self) -> bool:

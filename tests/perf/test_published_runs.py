@@ -1,0 +1,51 @@
+"""The published runs of peer frameworks (published_runs.yaml, the rows with a `priced:` block)
+priced by the model: every one a feasible plan, the calibration reproducing its anchor, and
+the held-out errors within the bounds docs/performance-model.md reports. Those bounds are
+this model's measured errors, not the issue's targets (25% on ratios, 40% on step times):
+the test keeps them from getting worse while the mechanisms that miss are worked on."""
+import statistics
+from pathlib import Path
+
+import pytest
+
+from rlloom.perf.published import calibrate, compare, load_runs
+
+FIXTURE = Path(__file__).with_name("published_runs.yaml")
+ANCHOR = "verl_fa_qwen25math7b_colocate_sync_32"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return load_runs(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def fitted(runs):
+    return calibrate(runs, ANCHOR)
+
+
+def test_the_priced_runs_cover_what_the_issue_asks(runs):
+    assert len(runs) >= 5
+    pairs = {r.pair for r in runs if r.plan.schedule == "async"}
+    assert len(pairs) >= 2  # sync against async on the same model and cluster
+    assert any(r.algo == "ppo" for r in runs)  # with a critic
+
+
+def test_every_priced_run_is_a_feasible_plan(runs, fitted):
+    for run in runs:
+        priced = run.priced(fitted)
+        assert priced.feasible, (run.id, priced.problems)
+        assert 0 < priced.step_s < float("inf")
+
+
+def test_calibration_reproduces_its_anchor(runs, fitted):
+    steps, _, _ = compare(runs, fitted)
+    anchor = next(c for c in steps if c.what == ANCHOR)
+    assert abs(anchor.error) < 0.10
+
+
+def test_held_out_errors_stay_within_the_reported_bounds(runs, fitted):
+    steps, ratios, _ = compare(runs, fitted)
+    held_out = [abs(c.error) for c in steps if c.what != ANCHOR]
+    assert statistics.median(held_out) < 0.65
+    assert statistics.median(abs(c.error) for c in ratios) < 0.70
