@@ -42,6 +42,9 @@ class Plan(Strict):
     staleness: int = Field(0, ge=0, description="max weight versions generation may lag (async)")
     actor_critic: Literal["separate", "shared"] = Field(
         "separate", description="critic as its own model, or a value head on the actor's backbone")
+    reference: Literal["apart", "with_actor"] = Field(
+        "apart", description="disaggregated: the reference on a group of its own, or on the "
+        "training group beside the actor (verl's one-step-off and NeMo RL's async layout)")
     layouts: dict[Role, Layout] = Field(default_factory=dict,
                                         description="per-role layout; missing roles use 1 device")
 
@@ -49,6 +52,11 @@ class Plan(Strict):
     def _staleness_needs_async(self) -> "Plan":
         if self.staleness and self.schedule != "async":
             raise ValueError(f"plan.staleness={self.staleness} needs plan.schedule=async")
+        if self.reference == "with_actor" and self.placement != "disaggregated":
+            raise ValueError("plan.reference=with_actor puts the reference on the training "
+                             "group of a disaggregated plan; colocated already does, "
+                             "interleaved keeps it apart: set plan.placement=disaggregated "
+                             "or plan.reference=apart")
         return self
 
     def layout(self, role: Role) -> Layout:
@@ -99,7 +107,7 @@ def device_groups(plan: Plan, models: tuple[str, ...]) -> list[DeviceGroup]:
     | interleaved   | trainable: generation, training (+ assessment without a reference);    |
     |               | frozen: assessment                                                     |
     | disaggregated | generation: generation; actor: training (+ assessment without a        |
-    |               | reference); reference: assessment                                      |
+    |               | reference, or with plan.reference=with_actor); reference: assessment   |
 
     A shared actor-critic has no critic model (its value head rides on the actor). The critic
     always trains with the actor, in the actor's layout."""
@@ -119,11 +127,13 @@ def device_groups(plan: Plan, models: tuple[str, ...]) -> list[DeviceGroup]:
         return [trainable] + ([DeviceGroup("frozen", ("assessment",), scorer,
                                            plan.layout("reference").world_size)]
                               if frozen else [])
-    actor = DeviceGroup("actor", ("training",) if frozen else ("assessment", "training"),
-                        trained, train_ranks)
+    beside = frozen and plan.reference == "with_actor"
+    actor = DeviceGroup("actor", ("training",) if frozen and not beside
+                        else ("assessment", "training"),
+                        trained + (("reference",) if beside else ()), train_ranks)
     groups = [DeviceGroup("generation", ("generation",), ("actor",) + reward, gen_ranks),
               actor]
-    if frozen:
+    if frozen and not beside:
         groups.append(DeviceGroup("reference", ("assessment",), scorer,
                                   plan.layout("reference").world_size))
     return groups
@@ -197,7 +207,8 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)
     critic_copy = ("critic" in models and plan.actor_critic == "separate"
-                   and plan.placement != "colocated")  # scored beside the reference
+                   and plan.placement != "colocated"
+                   and plan.reference == "apart")  # scored beside the reference
     for role, layout in plan.layouts.items():
         if layout.ep > 1 and (role not in TRAINABLE or layout.ep != layout.dp
                               or layout.tp * layout.cp * layout.pp > 1 or layout.zero == 1):

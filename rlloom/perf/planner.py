@@ -105,7 +105,9 @@ def describe(p: Plan, gen: Layout | None, micro_batch: int) -> str:
     roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items() if r != "rollout")
     gen = gen or p.layouts.get("rollout")
     rollout = f", rollout={short(gen)}" if gen else ""
-    return f"{p.placement}/{p.schedule}/{p.actor_critic}/mb{micro_batch}: {roles}{rollout}"
+    beside = "+ref" if p.reference == "with_actor" else ""
+    return (f"{p.placement}{beside}/{p.schedule}/{p.actor_critic}/mb{micro_batch}: "
+            f"{roles}{rollout}")
 
 
 def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
@@ -203,7 +205,8 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
                reward: ModelShape | None, result: Search, staleness: int = 1) -> None:
     """Plans on the device groups of `plan.device_groups`: colocated (all roles on every
     device), interleaved (actor and critic with generation, the reference apart) and
-    disaggregated (generation, training and the reference each on their own share). The critic
+    disaggregated (generation, training and the reference each on their own share, or the
+    reference beside the actor on the training share). The critic
     trains on the actor's devices; a reward model scores beside generation and runs
     data-parallel there, so the plans give it no layout."""
     roles, online = PRESETS[algo].roles, PRESETS[algo].online
@@ -283,6 +286,19 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
             for sched, eta in schedules:
                 add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
                      "actor_critic": ac}, choice, gen)
+        # disaggregated with the reference beside the actor on the training devices
+        for n_gen, n_train in (() if not ref else _splits(units, 2)):
+            n_gen, n_train = n_gen * unit, n_train * unit
+            choice = {r: top(r, n_train) for r in trained + ref}
+            gen = top("actor", n_gen, rollout=True)[:1]
+            if not all(choice.values()) or not gen:
+                result.rejected.append((f"disaggregated split {[n_gen, n_train]}, reference "
+                                        f"with the actor, mb{wl.micro_batch}",
+                                        "some role fits no layout on its group"))
+                continue
+            for sched, eta in schedules:
+                add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
+                     "actor_critic": ac, "reference": "with_actor"}, choice, gen)
 
 
 def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,

@@ -124,6 +124,21 @@ def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, plan):
     _assert_same(single("grpo", tiny), _rows(run))
 
 
+def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(tmp_path,
+                                                                              tiny, single):
+    """plan.reference=with_actor: generation on 2 TP ranks of its own, the trainer's 2 ranks
+    hold the actor (ZeRO-3), PPO's critic and the reference (dp2) and score there, so the
+    critic is read live, with no copy to sync."""
+    run = tmp_path / "ray"
+    main(["train", *tiny, "algo=ppo", *EXACT, "plan.placement=disaggregated",
+          "plan.reference=with_actor", "plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
+          "plan.layouts.reference.dp=2", "plan.layouts.rollout.tp=2", f"run_dir={run}",
+          "--worker-timeout", "300"])
+    _assert_same(single("ppo", tiny), _rows(run))
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == {"generation", "actor"}
+
+
 @pytest.mark.parametrize("algo, zero", [("grpo", 3), ("ppo", 2)])
 def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero):
     """A built-in MoE model (4 routed experts, top 2, in every layer) trains on 2 ranks that
