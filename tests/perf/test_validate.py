@@ -453,3 +453,25 @@ def test_async_ppo_pays_the_proximal_forward_it_runs():
         return price(plan, models, replace(wl, policy_loss=loss), FREE).train_s
     assert train_s(stale) - train_s(sync) == pytest.approx(LAUNCH * (87 * 2 + 45))
     assert train_s(stale, "reinforce") == pytest.approx(train_s(sync, "reinforce"))
+
+
+def test_partial_rollout_and_staleness_reach_the_plan_and_its_file(tmp_path, capsys):
+    """--partial-rollout prices every plan with carried responses and writes the setting (with
+    the response limit rounded up to whole chunks) into the plan file; --staleness sets the
+    async plans' bound."""
+    path = tmp_path / "plan.yaml"
+    args = ["plan", "--gpus", "16xH100", "--p50", "1024", "--p99", "8000", "--json",
+            "--top", "200"]
+    main(args)
+    whole = json.loads(capsys.readouterr().out)
+    main([*args, "--partial-rollout", "3000", "--staleness", "2", "--write-plan", str(path)])
+    out = capsys.readouterr().out
+    chunked = json.loads(out[out.index("{"):])
+    assert chunked["workload"]["partial_tokens"] == 3000
+    # priced otherwise: each step's tail is a chunk, carried responses prefill again
+    assert chunked["ranked"][0]["gen_s"] != whole["ranked"][0]["gen_s"]
+    cfg = load_config(path)
+    assert cfg.rollout.partial_tokens == 3000 and cfg.rollout.max_new_tokens == 9000
+    bounds = {r["plan_json"]["staleness"] for r in chunked["ranked"]
+              if r["plan_json"]["schedule"] == "async"}
+    assert bounds == {2}
