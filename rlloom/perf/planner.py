@@ -269,36 +269,29 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
                 add({"placement": "interleaved", "actor_critic": ac}, choice, None)
         if not online:
             continue
-        # disaggregated: generation, training and the reference each on their own share
-        for split in _splits(units, 2 + len(ref)):
+        # disaggregated: generation, training and the reference each on their own share, or
+        # the reference beside the actor on the training share
+        splits = [(s, "apart") for s in _splits(units, 2 + len(ref))]
+        splits += [(s, "with_actor") for s in (_splits(units, 2) if ref else [])]
+        for split, where in splits:
             n_gen, n_train, *n_ref = [s * unit for s in split]
+            beside = ref if where == "with_actor" else []
             # separate groups do not share memory: each role's own best layout is best, but
-            # actor and critic share the training devices, so they keep their TOP_K there
-            choice = {r: top(r, n_train)[:1 if len(trained) == 1 else TOP_K] for r in trained}
-            if ref:
+            # roles sharing the training devices keep their TOP_K there
+            keep = TOP_K if len(trained) + len(beside) > 1 else 1
+            choice = {r: top(r, n_train)[:keep] for r in trained + beside}
+            if n_ref:
                 choice["reference"] = top("reference", n_ref[0])[:1]
             gen = top("actor", n_gen, rollout=True)[:1]
             if not all(choice.values()) or not gen:
-                result.rejected.append((f"disaggregated split {[n_gen, n_train, *n_ref]} "
+                result.rejected.append((f"disaggregated split {[n_gen, n_train, *n_ref]}"
+                                        f"{', reference with the actor' if beside else ''} "
                                         f"mb{wl.micro_batch}",
                                         "some role fits no layout on its group"))
                 continue
             for sched, eta in schedules:
                 add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
-                     "actor_critic": ac}, choice, gen)
-        # disaggregated with the reference beside the actor on the training devices
-        for n_gen, n_train in (() if not ref else _splits(units, 2)):
-            n_gen, n_train = n_gen * unit, n_train * unit
-            choice = {r: top(r, n_train) for r in trained + ref}
-            gen = top("actor", n_gen, rollout=True)[:1]
-            if not all(choice.values()) or not gen:
-                result.rejected.append((f"disaggregated split {[n_gen, n_train]}, reference "
-                                        f"with the actor, mb{wl.micro_batch}",
-                                        "some role fits no layout on its group"))
-                continue
-            for sched, eta in schedules:
-                add({"placement": "disaggregated", "schedule": sched, "staleness": eta,
-                     "actor_critic": ac, "reference": "with_actor"}, choice, gen)
+                     "actor_critic": ac, "reference": where}, choice, gen)
 
 
 def naive(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
