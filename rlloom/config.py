@@ -17,6 +17,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
 from rlloom.data.synthetic import check_difficulty
 from rlloom.plan import Plan, Strict
+from rlloom.rewards.functions import load, resolve_spec
 
 
 class ConfigError(ValueError):
@@ -177,17 +178,41 @@ class RewardSection(Strict):
     weights: dict[str, float] = Field(
         default_factory=lambda: {"correct": 1.0},
         description="term -> weight; terms: correct (verifier: 1/0, or the fraction of unit "
-                    "tests passed), format (well-formed final answer), model (reward model)")
+                    "tests passed), format (well-formed final answer), model (reward model), "
+                    "and each reward function by its name (default: 1 for each function "
+                    "when reward.functions is set and the weights are not)")
+    functions: list[str] = Field([], description="Python reward functions, TRL's signature "
+                                 "f(prompts, completions, completion_ids, **columns) -> list "
+                                 "of floats, as module.path:function or file.py:function")
     model_path: str | None = Field(None, description="reward model checkpoint (a *ForSequence"
                                    "Classification with one label, same tokenizer as the policy)")
     sandbox_workers: int = Field(2, ge=1, description="parallel programs for the code task")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _function_weights(cls, data: Any) -> Any:
+        """Functions given without weights: each weighs 1 (TRL's default), nothing else."""
+        if isinstance(data, dict) and data.get("functions") and "weights" not in data:
+            data = {**data, "weights": {str(s).rpartition(":")[2]: 1.0
+                                        for s in data["functions"]}}
+        return data
+
+    @field_validator("functions")
+    @classmethod
+    def _resolve(cls, specs: list[str]) -> list[str]:
+        return [resolve_spec(s, Path.cwd()) for s in specs]
+
     @model_validator(mode="after")
     def _known_terms(self) -> "RewardSection":
-        unknown = set(self.weights) - set(REWARD_TERMS)
+        names = [load(s)[0] for s in self.functions]  # fails early, naming the function
+        clash = {n for n in names if names.count(n) > 1 or n in REWARD_TERMS}
+        if clash:
+            raise ValueError(f"reward.functions: {sorted(clash)} named twice or like a "
+                             f"built-in term ({', '.join(REWARD_TERMS)}); rename the function")
+        unknown = set(self.weights) - set(REWARD_TERMS) - set(names)
         if unknown:
             raise ValueError(f"reward.weights has unknown terms {sorted(unknown)}; terms are "
-                             f"{', '.join(REWARD_TERMS)}")
+                             f"{', '.join((*REWARD_TERMS, *names))}")
         if "model" in self.weights and not self.model_path:
             raise ValueError("reward.weights.model needs reward.model_path (a reward model)")
         return self

@@ -30,6 +30,17 @@ class Problem:
     source: str = field(default="", compare=False)  # "file:line" of a prompt-file row
 
 
+def row_columns(problems: list[Problem]) -> dict[str, list]:
+    """The dataset columns of each problem but its prompt, one list per column (what a Python
+    reward function gets as keyword arguments): answer, solution, and the columns every
+    problem's `meta` has."""
+    shared = set.intersection(*(set(p.meta) for p in problems)) if problems else set()
+    columns = {"answer": [p.answer for p in problems],
+               "solution": [p.solution for p in problems]}
+    return {**columns, **{k: [p.meta[k] for p in problems] for k in sorted(shared)
+                          if k not in columns}}
+
+
 _DIFFICULTY = {"arith": (1, 32), "countdown": (2, 5), "code": (1, 3)}
 _TARGET_RANGE = (1, 200)
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}

@@ -18,11 +18,12 @@ from rlloom.algos.masks import valid
 from rlloom.algos.value import value_loss
 from rlloom.config import RunConfig
 from rlloom.data.prompts import PromptStream
-from rlloom.data.synthetic import Problem
+from rlloom.data.synthetic import Problem, row_columns
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import DTYPES, CheckpointError, load_value_model
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.pipeline import PipelinedModel
+from rlloom.rewards import functions as reward_functions
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
@@ -130,6 +131,7 @@ class Rewarder:
                  reward_model: ValueModel | None, pool: SandboxPool | None) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.reward_model, self.pool = reward_model, pool
+        self.functions = [reward_functions.load(spec) for spec in cfg.reward.functions]
 
     @classmethod
     def build(cls, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool | None,
@@ -154,6 +156,15 @@ class Rewarder:
         device = rollout.response_ids.device
         terms = {k: torch.tensor(v, device=device) for k, v in
                  task_terms(per_sample, texts, self.cfg.data.task, self.pool).items()}
+        if self.functions:
+            ids = [row[mask.bool()].tolist() for row, mask in
+                   zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
+            columns = row_columns(per_sample)
+            sources = [p.source for p in per_sample]
+            for name, fn in self.functions:
+                terms[name] = torch.tensor(reward_functions.call(
+                    name, fn, [p.prompt for p in per_sample], texts, ids, columns, sources),
+                    device=device)
         if self.reward_model is not None:
             with torch.no_grad():
                 terms["model"] = sequence_scores(self.reward_model, rollout).float()

@@ -1,0 +1,105 @@
+"""Python reward functions with TRL's signature: loaded by module or file path, called on a
+batch with the row's columns, checked, and their failures named."""
+import math
+import textwrap
+
+import pytest
+
+from rlloom.config import ConfigError, load_config
+from rlloom.rewards.functions import RewardFunctionError, call, load, resolve_spec
+
+SOURCE = textwrap.dedent('''
+    import asyncio
+    import math
+
+    def exact(prompts, completions, completion_ids, answer, **kwargs):
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    async def n_tokens(prompts, completions, completion_ids, **kwargs):
+        await asyncio.sleep(0)
+        return [len(ids) for ids in completion_ids]
+
+    def seen(prompts, completions, completion_ids, **kwargs):
+        return [float(len(kwargs)) for _ in completions]
+
+    def picky(prompts, completions, **kwargs):
+        return [1.0 / (c != "boom") for c in completions]
+
+    def short(prompts, completions, **kwargs):
+        return [1.0]
+
+    def nan(prompts, completions, **kwargs):
+        return [math.nan if c == "x" else 0.0 for c in completions]
+
+    def words(prompts, completions, **kwargs):
+        return ["many" for _ in completions]
+''')
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(SOURCE)
+    return path
+
+
+def _call(path, name, completions, **columns):
+    fname, fn = load(f"{path}:{name}")
+    ids = [[7] * len(c) for c in completions]
+    return call(fname, fn, ["p"] * len(completions), completions, ids,
+                {"answer": ["4"] * len(completions), **columns},
+                [f"data.jsonl:{i + 1}" for i in range(len(completions))])
+
+
+def test_trl_signature_columns_and_async(rewards_file):
+    assert _call(rewards_file, "exact", ["4", " 4 ", "5"]) == [1.0, 1.0, 0.0]
+    assert _call(rewards_file, "n_tokens", ["abc", "de"]) == [3.0, 2.0]
+    assert _call(rewards_file, "seen", ["a"], level=[3]) == [2.0]  # answer and level
+
+
+def test_a_relative_file_path_is_resolved_against_the_config_directory(tmp_path):
+    spec = resolve_spec("rewards/mine.py:score", tmp_path)
+    assert spec == f"{tmp_path / 'rewards' / 'mine.py'}:score"
+    assert resolve_spec("my_pkg.rewards:score", tmp_path) == "my_pkg.rewards:score"
+
+
+@pytest.mark.parametrize("name, completions, message", [
+    ("picky", ["ok", "boom"], r"'picky' raised ZeroDivisionError.* on sample 1 "
+                              r"\(data.jsonl:2\) \(completion 'boom'\)"),
+    ("short", ["a", "b"], r"'short' returned 1 values for 2 completions"),
+    ("nan", ["a", "x"], r"'nan' returned nan for sample 1 \(data.jsonl:2\); rewards must be "
+                        r"finite"),
+    ("words", ["a"], r"'words' must return a list of numbers"),
+])
+def test_a_failing_function_is_named_with_the_sample(rewards_file, name, completions, message):
+    with pytest.raises(RewardFunctionError, match=message):
+        _call(rewards_file, name, completions)
+
+
+def test_load_errors_name_what_is_missing(tmp_path, rewards_file):
+    with pytest.raises(RewardFunctionError, match="file .*nowhere.py not found"):
+        load(f"{tmp_path / 'nowhere.py'}:f")
+    with pytest.raises(RewardFunctionError, match=r"cannot import 'no_such_pkg.rewards' "
+                                                  r"\(No module named 'no_such_pkg'\)"):
+        load("no_such_pkg.rewards:f")
+    with pytest.raises(RewardFunctionError, match="has no function 'absent'"):
+        load(f"{rewards_file}:absent")
+    with pytest.raises(RewardFunctionError, match="module.path:function"):
+        resolve_spec("just_a_name", tmp_path)
+
+
+def test_config_weighs_functions_one_each_and_checks_names(rewards_file, monkeypatch):
+    monkeypatch.chdir(rewards_file.parent)
+    cfg = load_config(None, ["reward.functions=[my_rewards.py:exact,my_rewards.py:n_tokens]"])
+    assert cfg.reward.weights == {"exact": 1.0, "n_tokens": 1.0}
+    assert cfg.reward.functions[0] == f"{rewards_file}:exact"  # absolute: any worker loads it
+    cfg = load_config(None, ["reward.functions=[my_rewards.py:exact]",
+                             "reward.weights={correct: 1.0, exact: 0.5}"])
+    assert cfg.reward.weights == {"correct": 1.0, "exact": 0.5}
+    with pytest.raises(ConfigError, match=r"unknown terms \['exakt'\]; terms are correct, "
+                                          r"format, model, exact"):
+        load_config(None, ["reward.functions=[my_rewards.py:exact]",
+                           "reward.weights={exakt: 1.0}"])
+    with pytest.raises(ConfigError, match=r"\['exact'\] named twice"):
+        load_config(None, ["reward.functions=[my_rewards.py:exact,my_rewards.py:exact]"])
+    assert math.isclose(sum(cfg.reward.weights.values()), 1.5)
