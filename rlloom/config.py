@@ -221,7 +221,15 @@ class RewardSection(Strict):
 class TrainSection(Strict):
     steps: int = Field(40, ge=1, description="RL steps (each: generate, assess, train)")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step (B)")
-    lr: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    lr: float = Field(5e-5, gt=0, description="AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning rate over the RL steps after the warm-up: constant, "
+        "or a linear or cosine decay to lr x min_lr_ratio at the last step (algo.critic_lr "
+        "follows the same schedule)")
+    warmup_steps: int = Field(0, ge=0, description="RL steps of linear warm-up from lr / "
+                              "warmup_steps to lr")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's final learning rate "
+                                "as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")

@@ -19,6 +19,7 @@ from torch import nn
 
 from rlloom.algos.advantages import ADVANTAGES
 from rlloom.algos.kl import LOG_RATIO_CLAMP
+from rlloom.algos.lr_schedule import lr_factor
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.data.preferences import read_preference_file
@@ -209,11 +210,21 @@ class TrainingHost:
             parts["critic"] = (own(self.critic), self.critic_optimizer)
         return parts
 
+    def set_lr(self, step: int) -> float:
+        """Every optimizer at its base rate times the schedule's factor for `step`."""
+        t = self.cfg.train
+        factor = lr_factor(step, t.steps, t.lr_schedule, t.warmup_steps, t.min_lr_ratio)
+        for optim, base in ((self.optimizer, t.lr),
+                            (self.critic_optimizer, self.cfg.algo.critic_lr)):
+            for group in optim.param_groups if optim is not None else ():
+                group["lr"] = base * factor
+        return t.lr * factor
+
     @_in_compute_dtype
     def train(self, step: int, exp: Experience, kl_coef: float, correct: bool
               ) -> dict[str, Any]:
         lane = "actor+critic" if self.critic is not None else "actor"
-        extra: dict[str, float] = {}
+        extra: dict[str, float] = {"lr": self.set_lr(step)}
         exp = exp.to(self.ranks.device)
         with self.spans.span("training", step, lane) as span:
             if correct:
@@ -429,11 +440,12 @@ class PreferenceHost:
     def train(self, step: int) -> dict[str, Any]:
         t, cfg = self.training, self.cfg
         pairs = self.pairs.next(cfg.train.prompts_per_step)
+        lr = t.set_lr(step)
         with self.spans.span("training", step, "actor+reference") as span:
             stats = preference_step(t.policy, self.assessment.reference, t.optimizer,
                                     t.tokenizer, pairs, cfg.algo, cfg.train.grad_clip)
         t.version = step
-        return {**stats, "train_s": span["seconds"]}
+        return {**stats, "lr": lr, "train_s": span["seconds"]}
 
     def state(self) -> dict[str, Any]:
         return {"data_position": self.pairs.position}
