@@ -44,7 +44,7 @@ from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
 
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s",
-                 "staleness")
+                 "gen_s", "assess_s", "train_s", "staleness")
 
 
 class Group(Protocol):
@@ -324,7 +324,7 @@ class StepLoop:
             if self.main:
                 print(f"held-out greedy accuracy before RL: {before:.3f}")
         with progress_bar(self.ex.label, cfg.train.steps, done=self.step,
-                          show=self.main) as bar:
+                          show=self.main, every=1) as bar:
             while self.step < cfg.train.steps:
                 row = self.train_step()
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
@@ -335,7 +335,9 @@ class StepLoop:
                     self.checkpoint()
                 else:
                     self.tracer.events += self.ex.spans()
-                bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS})
+                tokens = sum(row.get("response_lens", ()))
+                bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS},
+                            tok_per_s=tokens / row["step_s"] if tokens else None)
 
     def _final(self) -> dict[str, float]:
         train = self._host("training")
