@@ -18,6 +18,7 @@ from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
 from rlloom.data.synthetic import check_difficulty
 from rlloom.plan import Plan, Strict
 from rlloom.rewards.functions import load, resolve_spec
+from rlloom.runtime.outputs.trackers import check_installed
 
 
 class ConfigError(ValueError):
@@ -272,6 +273,21 @@ class SFTSection(Strict):
                                    "to the bare answer line (no worked steps)")
 
 
+class LogSection(Strict):
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        [], description="experiment trackers fed every step's metrics and the config (each an "
+        "extra: pip install 'rlloom[tensorboard]'); tensorboard writes run_dir/tensorboard, "
+        "mlflow a file store in run_dir/mlruns unless MLFLOW_TRACKING_URI is set, wandb "
+        "follows WANDB_MODE (offline, online)")
+    project: str = Field("rlloom", description="W&B project / MLflow experiment name")
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, names: list[str]) -> list[str]:
+        check_installed(names)
+        return names
+
+
 class RunConfig(Strict):
     seed: int = Field(0, description="seed of data, initialisation and sampling")
     run_dir: str | None = Field(None, description="output directory; null = runs/<time>")
@@ -286,6 +302,7 @@ class RunConfig(Strict):
                                           description="checkpointing")
     sft: SFTSection = Field(default_factory=SFTSection, description="supervised warm start")
     plan: Plan = Field(default_factory=Plan, description="placement, layouts and schedule")
+    log: LogSection = Field(default_factory=LogSection, description="experiment trackers")
 
     @property
     def needs_reference(self) -> bool:

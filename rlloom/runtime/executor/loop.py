@@ -32,7 +32,7 @@ import torch
 
 from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import DECOUPLED_LOSSES, PRESETS
-from rlloom.config import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.executor.hosts import save_final, step_row
@@ -42,6 +42,7 @@ from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
+from rlloom.runtime.outputs.trackers import closing_all, open_trackers
 
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s",
                  "gen_s", "assess_s", "train_s", "staleness")
@@ -323,14 +324,19 @@ class StepLoop:
             before = self.evaluate()
             if self.main:
                 print(f"held-out greedy accuracy before RL: {before:.3f}")
+        trackers = (open_trackers(cfg.log.trackers, self.run_dir, cfg.model_dump(mode="json"),
+                                  dump_config(cfg), cfg.log.project, self.step + 1)
+                    if self.main else [])
         with progress_bar(self.ex.label, cfg.train.steps, done=self.step,
-                          show=self.main, every=1) as bar:
+                          show=self.main, every=1) as bar, closing_all(trackers):
             while self.step < cfg.train.steps:
                 row = self.train_step()
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
                     row["eval_accuracy"] = self.evaluate()
                 if self.main:
                     self.metrics.append(row)
+                for tracker in trackers:
+                    tracker.log(row, self.step)
                 if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
                     self.checkpoint()
                 else:
