@@ -101,10 +101,22 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (and their *ForSequenceClassification "
                 "forms with one label as reward models)")
         heads = hf["num_attention_heads"]
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act != "silu":
             raise UnsupportedArchitectureError(
-                f"rope scaling {rope!r} is not supported; only default rotary embeddings are")
+                f"hidden_act={act!r} is not supported (rlloom's MLP is SwiGLU with silu); "
+                "training it as silu would change the model, so it is refused")
+        if hf.get("use_sliding_window") and hf.get("sliding_window"):
+            raise UnsupportedArchitectureError(
+                f"sliding-window attention (sliding_window={hf['sliding_window']}) is not "
+                "supported; set use_sliding_window to false in config.json if the model "
+                "was trained without it")
+        for rope in (hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}):
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise UnsupportedArchitectureError(
+                    f"rope scaling {rope!r} is not supported; only default rotary embeddings "
+                    "are")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         bias = bool(hf.get("attention_bias", False))
         moe = {}
         if family == "qwen3_moe":
@@ -158,7 +170,6 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
-            "torch_dtype": "float32",
         }
         if self.family != "qwen2":
             hf["attention_bias"] = self.qkv_bias

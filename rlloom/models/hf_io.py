@@ -126,10 +126,16 @@ def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
-        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
         # Only the language model: a shared actor-critic's value head is training state.
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
                  if k.startswith(("model.", "lm_head."))}
+        dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        config = {**model.config.to_hf(), "torch_dtype": dtype, "dtype": dtype}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        c = model.config
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
+             "pad_token_id": c.pad_token_id}, indent=2))
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

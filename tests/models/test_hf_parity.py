@@ -117,3 +117,35 @@ def test_reward_model_with_several_labels_is_refused(tmp_path):
     transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="3 labels; a reward model has one"):
         load_value_model(tmp_path)
+
+
+def test_a_bf16_checkpoint_says_so_and_carries_a_generation_config(tmp_path):
+    import json
+
+    from rlloom.models.hf_io import save_checkpoint
+    save_hf(tmp_path / "src", "llama")
+    ours = load_model(tmp_path / "src", torch.bfloat16).eval()
+    save_checkpoint(ours, None, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == ours.config.eos_token_id
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert hf.dtype == torch.bfloat16
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits.float() - ours(ids).float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ({"use_sliding_window": True, "sliding_window": 64}, r"sliding-window attention"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope scaling"),
+])
+def test_config_fields_rlloom_does_not_implement_are_refused(tmp_path, change, message):
+    import json
+    save_hf(tmp_path, "qwen2")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        load_model(tmp_path)
