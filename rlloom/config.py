@@ -257,7 +257,8 @@ class TrainSection(Strict):
 
 class EvalSection(Strict):
     every: int = Field(10, ge=1, description="evaluate every N steps (and before step 1)")
-    max_new_tokens: int = Field(64, ge=1, description="greedy response length limit")
+    max_new_tokens: int = Field(64, ge=1, description="greedy response length limit "
+                                "(default: rollout.max_new_tokens)")
 
 
 class CheckpointSection(Strict):
@@ -304,6 +305,18 @@ class RunConfig(Strict):
     plan: Plan = Field(default_factory=Plan, description="placement, layouts and schedule")
     log: LogSection = Field(default_factory=LogSection, description="experiment trackers")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_length_follows_rollout(cls, data: Any) -> Any:
+        """Evaluation decodes as long as training samples, unless told otherwise."""
+        if not isinstance(data, dict):
+            return data
+        rollout, evaluation = data.get("rollout") or {}, data.get("eval") or {}
+        if (isinstance(rollout, dict) and isinstance(evaluation, dict)
+                and "max_new_tokens" in rollout and "max_new_tokens" not in evaluation):
+            data = {**data, "eval": {**evaluation, "max_new_tokens": rollout["max_new_tokens"]}}
+        return data
+
     @property
     def needs_reference(self) -> bool:
         """A frozen reference model exists for a KL term, or to score DPO's pairs."""
@@ -334,8 +347,25 @@ class RunConfig(Strict):
         return self
 
 
+# the names TRL and verl users type, and rlloom's key for each
+PEER_NAMES = {"num_generations": "rollout.n_samples", "n": "rollout.n_samples",
+              "max_completion_length": "rollout.max_new_tokens",
+              "response_length": "rollout.max_new_tokens",
+              "max_response_length": "rollout.max_new_tokens",
+              "learning_rate": "train.lr", "beta": "algo.kl_coef",
+              "kl_loss_coef": "algo.kl_coef", "num_iterations": "algo.epochs",
+              "ppo_epochs": "algo.epochs", "epsilon": "algo.clip_low",
+              "epsilon_high": "algo.clip_high", "clip_ratio_high": "algo.clip_high",
+              "lr_scheduler_type": "train.lr_schedule", "warmup_ratio": "train.warmup_steps",
+              "max_grad_norm": "train.grad_clip", "reward_funcs": "reward.functions",
+              "reward_weights": "reward.weights", "report_to": "log.trackers",
+              "train_batch_size": "train.prompts_per_step"}
+
+
 def _closest(key: str, options: list[str]) -> str:
     prefix, _, name = key.rpartition(".")
+    if name in PEER_NAMES:
+        return f"; rlloom calls it {PEER_NAMES[name]!r}"
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     if match:
         return f"; did you mean {'.'.join(filter(None, [prefix, match[0]]))!r}?"

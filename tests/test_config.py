@@ -72,3 +72,19 @@ def test_device_spellings():
     with pytest.raises(ConfigError, match=r"train.device: use auto, cpu, cuda or cuda:N "
                                           r"\(got 'gpu'\)"):
         load_config(None, ["train.device=gpu"])
+
+
+def test_trl_and_verl_names_point_to_rlloom_keys():
+    for given, ours in (("rollout.num_generations=8", "rollout.n_samples"),
+                        ("train.learning_rate=1e-6", "train.lr"),
+                        ("algo.beta=0.04", "algo.kl_coef")):
+        with pytest.raises(ConfigError, match=rf"unknown key '{given.split('=')[0]}'; rlloom "
+                                              rf"calls it '{ours}'"):
+            load_config(None, [given])
+
+
+def test_evaluation_decodes_as_long_as_training_unless_told():
+    assert load_config(None, ["rollout.max_new_tokens=256"]).eval.max_new_tokens == 256
+    assert load_config(None, ["rollout.max_new_tokens=256",
+                              "eval.max_new_tokens=32"]).eval.max_new_tokens == 32
+    assert load_config(None, []).eval.max_new_tokens == 64
