@@ -77,7 +77,7 @@ def test_device_spellings():
 def test_trl_and_verl_names_point_to_rlloom_keys():
     for given, ours in (("rollout.num_generations=8", "rollout.n_samples"),
                         ("train.learning_rate=1e-6", "train.lr"),
-                        ("algo.beta=0.04", "algo.kl_coef")):
+                        ("algo.kl_loss_coef=0.001", "algo.kl_coef")):
         with pytest.raises(ConfigError, match=rf"unknown key '{given.split('=')[0]}'; rlloom "
                                               rf"calls it '{ours}'"):
             load_config(None, [given])
