@@ -112,11 +112,16 @@ def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; one without a pad token pads with EOS (as TRL does: padded
+    positions are masked, so the id never counts)."""
     _require_dir(Path(path))
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load a tokenizer from {path}: {e}") from e
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,

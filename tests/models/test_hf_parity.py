@@ -149,3 +149,13 @@ def test_config_fields_rlloom_does_not_implement_are_refused(tmp_path, change, m
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(UnsupportedArchitectureError, match=message):
         load_model(tmp_path)
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path):
+    from rlloom.models.hf_io import load_tokenizer
+    from rlloom.models.tokenizer import build_char_tokenizer
+    tok = build_char_tokenizer()
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.pad_token == "<eos>" and loaded.pad_token_id == loaded.eos_token_id == 2

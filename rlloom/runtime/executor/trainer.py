@@ -97,8 +97,9 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
         join_torchrun(cfg.train.device)
     model_path = Path(cfg.model.path) if cfg.model.path else _default_model(cfg, device)
     tokenizer = load_tokenizer(model_path)
-    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-        raise DataError(f"the tokenizer in {model_path} needs an EOS and a pad token")
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"the tokenizer in {model_path} has no EOS token; set eos_token in "
+                        "its tokenizer_config.json (responses end at EOS)")
     if world > 1:
         check_group_layouts(cfg, read_model_config(model_path))
     check_prompt_lengths(cfg, tokenizer)
