@@ -29,6 +29,14 @@ class ConfigError(ValueError):
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
+def _absolute(path: str | None) -> str | None:
+    """A relative path made absolute against the directory the config is read in, so a run
+    resumed (or a Ray worker started) elsewhere finds the same file."""
+    if path is None or Path(path).expanduser().is_absolute():
+        return path
+    return str((Path.cwd() / path).resolve())
+
+
 class ModelSection(Strict):
     path: str | None = Field(None, description="Hugging Face checkpoint dir; null = built-in "
                                                "tiny model, warm-started by SFT and cached")
@@ -46,6 +54,11 @@ class ModelSection(Strict):
                                               "layer")
     experts_per_token: int = Field(2, ge=1, description="built-in qwen3_moe model: experts "
                                                         "each token is routed to")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_paths(cls, path: str | None) -> str | None:
+        return _absolute(path)
 
 
 class DataSection(Strict):
@@ -73,6 +86,11 @@ class DataSection(Strict):
         if self.task in BUILT_IN_TASKS:
             check_difficulty(self.task, self.difficulty)
         return self
+
+    @field_validator("prompt_file", "preference_file")
+    @classmethod
+    def _absolute_paths(cls, path: str | None) -> str | None:
+        return _absolute(path)
 
 
 class RolloutSection(Strict):
@@ -217,6 +235,11 @@ class RewardSection(Strict):
         if "model" in self.weights and not self.model_path:
             raise ValueError("reward.weights.model needs reward.model_path (a reward model)")
         return self
+
+    @field_validator("model_path")
+    @classmethod
+    def _absolute_paths(cls, path: str | None) -> str | None:
+        return _absolute(path)
 
 
 class TrainSection(Strict):

@@ -88,3 +88,18 @@ def test_evaluation_decodes_as_long_as_training_unless_told():
     assert load_config(None, ["rollout.max_new_tokens=256",
                               "eval.max_new_tokens=32"]).eval.max_new_tokens == 32
     assert load_config(None, []).eval.max_new_tokens == 64
+
+
+def test_relative_paths_become_absolute_so_a_run_resumes_from_anywhere(tmp_path, monkeypatch):
+    from rlloom.config import dump_config
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["data.task=math", "data.prompt_file=data/train.jsonl",
+                             "model.path=models/mine"])
+    assert cfg.data.prompt_file == str(tmp_path / "data" / "train.jsonl")
+    assert cfg.model.path == str(tmp_path / "models" / "mine")
+    saved = tmp_path / "run" / "config.yaml"
+    saved.parent.mkdir()
+    saved.write_text(dump_config(cfg))
+    monkeypatch.chdir("/")
+    again = load_config(saved)
+    assert (again.data.prompt_file, again.model.path) == (cfg.data.prompt_file, cfg.model.path)
