@@ -8,10 +8,17 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rlloom.algos.presets import PRESETS
 from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
@@ -37,8 +44,11 @@ def _absolute(path: str | None) -> str | None:
     return str((Path.cwd() / path).resolve())
 
 
+FilePath = Annotated[str | None, AfterValidator(_absolute)]
+
+
 class ModelSection(Strict):
-    path: str | None = Field(None, description="Hugging Face checkpoint dir; null = built-in "
+    path: FilePath = Field(None, description="Hugging Face checkpoint dir; null = built-in "
                                                "tiny model, warm-started by SFT and cached")
     dtype: Literal["float32", "bfloat16", "float64"] = Field(
         "float32", description="parameter dtype (float64: for checking a layout against one "
@@ -55,11 +65,6 @@ class ModelSection(Strict):
     experts_per_token: int = Field(2, ge=1, description="built-in qwen3_moe model: experts "
                                                         "each token is routed to")
 
-    @field_validator("path")
-    @classmethod
-    def _absolute_paths(cls, path: str | None) -> str | None:
-        return _absolute(path)
-
 
 class DataSection(Strict):
     task: Literal["arith", "countdown", "code", "math"] = Field(
@@ -69,13 +74,13 @@ class DataSection(Strict):
                                                "operations, countdown: numbers), or a mixture "
                                                "{level: weight}, e.g. {1: 0.95, 16: 0.05} for "
                                                "long-tailed response lengths")
-    prompt_file: str | None = Field(None, description="prompts: a .jsonl or .parquet file or a "
+    prompt_file: FilePath = Field(None, description="prompts: a .jsonl or .parquet file or a "
                                     "datasets save_to_disk directory; null = the built-in task")
     columns: dict[str, str] = Field(default_factory=dict, description="field -> column name in "
                                     "the prompt file, e.g. {prompt: question, answer: gt}")
     train_size: int = Field(20000, ge=1, description="generated training problems")
     eval_size: int = Field(200, ge=1, description="held-out problems for greedy evaluation")
-    preference_file: str | None = Field(None, description="jsonl of prompt/chosen/rejected "
+    preference_file: FilePath = Field(None, description="jsonl of prompt/chosen/rejected "
                                         "pairs for offline algorithms (dpo)")
     eval_fraction: float = Field(0.05, gt=0, lt=1, description="share of a prompt file held "
                                                                "out for evaluation")
@@ -86,11 +91,6 @@ class DataSection(Strict):
         if self.task in BUILT_IN_TASKS:
             check_difficulty(self.task, self.difficulty)
         return self
-
-    @field_validator("prompt_file", "preference_file")
-    @classmethod
-    def _absolute_paths(cls, path: str | None) -> str | None:
-        return _absolute(path)
 
 
 class RolloutSection(Strict):
@@ -203,7 +203,7 @@ class RewardSection(Strict):
     functions: list[str] = Field([], description="Python reward functions, TRL's signature "
                                  "f(prompts, completions, completion_ids, **columns) -> list "
                                  "of floats, as module.path:function or file.py:function")
-    model_path: str | None = Field(None, description="reward model checkpoint (a *ForSequence"
+    model_path: FilePath = Field(None, description="reward model checkpoint (a *ForSequence"
                                    "Classification with one label, same tokenizer as the policy)")
     sandbox_workers: int = Field(2, ge=1, description="parallel programs for the code task")
 
@@ -235,11 +235,6 @@ class RewardSection(Strict):
         if "model" in self.weights and not self.model_path:
             raise ValueError("reward.weights.model needs reward.model_path (a reward model)")
         return self
-
-    @field_validator("model_path")
-    @classmethod
-    def _absolute_paths(cls, path: str | None) -> str | None:
-        return _absolute(path)
 
 
 class TrainSection(Strict):
