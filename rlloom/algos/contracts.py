@@ -17,7 +17,7 @@ from rlloom.config import RunConfig
 # needs that only a role of the preset provides: need -> that role
 ROLE_NEEDS = {"critic": "critic"}
 # needs every runtime provides for any online preset:
-# - greedy_baseline: one greedy rollout per prompt (online.greedy_baseline); the runtimes run it
+# - greedy_baseline: one greedy rollout per prompt (generation.greedy_baseline); the runtimes run it
 #   when algo.advantage is remax, its only user today.
 # - prox_logp: in one process, under torchrun and on Ray at staleness 0 the samples come from
 #   the weights being trained, so the proximal policy is the behaviour policy and its

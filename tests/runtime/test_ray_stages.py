@@ -12,14 +12,8 @@ from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.default_model import tiny_model_config
 from rlloom.runtime.executor.hosts import decoupled
-from rlloom.runtime.stages.online import (
-    Rewarder,
-    Samples,
-    assess,
-    assess_from,
-    sample_groups,
-    scores,
-)
+from rlloom.runtime.stages.generation import Rewarder, Samples, sample_groups
+from rlloom.runtime.stages.online import assess, assess_from, scores
 from tests.conftest import TINY
 
 

@@ -7,7 +7,8 @@ from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.executor.ranks import RankGroup
 from rlloom.runtime.stages.batch import joined
-from rlloom.runtime.stages.online import Samples, assess
+from rlloom.runtime.stages.generation import Samples
+from rlloom.runtime.stages.online import assess
 from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 FAMILIES = {"llama": dict(qkv_bias=True), "qwen3": dict(qk_norm=True)}

@@ -14,7 +14,7 @@ from rlloom.config import load_config
 from rlloom.models.hf_io import load_model
 from rlloom.runtime.executor.trainer import local_loop, train
 from rlloom.runtime.stages.batch import decode_responses
-from rlloom.runtime.stages.online import sample_groups
+from rlloom.runtime.stages.generation import sample_groups
 
 TIMING = {"gen_s", "assess_s", "train_s", "step_s"}
 

@@ -38,18 +38,9 @@ from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import greedy_accuracy
+from rlloom.runtime.stages.generation import Rewarder, Samples, generate_group, greedy_baseline
 from rlloom.runtime.stages.offline import preference_step
-from rlloom.runtime.stages.online import (
-    Experience,
-    Rewarder,
-    Samples,
-    assess_from,
-    behaviour_kl,
-    generate_group,
-    greedy_baseline,
-    optimise,
-    scores,
-)
+from rlloom.runtime.stages.online import Experience, assess_from, behaviour_kl, optimise, scores
 from rlloom.runtime.stages.pipelined import pipelined_logprobs
 
 # -- batches and stage helpers (no Ray, unit-tested directly) -------------------------------

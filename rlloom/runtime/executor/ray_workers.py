@@ -13,9 +13,9 @@ on the group uses all of them in its own layout. A worker hosts the stages its g
 - training: the policy, the critic, their optimizers and the shuffling RNG; held-out
   evaluation runs here because the newest weights live here.
 
-Each stage runs the functions of `online.py` (`generate_group`, `assess`, `optimise`) on
-the group's ranks. The step loop (`loop.py`) calls every rank of a group with the same
-arguments and reads rank 0's answer (on Ray), or each rank reads its own (`spmd`: every
+Each stage runs the functions of `generation.py` and `online.py` (`generate_group`, `assess`,
+`optimise`) on the group's ranks. The step loop (`loop.py`) calls every rank of a group with
+the same arguments and reads rank 0's answer (on Ray), or each rank reads its own (`spmd`: every
 process of a torchrun world runs the loop). Stages in one group share one model object
 instead of a synced copy: generation of a colocated or interleaved group reads the trainer's
 live weights (or, when the actor generates in another layout or trains data-parallel, a copy

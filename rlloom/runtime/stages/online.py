@@ -1,45 +1,26 @@
-"""One online RL iteration in one process: Generation -> Assessment -> Training, for every
-online preset (the estimator, loss and KL placement come from the registries by name)."""
+"""Assessment and Training of an online RL step, for every online preset (the estimator, loss
+and KL placement come from the registries by name); Generation is generation.py."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.advantages import ADVANTAGES, AdvantageInputs
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
-from rlloom.algos.dapo import groups_with_signal, overlong_penalty
+from rlloom.algos.dapo import overlong_penalty
 from rlloom.algos.kl import kl_shaped_rewards
 from rlloom.algos.masks import valid
 from rlloom.algos.value import value_loss
 from rlloom.config import RunConfig
-from rlloom.data.prompts import PromptStream
-from rlloom.data.synthetic import Problem, row_columns
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import DTYPES, CheckpointError, load_value_model
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.pipeline import PipelinedModel
-from rlloom.rewards import functions as reward_functions
-from rlloom.rewards.sandbox import SandboxPool
-from rlloom.rewards.tasks import task_terms
-from rlloom.rollout.engine import EngineConfig, engine_generate
-from rlloom.rollout.generate import Rollout, cat_rollouts, generate
-from rlloom.rollout.partial import PartialPool
-from rlloom.rollout.partial_rule import partial_step
-from rlloom.rollout.sampling import SamplingParams, StopMatcher
-from rlloom.runtime.device import kv_budget_bytes, model_device
+from rlloom.rollout.generate import Rollout
 from rlloom.runtime.executor.ranks import RankGroup, Share
-from rlloom.runtime.stages.batch import (
-    decode_responses,
-    encode,
-    response_logprobs,
-    response_values,
-    sequence_scores,
-)
+from rlloom.runtime.stages.batch import response_logprobs, response_values
+from rlloom.runtime.stages.generation import Samples
 from rlloom.runtime.stages.objective import micro_rows, token_loss
 from rlloom.runtime.stages.packing import Agree, micro_batches, trim
 from rlloom.runtime.stages.pipelined import (
@@ -49,132 +30,6 @@ from rlloom.runtime.stages.pipelined import (
     pipelined_values,
 )
 from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
-
-
-@dataclass
-class Samples:
-    """Scored rollouts of whole groups (the K samples of each prompt are adjacent)."""
-    problems: list[Problem]
-    rollout: Rollout
-    group_ids: torch.Tensor     # [n] index into `problems`
-    terms: dict[str, torch.Tensor]  # reward term -> [n]
-    scores: torch.Tensor        # [n] weighted sum of the terms
-    rounds: int = 1             # generation rounds it took (dynamic sampling)
-    score_s: float = 0.0        # seconds spent computing rewards (part of Assessment)
-    # [n] the weight versions of each response's tokens, summed (partial rollouts mix
-    # versions in one response); None: every token has the batch's one version
-    version_sum: torch.Tensor | None = None
-
-    @property
-    def correct(self) -> torch.Tensor:
-        """[n] bool: the verifier's full marks."""
-        return self.terms["correct"] >= 1.0
-
-    def stats(self) -> dict[str, Any]:
-        """The per-step sample metrics of metrics.jsonl (the lengths feed `perf validate`)."""
-        r = self.rollout
-        return {"reward": self.scores.mean().item(),
-                **{f"reward/{k}": v.float().mean().item() for k, v in self.terms.items()},
-                "accuracy": self.correct.float().mean().item(),
-                "response_len": r.response_lengths.float().mean().item(),
-                "truncated": (~r.finished).float().mean().item(),
-                "sample_rounds": self.rounds,
-                "prompt_len": r.prompt_mask.sum(1).float().mean().item(),
-                "response_lens": r.response_lengths.tolist()}
-
-    def to(self, device: torch.device | str) -> "Samples":
-        return replace(self, rollout=self.rollout.to(device),
-                       group_ids=self.group_ids.to(device),
-                       terms={k: v.to(device) for k, v in self.terms.items()},
-                       scores=self.scores.to(device),
-                       version_sum=_maybe(lambda v: v.to(device), self.version_sum))
-
-    @classmethod
-    def cat(cls, parts: list["Samples"], pad_id: int) -> "Samples":
-        """Batches of whole groups as one, in order (group ids renumbered, responses
-        re-padded); rounds is the most any part took, score_s their sum."""
-        offsets, groups = [], 0
-        for s in parts:
-            offsets.append(groups)
-            groups += len(s.problems)
-        return cls([p for s in parts for p in s.problems],
-                   cat_rollouts([s.rollout for s in parts], pad_id),
-                   torch.cat([s.group_ids + o for s, o in zip(parts, offsets)]),
-                   {k: torch.cat([s.terms[k] for s in parts]) for k in parts[0].terms},
-                   torch.cat([s.scores for s in parts]), max(s.rounds for s in parts),
-                   sum(s.score_s for s in parts),
-                   None if parts[0].version_sum is None
-                   else torch.cat([s.version_sum for s in parts]))
-
-    def groups(self, keep: list[int]) -> "Samples":
-        """The groups `keep` (indices into `problems`), renumbered from 0 in that order."""
-        idx = torch.cat([(self.group_ids == g).nonzero().squeeze(1) for g in keep])
-        new_ids = torch.cat([torch.full(((self.group_ids == g).sum(),), i, dtype=torch.long,
-                                        device=idx.device) for i, g in enumerate(keep)])
-        return replace(self, problems=[self.problems[g] for g in keep],
-                       rollout=self.rollout.select(idx), group_ids=new_ids,
-                       terms={k: v[idx] for k, v in self.terms.items()},
-                       scores=self.scores[idx],
-                       version_sum=_maybe(lambda v: v[idx], self.version_sum))
-
-
-def _maybe(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor | None
-           ) -> torch.Tensor | None:
-    return None if x is None else fn(x)
-
-
-class Rewarder:
-    """Reward terms of responses: the task's verifier (with a sandbox pool for code) and an
-    optional reward model, combined by `reward.weights`."""
-
-    def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
-                 reward_model: ValueModel | None, pool: SandboxPool | None) -> None:
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.reward_model, self.pool = reward_model, pool
-        self.functions = [reward_functions.load(spec) for spec in cfg.reward.functions]
-
-    @classmethod
-    def build(cls, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool | None,
-              device: torch.device) -> "Rewarder":
-        """The run's rewarder, with its reward model (when `reward.model_path` is set) loaded
-        frozen on `device`; the model must share the policy's tokenizer."""
-        model = None
-        if cfg.reward.model_path:
-            model = load_value_model(cfg.reward.model_path, DTYPES[cfg.model.dtype]).to(
-                device).eval().requires_grad_(False)
-            if model.config.vocab_size != len(tokenizer):
-                raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary "
-                                      f"of {model.config.vocab_size}, the policy's tokenizer "
-                                      f"{len(tokenizer)}; they must share the tokenizer")
-        return cls(cfg, tokenizer, model, pool)
-
-    def terms(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
-              ) -> dict[str, torch.Tensor]:
-        """Each term [n], on the rollout's device (the verifiers run on the host)."""
-        texts = decode_responses(self.tokenizer, rollout)
-        per_sample = [problems[g] for g in group_ids.tolist()]
-        device = rollout.response_ids.device
-        terms = {k: torch.tensor(v, device=device) for k, v in
-                 task_terms(per_sample, texts, self.cfg.data.task, self.pool).items()}
-        if self.functions:
-            ids = [row[mask.bool()].tolist() for row, mask in
-                   zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
-            columns = row_columns(per_sample)
-            sources = [p.source for p in per_sample]
-            for name, fn in self.functions:
-                terms[name] = torch.tensor(reward_functions.call(
-                    name, fn, [p.prompt for p in per_sample], texts, ids, columns, sources),
-                    device=device)
-        if self.reward_model is not None:
-            with torch.no_grad():
-                terms["model"] = sequence_scores(self.reward_model, rollout).float()
-        return terms
-
-    def score(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
-              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        terms = self.terms(problems, group_ids, rollout)
-        total = sum(w * terms[k] for k, w in self.cfg.reward.weights.items())
-        return terms, total
 
 
 @dataclass
@@ -192,141 +47,6 @@ class Experience:
         return Experience(self.samples.to(device), self.loss_mask.to(device),
                           move(self.ref_logp), move(self.old_values),
                           self.advantages.to(device), self.returns.to(device))
-
-
-def _params(cfg: RunConfig, max_new_tokens: int) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
-                          stop=tuple(r.stop))
-
-
-def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
-             params: SamplingParams, cfg: RunConfig, generator: torch.Generator,
-             n_samples: int) -> Rollout:
-    r = cfg.rollout
-    if r.engine == "plain":
-        return generate(policy, prompts, params, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, generator, decode=tokenizer.decode)
-    # a sharded model falls back to the plain loop inside the engine
-    engine = EngineConfig(max_batch=r.max_batch, n_samples=n_samples,
-                          kv_budget_bytes=kv_budget_bytes(model_device(policy)))
-    return engine_generate(policy, prompts, params, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, generator, engine, tokenizer.decode)
-
-
-def _scored(problems: list[Problem], rollout: Rollout, k: int, rewarder: Rewarder,
-            versions: torch.Tensor | None = None) -> Samples:
-    group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
-    t0 = time.perf_counter()
-    terms, scores = rewarder.score(problems, group_ids, rollout)
-    return Samples(problems, rollout, group_ids, terms, scores,
-                   score_s=time.perf_counter() - t0, version_sum=versions)
-
-
-def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                  cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
-    k = cfg.rollout.n_samples
-    prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
-    rollout = _rollout(policy, tokenizer, prompts, _params(cfg, cfg.rollout.max_new_tokens),
-                       cfg, generator, k)
-    return _scored(problems, rollout, k, rewarder)
-
-
-def partial_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, pool: PartialPool,
-                   draw: Callable[[int], list[Problem]], n: int, cfg: RunConfig,
-                   rewarder: Rewarder, generator: torch.Generator, version: int,
-                   ranks: RankGroup, share: Share) -> Samples:
-    """n whole groups from the partial-rollout pool, filled by `partial_step` (`draw` gives
-    the prompts it admits; each chunk's pending rows are dealt to the replicas by group and
-    the results all-gathered); the oldest complete groups are taken and scored (on every
-    rank alike)."""
-    k = cfg.rollout.n_samples
-    params = _params(cfg, pool.chunk)
-    stops = StopMatcher(params, tokenizer.decode)
-
-    def admit(more: int) -> None:
-        problems = draw(more)
-        pool.admit(problems, encode(tokenizer, [p.prompt for p in problems]), k)
-
-    def decode_chunk() -> None:
-        pending = pool.pending()
-        # whole groups dealt round-robin: each replica gets carried and new rows alike
-        order = list(dict.fromkeys(pool.rows[i].group for i in pending))
-        dealt = set(order[share.part::share.parts])
-        mine = [i for i in pending if pool.rows[i].group in dealt]
-        part = (_rollout(policy, tokenizer, pool.requests(mine), params, cfg, generator, 0)
-                .to("cpu") if mine else None)
-        for got in ranks.gather((mine, part) if share.leader else None):
-            if got is not None and got[0]:
-                pool.absorb(*got, version, stops)
-
-    partial_step(n, lambda: len(pool.complete()), admit, decode_chunk)
-    taken, rollout, versions = pool.take(pool.complete()[:n], tokenizer.pad_token_id)
-    return _scored(taken, rollout.to(ranks.device), k, rewarder,
-                   torch.tensor([float(sum(v)) for v in versions], device=ranks.device))
-
-
-def collect(sample_round: Callable[[int], Samples], cfg: RunConfig, pad_id: int) -> Samples:
-    """B prompts x K samples, each round of `sample_round(prompts)`; with dynamic sampling,
-    groups whose rewards are all equal are dropped and fresh prompts generated, for at most
-    `algo.max_sample_rounds` rounds."""
-    b = cfg.train.prompts_per_step
-    first = sample_round(b)
-    if not cfg.algo.dynamic_sampling:
-        return first
-    kept: list[Samples] = []
-    batch, rounds, score_s = first, 1, first.score_s
-    while True:
-        keep = groups_with_signal(batch.scores, batch.group_ids)
-        kept += [batch.groups([g]) for g in batch.group_ids[keep].unique().tolist()]
-        if len(kept) >= b or rounds == cfg.algo.max_sample_rounds:
-            break
-        batch = sample_round(b)
-        score_s += batch.score_s
-        rounds += 1
-    kept = kept[:b] or [first.groups([g]) for g in range(b)]  # nothing learnable: round 1
-    return replace(Samples.cat(kept, pad_id), rounds=rounds, score_s=score_s)
-
-
-def generate_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
-                   cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator,
-                   ranks: RankGroup, share: Share, prompts: int | None = None,
-                   pool: PartialPool | None = None, version: int = 0) -> Samples:
-    """The step's scored samples on every rank of a group (`collect`, with dynamic sampling),
-    or a fused schedule's chunk of `prompts` prompts. Each round every rank draws the same
-    prompts; each generation replica samples its `share` of them and the shares are
-    all-gathered in replica order, so every rank filters the same groups alike. With a
-    partial-rollout `pool`, a round takes the pool's oldest complete groups instead
-    (`partial_groups`), sampled by weights `version` and earlier."""
-    def sample_round(n: int) -> Samples:
-        if pool is not None:
-            return partial_groups(policy, tokenizer, pool, stream.next, n, cfg, rewarder,
-                                  generator, version, ranks, share)
-        problems = stream.next(n)
-        part = sample_groups(policy, tokenizer, problems[share.of(n)], cfg, rewarder, generator)
-        if ranks.world == 1:
-            return part
-        got = [p for p in ranks.gather(part.to("cpu") if share.leader else None)
-               if p is not None]
-        # replicas score at the same time: the stage waits for the slowest
-        return replace(Samples.cat(got, tokenizer.pad_token_id),
-                       score_s=max(p.score_s for p in got)).to(ranks.device)
-    return sample_round(prompts) if prompts else collect(sample_round, cfg,
-                                                         tokenizer.pad_token_id)
-
-
-def greedy_baseline(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, s: Samples,
-                    cfg: RunConfig, rewarder: Rewarder) -> torch.Tensor:
-    """ReMax: the reward of each prompt's greedy response, per sample [n] (ended by the same
-    stop strings as the sampled ones, so the verifier scores alike)."""
-    rollout = engine_generate(policy, encode(tokenizer, [p.prompt for p in s.problems]),
-                              SamplingParams(cfg.rollout.max_new_tokens, 0.0,
-                                             stop=tuple(cfg.rollout.stop)),
-                              tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              decode=tokenizer.decode)
-    _, scores = rewarder.score(s.problems, torch.arange(len(s.problems),
-                                                        device=rollout.finished.device), rollout)
-    return scores[s.group_ids]
 
 
 @torch.no_grad()
