@@ -24,7 +24,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
 from rlloom.data.synthetic import check_difficulty
 from rlloom.plan import Plan, Strict
-from rlloom.rewards.functions import load, resolve_spec
+from rlloom.rewards.functions import function_name, load, resolve_spec
 from rlloom.runtime.outputs.trackers import check_installed
 
 
@@ -212,7 +212,7 @@ class RewardSection(Strict):
     def _function_weights(cls, data: Any) -> Any:
         """Functions given without weights: each weighs 1 (TRL's default), nothing else."""
         if isinstance(data, dict) and data.get("functions") and "weights" not in data:
-            data = {**data, "weights": {str(s).rpartition(":")[2]: 1.0
+            data = {**data, "weights": {function_name(str(s)): 1.0
                                         for s in data["functions"]}}
         return data
 

@@ -44,6 +44,11 @@ def resolve_spec(spec: str, base: Path) -> str:
     return spec
 
 
+def function_name(spec: str) -> str:
+    """The name a function is logged and weighted by: the part after the last colon."""
+    return spec.rpartition(":")[2]
+
+
 def load(spec: str) -> tuple[str, RewardFn]:
     """(name, function) of a resolved spec."""
     where, _, name = spec.rpartition(":")

@@ -31,17 +31,14 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token
     finished: bool = False  # ended by EOS or a stop (False at the token limit)
-    done: bool = False
 
 
 class PartialPool:
     """Rollouts in flight across steps, grouped by prompt, taken oldest group first."""
 
     def __init__(self, chunk: int, max_new_tokens: int) -> None:
-        if chunk < 1 or max_new_tokens % chunk:
-            raise ValueError(f"rollout.partial_tokens ({chunk}) must divide rollout."
-                             f"max_new_tokens ({max_new_tokens}): a carried response "
-                             "resumes with whole chunks")
+        """`chunk` divides `max_new_tokens` (checked with the config: a carried response
+        resumes with whole chunks)."""
         self.chunk, self.max_new = chunk, max_new_tokens
         self.rows: list[Row] = []
         self.problems: dict[int, Any] = {}  # group -> its problem
@@ -58,7 +55,10 @@ class PartialPool:
 
     def pending(self) -> list[int]:
         """Rows still generating, carried ones first (they are the oldest)."""
-        return [i for i, r in enumerate(self.rows) if not r.done]
+        return [i for i, r in enumerate(self.rows) if not self._done(r)]
+
+    def _done(self, row: Row) -> bool:
+        return row.finished or len(row.tokens) >= self.max_new
 
     def requests(self, rows: list[int]) -> list[list[int]]:
         """What each row feeds the engine: its prompt and the tokens it has so far."""
@@ -85,11 +85,10 @@ class PartialPool:
                         del row.tokens[j + 1:], row.logprobs[j + 1:], row.versions[j + 1:]
                         row.finished = True
                         break
-            row.done = row.finished or len(row.tokens) >= self.max_new
 
     def complete(self) -> list[int]:
         """Groups whose every row is done, oldest first."""
-        open_groups = {r.group for r in self.rows if not r.done}
+        open_groups = {r.group for r in self.rows if not self._done(r)}
         return sorted({r.group for r in self.rows} - open_groups)
 
     def take(self, groups: list[int], pad_id: int

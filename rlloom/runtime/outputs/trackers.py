@@ -36,8 +36,7 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 
 
 class _TensorBoard:
-    def __init__(self, run_dir: Path, config: dict[str, Any], config_text: str,
-                 first_step: int) -> None:
+    def __init__(self, run_dir: Path, config_text: str, first_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
         # a resumed run drops the events logged after its checkpoint, as metrics.jsonl does
         self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
@@ -109,7 +108,7 @@ def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], confi
     made: list[Tracker] = []
     for name in names:
         if name == "tensorboard":
-            made.append(_TensorBoard(run_dir, config, config_text, first_step))
+            made.append(_TensorBoard(run_dir, config_text, first_step))
         elif name == "wandb":
             made.append(_WandB(run_dir, config, project))
         else:
