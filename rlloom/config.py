@@ -24,8 +24,9 @@ from rlloom.algos.presets import PRESETS
 from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
 from rlloom.data.synthetic import check_difficulty
 from rlloom.plan import Plan, Strict
-from rlloom.rewards.functions import function_name, load, resolve_spec
+from rlloom.rewards import functions as reward_functions
 from rlloom.runtime.outputs.trackers import check_installed
+from rlloom.user_code import function_name, load, resolve_spec
 
 
 class ConfigError(ValueError):
@@ -80,11 +81,43 @@ class DataSection(Strict):
                                     "the prompt file, e.g. {prompt: question, answer: gt}")
     train_size: int = Field(20000, ge=1, description="generated training problems")
     eval_size: int = Field(200, ge=1, description="held-out problems for greedy evaluation")
-    preference_file: FilePath = Field(None, description="jsonl of prompt/chosen/rejected "
-                                        "pairs for offline algorithms (dpo)")
+    preference_file: FilePath = Field(None, description="prompt/chosen/rejected pairs for "
+                                        "offline algorithms (dpo): jsonl, parquet or a "
+                                        "save_to_disk directory; plain or conversational")
+    eval_file: FilePath = Field(None, description="held-out prompts, in the prompt file's "
+                                  "format; null = a share of the prompt file (or the built-in "
+                                  "task's held-out problems)")
     eval_fraction: float = Field(0.05, gt=0, lt=1, description="share of a prompt file held "
                                                                "out for evaluation")
-    max_prompt_tokens: int = Field(64, ge=1, description="longest allowed prompt, in tokens")
+    max_prompt_tokens: int = Field(512, ge=1, description="longest allowed prompt, in tokens "
+                                   "once the chat template is applied")
+    chat_template: str = Field("auto", description="auto: the tokenizer's chat template when "
+                               "it has one (a text prompt becomes a user turn), else plain "
+                               "text; none: plain text; or a jinja template file")
+    system_prompt: str | None = Field(None, description="system turn opening every prompt "
+                                      "that has none (needs a chat template)")
+    transform: str | None = Field(None, description="module.path:function or file.py:function "
+                                  "applied to each data row (a dict) before it is read")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, v: str) -> str:
+        if v in ("auto", "none"):
+            return v
+        path = Path(_absolute(v))
+        if not path.is_file():
+            raise ValueError(f"chat template file {str(path)!r} does not exist; give auto, "
+                             "none or a jinja template file")
+        return str(path)
+
+    @field_validator("transform")
+    @classmethod
+    def _transform_loads(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = resolve_spec(v, Path.cwd(), "data.transform", ValueError)
+        load(v, "data.transform", ValueError)  # fails early, naming the function
+        return v
 
     @model_validator(mode="after")
     def _difficulty_fits_task(self) -> "DataSection":
@@ -219,11 +252,12 @@ class RewardSection(Strict):
     @field_validator("functions")
     @classmethod
     def _resolve(cls, specs: list[str]) -> list[str]:
-        return [resolve_spec(s, Path.cwd()) for s in specs]
+        return [reward_functions.resolve_spec(s, Path.cwd()) for s in specs]
 
     @model_validator(mode="after")
     def _known_terms(self) -> "RewardSection":
-        names = [load(s)[0] for s in self.functions]  # fails early, naming the function
+        # fails early, naming the function
+        names = [reward_functions.load(s)[0] for s in self.functions]
         clash = {n for n in names if names.count(n) > 1 or n in REWARD_TERMS}
         if clash:
             raise ValueError(f"reward.functions: {sorted(clash)} named twice or like a "

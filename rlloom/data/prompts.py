@@ -3,12 +3,16 @@ a resumable stream over the training prompts."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rlloom.data.chat import read_prompt, with_system
 from rlloom.data.row_files import DataError, read_rows
-from rlloom.data.synthetic import Difficulty, Problem, generate
+from rlloom.data.synthetic import Problem, generate
+
+if TYPE_CHECKING:
+    from rlloom.config import DataSection
 
 # Fields each task's reward needs in a prompt-file row, beyond "prompt".
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -50,19 +54,18 @@ def _check_tests(tests: list, where: str) -> None:
             raise DataError(f"{where}: field 'tests' item {i} is blank")
 
 
-def _row_to_problem(row: Any, task: str, where: str,
-                    columns: dict[str, str] | None = None) -> Problem:
+def _row_to_problem(row: Any, task: str, where: str, columns: dict[str, str] | None = None,
+                    system: str | None = None) -> Problem:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if columns:
         row = _rename_columns(row, columns, where)
+    if "prompt" not in row and "messages" in row:  # TRL's and verl's name for chat turns
+        row = {"prompt": row["messages"], **{k: v for k, v in row.items() if k != "messages"}}
     if "prompt" not in row:
-        raise DataError(f"{where}: missing field 'prompt'; the row has columns {list(row)}")
-    prompt = row["prompt"]
-    if not isinstance(prompt, str):
-        raise DataError(f"{where}: field 'prompt' has type {type(prompt).__name__}, needs str")
-    if not prompt.strip():
-        raise DataError(f"{where}: empty prompt")
+        raise DataError(f"{where}: missing field 'prompt' (or 'messages'); the row has columns "
+                        f"{list(row)}")
+    prompt = with_system(read_prompt(row["prompt"], where), system)
     for name, kind in REQUIRED_FIELDS[task].items():
         if name not in row:
             raise DataError(f"{where}: missing field {name!r} required by task {task!r}; "
@@ -82,40 +85,56 @@ def _row_to_problem(row: Any, task: str, where: str,
                    meta=meta, source=where)
 
 
-def read_prompt_file(path: str | Path, task: str,
-                     columns: dict[str, str] | None = None) -> list[Problem]:
+def read_prompt_file(path: str | Path, task: str, columns: dict[str, str] | None = None,
+                     transform: str | None = None, system: str | None = None) -> list[Problem]:
     """Every row of a prompt file, validated.
 
     The file is jsonl, parquet, or a directory written by `datasets` `save_to_disk` (see
-    `read_rows`). `columns` maps an rlloom field name to the file's column for it, e.g.
-    {"prompt": "question", "answer": "gt"}; unmapped fields keep their own names. Errors name
-    the row: "file:line" for jsonl, "path row i" with i counted from 0 for the others.
+    `read_rows`). Each row first goes through the user's `transform` (a resolved
+    `module:function` spec). `columns` maps an rlloom field name to the file's column for it,
+    e.g. {"prompt": "question", "answer": "gt"}; unmapped fields keep their own names. A prompt
+    is text or chat turns (`prompt` or `messages`); `system` opens every prompt that has no
+    system turn. Errors name the row: "file:line" for jsonl, "path row i" with i counted from
+    0 for the others.
     """
-    return [_row_to_problem(row, task, where, columns)
-            for where, row in read_rows(path, "prompt file")]
+    return [_row_to_problem(row, task, where, columns, system)
+            for where, row in read_rows(path, "prompt file", transform)]
 
 
-def load_prompt_sets(task: str, difficulty: Difficulty, seed: int, train_size: int, eval_size: int,
-                     prompt_file: str | None, eval_fraction: float,
-                     columns: dict[str, str] | None = None) -> PromptSets:
-    """Built-in task problems (eval disjoint from train) or a prompt file split by `seed`;
-    `columns` is `read_prompt_file`'s column mapping."""
-    if prompt_file:
-        rows = read_prompt_file(prompt_file, task, columns)
+def load_prompt_sets(d: DataSection, seed: int) -> PromptSets:
+    """The train and eval problems of `d`: the built-in task's (eval disjoint from train), or
+    a prompt file's, split by `seed` unless `d.eval_file` holds the eval problems."""
+
+    def read(path: str) -> list[Problem]:
+        return read_prompt_file(path, d.task, d.columns, d.transform, d.system_prompt)
+
+    if d.prompt_file and d.eval_file:
+        return PromptSets(train=read(d.prompt_file), eval=read(d.eval_file))
+    if d.prompt_file:
+        rows = read(d.prompt_file)
         order = list(range(len(rows)))
         random.Random(seed).shuffle(order)
-        n_eval = max(1, round(len(rows) * eval_fraction)) if len(rows) > 1 else 0
+        n_eval = max(1, round(len(rows) * d.eval_fraction)) if len(rows) > 1 else 0
         return PromptSets(train=[rows[i] for i in order[n_eval:]],
                           eval=[rows[i] for i in order[:n_eval]])
-    train = generate(task, train_size, seed=seed, difficulty=difficulty)
-    seen = {p.prompt for p in train}
+    raw = generate(d.task, d.train_size, seed=seed, difficulty=d.difficulty)
+    train = [_with_system(p, d.system_prompt) for p in raw]
+    if d.eval_file:
+        return PromptSets(train=train, eval=read(d.eval_file))
+    seen = {p.prompt for p in raw}
     # Draw held-out problems from another seed and drop any prompt the policy trains on.
-    candidates = generate(task, eval_size * 3, seed=seed + 10_000_019, difficulty=difficulty)
-    held_out = [p for p in candidates if p.prompt not in seen][:eval_size]
-    if len(held_out) < eval_size:
-        raise DataError(f"task {task} at difficulty {difficulty} has too few distinct problems "
-                        f"for {eval_size} held-out prompts; lower data.eval_size")
+    candidates = generate(d.task, d.eval_size * 3, seed=seed + 10_000_019,
+                          difficulty=d.difficulty)
+    held_out = [_with_system(p, d.system_prompt)
+                for p in candidates if p.prompt not in seen][:d.eval_size]
+    if len(held_out) < d.eval_size:
+        raise DataError(f"task {d.task} at difficulty {d.difficulty} has too few distinct "
+                        f"problems for {d.eval_size} held-out prompts; lower data.eval_size")
     return PromptSets(train=train, eval=held_out)
+
+
+def _with_system(problem: Problem, system: str | None) -> Problem:
+    return replace(problem, prompt=with_system(problem.prompt, system)) if system else problem
 
 
 class PromptStream:

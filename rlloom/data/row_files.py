@@ -6,17 +6,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlloom import user_code
+
 # Files `save_to_disk` writes: one of the first two marks a Dataset, the last a DatasetDict.
 _DATASET_MARKERS = ("dataset_info.json", "state.json")
 _DATASET_DICT_MARKER = "dataset_dict.json"
 
 
 class DataError(ValueError):
-    pass
+    """A data file, row or data transform that cannot be used."""
 
 
-def read_rows(path: str | Path, what: str) -> list[tuple[str, Any]]:
-    """(where, row) for every row of a jsonl file, a parquet file or a `save_to_disk` directory.
+def read_rows(path: str | Path, what: str, transform: str | None = None
+              ) -> list[tuple[str, Any]]:
+    """(where, row) for every row of a jsonl file, a parquet file or a `save_to_disk` directory,
+    each passed through the user's `transform` function (a resolved `module:function` spec)
+    when one is given.
 
     The format follows the path: a directory is a saved dataset (a DatasetDict gives its "train"
     split), a `.parquet` suffix is parquet, anything else is jsonl. `where` is "file:line" for
@@ -24,10 +29,26 @@ def read_rows(path: str | Path, what: str) -> list[tuple[str, Any]]:
     """
     path = Path(path)
     if path.is_dir():
-        return read_saved_dataset(path, what)
-    if path.suffix == ".parquet":
-        return read_parquet(path, what)
-    return read_jsonl(path, what)
+        rows = read_saved_dataset(path, what)
+    elif path.suffix == ".parquet":
+        rows = read_parquet(path, what)
+    else:
+        rows = read_jsonl(path, what)
+    return [(where, _transformed(transform, row, where)) for where, row in rows] if transform \
+        else rows
+
+
+def _transformed(spec: str, row: Any, where: str) -> dict[str, Any]:
+    name, fn = user_code.load(spec, "data transform", DataError)
+    try:
+        out = fn(row)
+    except Exception as e:  # noqa: BLE001 - the user's code may raise anything
+        raise DataError(f"{where}: data transform {name!r} raised {type(e).__name__}: {e}"
+                        ) from e
+    if not isinstance(out, dict):
+        raise DataError(f"{where}: data transform {name!r} returned {type(out).__name__}; it "
+                        "must return the row as a dict")
+    return out
 
 
 def read_jsonl(path: str | Path, what: str) -> list[tuple[str, Any]]:

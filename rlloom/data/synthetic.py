@@ -23,7 +23,7 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str  # the response starts right after it
+    prompt: str | list[dict[str, str]]  # text, or chat turns; the response follows it
     answer: str  # canonical final answer string
     solution: str  # one correct response, ending with the answer line, no EOS
     meta: dict  # task-specific data used by the reward functions

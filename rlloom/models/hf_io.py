@@ -111,9 +111,11 @@ def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return model
 
 
-def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer; one without a pad token pads with EOS (as TRL does: padded
-    positions are masked, so the id never counts)."""
+def load_tokenizer(path: str | os.PathLike, chat_template: str = "auto"
+                   ) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with `chat_template` (`data.chat_template`: auto keeps the
+    checkpoint's, none drops it, else a jinja file replaces it); one without a pad token pads
+    with EOS (as TRL does: padded positions are masked, so the id never counts)."""
     _require_dir(Path(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -121,6 +123,10 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         raise CheckpointError(f"cannot load a tokenizer from {path}: {e}") from e
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template == "none":
+        tokenizer.chat_template = None
+    elif chat_template != "auto":
+        tokenizer.chat_template = Path(chat_template).read_text()
     return tokenizer
 
 

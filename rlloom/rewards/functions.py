@@ -2,80 +2,45 @@
 
     def my_reward(prompts, completions, completion_ids, **columns) -> list[float]
 
-`prompts` and `completions` are strings (one per sample), `completion_ids` the response token
-ids, and every other column of the dataset row (`answer`, and the prompt file's own columns)
-comes as a keyword argument holding one value per sample. A function may be `async`. Each is
-named by its function name, logged as `reward/<name>` and weighted by `reward.weights[name]`.
+`prompts` and `completions` hold one entry per sample: strings, or for a chat prompt its turns
+and the completion as `[{"role": "assistant", "content": text}]`; `completion_ids` the
+response token ids, and every other column of the dataset row (`answer`, and the prompt
+file's own columns) comes as a keyword argument holding one value per sample. A function may
+be `async`. Each is named by its function name, logged as `reward/<name>` and weighted by
+`reward.weights[name]`.
 
-A function is given as `module.path:function` (imported) or `path/to/file.py:function`
-(loaded from the file; relative paths are resolved when the config is read, so every worker of
-a run, whatever its directory, loads the same file).
+A function is given as `module.path:function` or `path/to/file.py:function` (see
+`rlloom.user_code`).
 """
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlloom import user_code
+
 RewardFn = Callable[..., Any]
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(user_code.UserCodeError):
     """A user reward function that cannot be loaded, raised, or returned something unusable."""
 
 
 def resolve_spec(spec: str, base: Path) -> str:
-    """`spec` with a relative file path made absolute against `base` (module paths unchanged),
-    checked to have the `where:function` form."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise RewardFunctionError(f"reward function {spec!r}: give it as module.path:function "
-                                  "or path/to/file.py:function")
-    if where.endswith(".py"):
-        path = Path(where).expanduser()
-        return f"{path if path.is_absolute() else (base / path).resolve()}:{name}"
-    return spec
-
-
-def function_name(spec: str) -> str:
-    """The name a function is logged and weighted by: the part after the last colon."""
-    return spec.rpartition(":")[2]
+    """`spec` with a relative file path made absolute against `base`."""
+    return user_code.resolve_spec(spec, base, "reward function", RewardFunctionError)
 
 
 def load(spec: str) -> tuple[str, RewardFn]:
     """(name, function) of a resolved spec."""
-    where, _, name = spec.rpartition(":")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise RewardFunctionError(f"reward function {spec!r}: file {path} not found")
-        module_name = f"rlloom_reward_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[module_name] = module
-            loader_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise RewardFunctionError(f"reward function {spec!r}: cannot import {where!r} "
-                                      f"({e}); is it installed or on PYTHONPATH?") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function {spec!r}: {where} has no function {name!r}")
-    return name, fn
+    return user_code.load(spec, "reward function", RewardFunctionError)
 
 
-def call(name: str, fn: RewardFn, prompts: list[str], completions: list[str],
+def call(name: str, fn: RewardFn, prompts: list[Any], completions: list[Any],
          completion_ids: list[list[int]], columns: dict[str, list[Any]],
          sources: list[str]) -> list[float]:
     """The function's rewards for a batch, checked: one finite number per sample. If it

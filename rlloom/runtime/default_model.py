@@ -58,13 +58,16 @@ def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) ->
     the CPU, so they are the same whichever device trains them."""
     device = device or resolve_device(cfg.train.device)
     if cfg.model.path:
-        tokenizer, model = load_tokenizer(cfg.model.path), load_model(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path, cfg.data.chat_template)
+        model = load_model(cfg.model.path)
     else:
         tokenizer = build_char_tokenizer()
         model = CausalLM(tiny_model_config(cfg, len(tokenizer)))
         model.init_weights(seed=cfg.seed)
     if cfg.data.prompt_file:
-        problems = read_prompt_file(cfg.data.prompt_file, cfg.data.task, cfg.data.columns)
+        d = cfg.data
+        problems = read_prompt_file(d.prompt_file, d.task, d.columns, d.transform,
+                                    d.system_prompt)
     else:
         problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
                             difficulty=cfg.data.difficulty)

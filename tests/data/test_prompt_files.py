@@ -1,11 +1,12 @@
 """Prompt files as jsonl, parquet and `save_to_disk` directories: same rows, same problems, and
 errors that name the row."""
-import json
 import re
 
 import datasets
 import pytest
+from row_writer import FORMATS, write_rows
 
+from rlloom.config import DataSection
 from rlloom.data.prompts import DataError, load_prompt_sets, read_prompt_file
 
 ROWS = [
@@ -13,29 +14,13 @@ ROWS = [
     {"prompt": "What is 3*3?", "answer": "9", "solution": "3*3=9", "source": "b"},
     {"prompt": "What is 10-7?", "answer": "3", "solution": "10-7=3", "source": "c"},
 ]
-FORMATS = ["jsonl", "parquet", "saved"]
-# How each format names the second row of a file written by _write.
+# How each format names the second row of a file written by write_rows.
 SECOND_ROW = {"jsonl": "prompts.jsonl:2", "parquet": "prompts.parquet row 1",
               "saved": "prompts row 1"}
 
 
-def _write(directory, fmt, rows):
-    """`rows` written in `fmt` under `directory`; the path to give read_prompt_file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if fmt == "jsonl":
-        path = directory / "prompts.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    elif fmt == "parquet":
-        path = directory / "prompts.parquet"
-        datasets.Dataset.from_list(rows).to_parquet(str(path))
-    else:
-        path = directory / "prompts"
-        datasets.Dataset.from_list(rows).save_to_disk(str(path))
-    return path
-
-
 def _load_all(tmp_path, rows, task, columns=None):
-    return {fmt: read_prompt_file(_write(tmp_path / fmt, fmt, rows), task, columns)
+    return {fmt: read_prompt_file(write_rows(tmp_path / fmt, fmt, rows), task, columns)
             for fmt in FORMATS}
 
 
@@ -83,21 +68,22 @@ def test_column_mapping(tmp_path):
     rows = [{"question": r["prompt"], "gt": r["answer"], "solution": r["solution"],
              "source": r["source"]} for r in ROWS]
     loaded = _load_all(tmp_path, rows, "math", columns={"prompt": "question", "answer": "gt"})
-    expected = read_prompt_file(_write(tmp_path / "plain", "jsonl", ROWS), "math")
+    expected = read_prompt_file(write_rows(tmp_path / "plain", "jsonl", ROWS), "math")
     assert loaded["jsonl"] == loaded["parquet"] == loaded["saved"] == expected
 
 
 def test_mapped_column_wins_over_a_column_with_the_field_name(tmp_path):
     rows = [{"prompt": "Q:1+1=", "answer": "wrong", "gt": "2"}]
-    [problem] = read_prompt_file(_write(tmp_path, "jsonl", rows), "arith", {"answer": "gt"})
+    [problem] = read_prompt_file(write_rows(tmp_path, "jsonl", rows), "arith", {"answer": "gt"})
     assert problem.answer == "2" and problem.meta == {}
 
 
 def test_load_prompt_sets_threads_columns(tmp_path):
     rows = [{"q": f"Q:{i}+0=", "a": str(i)} for i in range(10)]
-    path = _write(tmp_path, "parquet", rows)
-    sets = load_prompt_sets("arith", 1, 0, 0, 0, str(path), 0.2,
-                            columns={"prompt": "q", "answer": "a"})
+    path = write_rows(tmp_path, "parquet", rows)
+    data = DataSection(task="arith", difficulty=1, prompt_file=str(path), eval_fraction=0.2,
+                       columns={"prompt": "q", "answer": "a"})
+    sets = load_prompt_sets(data, 0)
     assert len(sets.train) == 8 and len(sets.eval) == 2
     assert {p.prompt for p in sets.train + sets.eval} == {r["q"] for r in rows}
 
@@ -107,7 +93,7 @@ def test_load_prompt_sets_threads_columns(tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_missing_mapped_column_names_row_and_columns(tmp_path, fmt):
     rows = [{"question": "Q:1+1=", "gt": "2", "truth": "2"}, {"question": "Q:2+2=", "truth": "4"}]
-    path = _write(tmp_path, fmt, rows)
+    path = write_rows(tmp_path, fmt, rows)
     with pytest.raises(DataError) as e:
         read_prompt_file(path, "arith", {"prompt": "question", "answer": "gt"})
     assert str(e.value).endswith(f"{SECOND_ROW[fmt]}: missing column 'gt' (mapped to field "
@@ -120,10 +106,10 @@ def test_missing_mapped_column_names_row_and_columns(tmp_path, fmt):
      "missing field 'answer' required by task 'arith'; the row has columns ['prompt', 'level']"),
     ({"prompt": "   ", "answer": "4", "level": 1}, "empty prompt"),
     ({"answer": "4", "level": 1},
-     "missing field 'prompt'; the row has columns ['answer', 'level']"),
+     "missing field 'prompt' (or 'messages'); the row has columns ['answer', 'level']"),
 ])
 def test_bad_rows_name_the_row(tmp_path, fmt, bad_row, message):
-    path = _write(tmp_path, fmt, [{"prompt": "Q:1+1=", "answer": "2", "level": 1}, bad_row])
+    path = write_rows(tmp_path, fmt, [{"prompt": "Q:1+1=", "answer": "2", "level": 1}, bad_row])
     with pytest.raises(DataError, match=re.escape(f"{SECOND_ROW[fmt]}: {message}")):
         read_prompt_file(path, "arith")
 
@@ -136,7 +122,7 @@ def test_wrong_type_names_the_row(tmp_path, fmt, where):
     rows = [{"prompt": "Q:1+1=", "answer": 2.0}, {"prompt": "Q:2+2=", "answer": 4.0}]
     with pytest.raises(DataError, match=re.escape(
             f"{where}: field 'answer' has type float, task 'arith' needs")):
-        read_prompt_file(_write(tmp_path, fmt, rows), "arith")
+        read_prompt_file(write_rows(tmp_path, fmt, rows), "arith")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -145,7 +131,7 @@ def test_code_row_with_a_non_string_test(tmp_path, fmt):
             {"prompt": "F:f(1)=3?", "tests": ["assert f(1) == 3", None]}]
     with pytest.raises(DataError, match=re.escape(
             f"{SECOND_ROW[fmt]}: field 'tests' item 1 has type NoneType")):
-        read_prompt_file(_write(tmp_path, fmt, rows), "code")
+        read_prompt_file(write_rows(tmp_path, fmt, rows), "code")
 
 
 @pytest.mark.parametrize("tests, message", [
@@ -155,7 +141,7 @@ def test_code_row_with_a_non_string_test(tmp_path, fmt):
     ("assert f(1) == 2", "field 'tests' has type str, task 'code' needs list"),
 ])
 def test_code_tests_must_be_a_list_of_strings(tmp_path, tests, message):
-    path = _write(tmp_path, "jsonl", [{"prompt": "F:f(1)=2?", "tests": tests}])
+    path = write_rows(tmp_path, "jsonl", [{"prompt": "F:f(1)=2?", "tests": tests}])
     with pytest.raises(DataError, match=re.escape(f"prompts.jsonl:1: {message}")):
         read_prompt_file(path, "code")
 

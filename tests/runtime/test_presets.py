@@ -67,6 +67,33 @@ def test_dpo_on_a_preference_file(tmp_path, tiny):
     assert rows[-1]["margin"] > 0
 
 
+def test_dpo_on_own_model_with_conversational_parquet_pairs(tmp_path, tiny, capsys):
+    """TRL's conversational preference rows in parquet, on a model given by path: nothing to
+    evaluate (pairs carry no answers), so no built-in task is evaluated in its place."""
+    import datasets
+
+    from rlloom.config import load_config
+    from rlloom.runtime.default_model import ensure_default_model
+
+    model = ensure_default_model(load_config(None, tiny))
+    rows = [{"prompt": [{"role": "user", "content": p.prompt}],
+             "chosen": [{"role": "assistant", "content": p.solution}],
+             "rejected": [{"role": "assistant", "content": p.solution.replace(
+                 f"A:{p.answer}", f"A:{int(p.answer) + 1}")}]}
+            for p in generate("arith", 40, seed=3, difficulty=1)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "pairs.parquet"))
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    run = tmp_path / "dpo"
+    main(["train", *tiny, "algo=dpo", f"model.path={model}", "train.lr=1e-3",
+          f"data.preference_file={tmp_path / 'pairs.parquet'}",
+          f"data.chat_template={tmp_path / 't.jinja'}", f"run_dir={run}"])
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["margin"] > 0
+    assert not any("eval_accuracy" in r for r in rows)
+    assert "no held-out evaluation" in capsys.readouterr().out
+    assert (run / "final" / "model.safetensors").is_file()
+
+
 def test_dpo_without_preference_file_is_refused(tiny, capsys):
     with pytest.raises(SystemExit):
         main(["train", *tiny, "algo=dpo"])

@@ -37,7 +37,7 @@ from rlloom.runtime.device import compute_precision
 from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
 from rlloom.runtime.stages.batch import response_logprobs
-from rlloom.runtime.stages.evaluate import greedy_accuracy
+from rlloom.runtime.stages.evaluate import eval_problems, greedy_accuracy
 from rlloom.runtime.stages.generation import Rewarder, Samples, generate_group, greedy_baseline
 from rlloom.runtime.stages.offline import preference_step
 from rlloom.runtime.stages.online import Experience, assess_from, behaviour_kl, optimise, scores
@@ -162,7 +162,7 @@ class TrainingHost:
         self.layout = plan.layout("actor")
         self.critic_layout = plan.layouts.get("critic", self.layout)
         self.policy = build_policy(cfg, model_path).to(ranks.device)
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if "critic" in PRESETS[a.name].roles and plan.actor_critic != "shared":
@@ -183,10 +183,7 @@ class TrainingHost:
             self.critic, self.critic_optimizer = ranks.trained(self.critic, self.critic_layout,
                                                                a.critic_lr)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
-        d = cfg.data
-        self.eval_set = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size,
-                                         d.eval_size, d.prompt_file, d.eval_fraction,
-                                         d.columns).eval
+        self.eval_set = eval_problems(cfg)
         self.version = 0  # optimizer steps taken: the weight version
         # `optimise` calls the plain loss; decoupled_ppo is run through it (see `decoupled`)
         self.opt_cfg = (cfg.model_copy(update={"algo": a.model_copy(
@@ -233,7 +230,9 @@ class TrainingHost:
         return {**stats, "train_s": span["seconds"], "version": step}
 
     @_in_compute_dtype
-    def evaluate(self, step: int) -> float:
+    def evaluate(self, step: int) -> float | None:
+        if not self.eval_set:
+            return None
         with self.spans.span("eval", step, "eval"):
             return greedy_accuracy(self.generator, self.tokenizer, self.eval_set, self.cfg,
                                    self.pool)
@@ -268,15 +267,12 @@ class GenerationHost:
                  pool: SandboxPool | None, ranks: RankGroup, training: TrainingHost | None
                  ) -> None:
         self.cfg, self.spans, self.ranks = cfg, spans, ranks
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
         layout = generation_layout(cfg.plan)
         self.weights: LiveModel | ShadowModel = LiveModel(training) if training else _shadow(
             lambda: ranks.generating(build_policy(cfg, model_path).to(ranks.device), layout), ranks)
         self.rewarder = Rewarder.build(cfg, self.tokenizer, pool, ranks.device)
-        d = cfg.data
-        sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
-                                d.prompt_file, d.eval_fraction, d.columns)
-        self.stream = PromptStream(sets.train, cfg.seed)
+        self.stream = PromptStream(load_prompt_sets(cfg.data, cfg.seed).train, cfg.seed)
         self.share = ranks.share(layout)
         # replicas sample their own prompts with their own streams; replica 0's is the one
         # process's, so a one-replica group samples what `rlloom train` samples
@@ -425,7 +421,9 @@ class PreferenceHost:
                  assessment: AssessmentHost) -> None:
         self.cfg, self.spans, self.ranks = cfg, spans, training.ranks
         self.training, self.assessment = training, assessment
-        self.pairs = PromptStream(read_preference_file(cfg.data.preference_file), cfg.seed)
+        d = cfg.data
+        self.pairs = PromptStream(read_preference_file(d.preference_file, d.transform,
+                                                       d.system_prompt), cfg.seed)
 
     @_in_compute_dtype
     def train(self, step: int) -> dict[str, Any]:
@@ -468,4 +466,4 @@ def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor
     """The trained policy's whole weights as a Hugging Face checkpoint at `path`."""
     policy = build_policy(cfg, model_path)
     policy.load_state_dict(weights)
-    save_checkpoint(policy, load_tokenizer(model_path), path)
+    save_checkpoint(policy, load_tokenizer(model_path, cfg.data.chat_template), path)

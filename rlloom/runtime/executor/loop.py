@@ -23,6 +23,7 @@ recreates the groups, reloads the last checkpoint and continues (docs/ray.md).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,10 +275,12 @@ class StepLoop:
         received = [max(d["bytes"] for d in self.ex.answers(call)) for call in calls[1::2]]
         return time.perf_counter() - t0, sum(received)
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
+        """Held-out greedy accuracy now, or None when the run has no held-out problems."""
         train = self._host("training")
         acc = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
-        self.eval_history.append((self.step, acc))
+        if acc is not None:
+            self.eval_history.append((self.step, acc))
         return acc
 
     def _online_step(self, step: int) -> dict[str, Any]:
@@ -323,7 +326,9 @@ class StepLoop:
         if self.step == 0 and not self.eval_history:
             before = self.evaluate()
             if self.main:
-                print(f"held-out greedy accuracy before RL: {before:.3f}")
+                print(f"held-out greedy accuracy before RL: {before:.3f}" if before is not None
+                      else "no held-out evaluation: this run has no held-out problems (set "
+                      "data.eval_file to prompts with answers to measure one)")
         trackers = (open_trackers(cfg.log.trackers, self.run_dir, cfg.model_dump(mode="json"),
                                   dump_config(cfg), cfg.log.project, self.step + 1)
                     if self.main else [])
@@ -332,7 +337,9 @@ class StepLoop:
             while self.step < cfg.train.steps:
                 row = self.train_step()
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
-                    row["eval_accuracy"] = self.evaluate()
+                    acc = self.evaluate()
+                    if acc is not None:
+                        row["eval_accuracy"] = acc
                 if self.main:
                     self.metrics.append(row)
                 for tracker in trackers:
@@ -348,13 +355,15 @@ class StepLoop:
     def _final(self) -> dict[str, float]:
         train = self._host("training")
         weights = self._get(train.call("policy_weights"), "the final weights", self.step)
-        before, after = self.eval_history[0][1], self.eval_history[-1][1]
+        evals = self.eval_history or [(0, math.nan)]
+        before, after = evals[0][1], evals[-1][1]
         if self.main:
             save_final(self.cfg, self.model_path, weights, self.run_dir / "final")
             self._save_trace()
             plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
-            print(f"held-out greedy accuracy: before RL {before:.3f}, after RL {after:.3f} "
-                  f"({100 * (after - before):+.1f} points)")
+            if self.eval_history:
+                print(f"held-out greedy accuracy: before RL {before:.3f}, after RL "
+                      f"{after:.3f} ({100 * (after - before):+.1f} points)")
         self.ex.barrier()
         return {"eval_before": before, "eval_after": after, "restarts": float(self.attempt)}
 

@@ -33,7 +33,7 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     model_path = (Path(cfg.model.path) if cfg.model.path
                   else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU
     check_group_layouts(cfg, read_model_config(model_path))
-    check_prompt_lengths(cfg, load_tokenizer(model_path))
+    check_prompt_lengths(cfg, load_tokenizer(model_path, cfg.data.chat_template))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) * g.ranks for g in group_specs(cfg)))

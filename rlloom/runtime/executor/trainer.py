@@ -11,6 +11,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.contracts import algo_problems
 from rlloom.config import ConfigError, RunConfig, dump_config
+from rlloom.data.chat import is_chat
+from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets
 from rlloom.models.hf_io import load_tokenizer, read_model_config
 from rlloom.runtime.default_model import ensure_default_model
@@ -51,20 +53,31 @@ def check_runnable(cfg: RunConfig, world: int = 1, opts: RunOptions | None = Non
 
 
 def check_prompt_lengths(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Refuse, before any work, prompts longer than `data.max_prompt_tokens`."""
+    """Refuse, before any work, prompts the tokenizer cannot render (chat turns without a chat
+    template) or longer than `data.max_prompt_tokens` once rendered."""
     d = cfg.data
-    sets = load_prompt_sets(d.task, d.difficulty, cfg.seed, d.train_size, d.eval_size,
-                            d.prompt_file, d.eval_fraction, d.columns)
-    problems, limit = sets.train + sets.eval, d.max_prompt_tokens
-    source = d.prompt_file or f"built-in task {d.task}"
+    sets = load_prompt_sets(d, cfg.seed)
+    problems: list = sets.train + sets.eval
+    if d.preference_file:
+        problems += read_preference_file(d.preference_file, d.transform, d.system_prompt)
+    source = d.prompt_file or d.preference_file or f"built-in task {d.task}"
+    chat = next((p for p in problems if is_chat(p.prompt)), None)
+    if chat is not None and not tokenizer.chat_template:
+        why = ("data.system_prompt makes every prompt chat turns" if d.system_prompt else
+               f"{getattr(chat, 'source', '') or source} has a prompt of chat turns")
+        raise DataError(f"{why}, but the tokenizer has no chat template (data.chat_template="
+                        f"{d.chat_template}); set data.chat_template to a jinja template file "
+                        "or give text prompts")
     lengths = [len(ids) for ids in encode(tokenizer, [p.prompt for p in problems])]
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > limit]
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > d.max_prompt_tokens]
     if too_long:
         i, n = too_long[0]
-        where = problems[i].source or f"{source} prompt #{i}"
-        raise DataError(f"{where}: prompt has {n} tokens, more than data.max_prompt_tokens="
-                        f"{limit} ({len(too_long)} prompts of {source} do); raise "
-                        "data.max_prompt_tokens or shorten the prompts")
+        where = getattr(problems[i], "source", "") or f"{source} prompt #{i}"
+        templated = " (chat template included)" if tokenizer.chat_template else ""
+        raise DataError(f"{where}: prompt has {n} tokens{templated}, more than "
+                        f"data.max_prompt_tokens={d.max_prompt_tokens} ({len(too_long)} "
+                        f"prompts of {source} do); raise data.max_prompt_tokens or shorten "
+                        "the prompts")
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -96,7 +109,7 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
     if world > 1:
         join_torchrun(cfg.train.device)
     model_path = Path(cfg.model.path) if cfg.model.path else _default_model(cfg, device)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
     if tokenizer.eos_token_id is None:
         raise DataError(f"the tokenizer in {model_path} has no EOS token; set eos_token in "
                         "its tokenizer_config.json (responses end at EOS)")

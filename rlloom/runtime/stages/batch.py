@@ -5,6 +5,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.policy_losses import entropy_from_logits
+from rlloom.data.chat import Prompt, is_chat
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.context_parallel import on_shards
@@ -13,15 +14,15 @@ from rlloom.rollout.sampling import policy_logprobs
 from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 
-def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt, as a user turn of the tokenizer's chat template when it has
-    one (instruction-tuned checkpoints expect it), else as plain text."""
-    if tokenizer.chat_template:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                              add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"]
-                for p in prompts]
-    return [tokenizer(p)["input_ids"] for p in prompts]
+def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt, rendered by the tokenizer's chat template when it has one
+    (instruction-tuned checkpoints expect it; a text prompt is one user turn), else as plain
+    text. Chat turns need a template: `check_prompt_lengths` refuses them before a run."""
+    if not tokenizer.chat_template:
+        return [tokenizer(p)["input_ids"] for p in prompts]
+    return [tokenizer.apply_chat_template(
+        p if is_chat(p) else [{"role": "user", "content": p}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"] for p in prompts]
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
@@ -31,7 +32,7 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> li
             for row, keep in zip(ids, mask)]
 
 
-def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt],
                    responses: list[str]) -> Rollout:
     """Prompt + given response (+ EOS) rows in generation's layout, for SFT and DPO (on the
     CPU: move them to the model's device)."""

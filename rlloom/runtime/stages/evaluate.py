@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
+from rlloom.data.prompts import load_prompt_sets
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.rewards.sandbox import SandboxPool
@@ -13,6 +15,17 @@ from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.stages.batch import decode_responses, encode
 
 EVAL_BATCH = 256
+
+
+def eval_problems(cfg: RunConfig) -> list[Problem]:
+    """The held-out problems: the eval file's, a share of the prompt file's, or the built-in
+    task's, except for an offline run on the user's model without prompts of its own (its
+    preference pairs carry no answers, and the built-in task says nothing about that model)."""
+    d = cfg.data
+    if not (PRESETS[cfg.algo.name].online or d.prompt_file or d.eval_file
+            or cfg.model.path is None):
+        return []
+    return load_prompt_sets(d, cfg.seed).eval
 
 
 def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.dapo import groups_with_signal
 from rlloom.config import RunConfig
+from rlloom.data.chat import is_chat
 from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem, row_columns
 from rlloom.models.heads import ValueModel
@@ -146,10 +147,13 @@ class Rewarder:
                    zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
             columns = row_columns(per_sample)
             sources = [p.source for p in per_sample]
+            # TRL's convention: a chat prompt's completion is the assistant turn
+            completions = [[{"role": "assistant", "content": t}] if is_chat(p.prompt) else t
+                           for p, t in zip(per_sample, texts)]
             for name, fn in self.functions:
                 terms[name] = torch.tensor(reward_functions.call(
-                    name, fn, [p.prompt for p in per_sample], texts, ids, columns, sources),
-                    device=device)
+                    name, fn, [p.prompt for p in per_sample], completions, ids, columns,
+                    sources), device=device)
         if self.reward_model is not None:
             with torch.no_grad():
                 terms["model"] = sequence_scores(self.reward_model, rollout).float()
