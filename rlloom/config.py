@@ -506,5 +506,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise _explain(e, source) from None
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+# model fields that describe the built-in model only
+BUILT_IN_MODEL_FIELDS = {"hidden_size", "layers", "heads", "kv_heads", "family", "experts",
+                         "experts_per_token"}
+
+
+def dump_config(cfg: RunConfig, architecture: str | None = None) -> str:
+    """The configuration as YAML. With model.path set the built-in model's fields are left
+    out (they would describe a model that is not trained), and `architecture`, a line
+    describing the checkpoint trained, heads the file as a comment."""
+    exclude = {"model": BUILT_IN_MODEL_FIELDS} if cfg.model.path else None
+    text = yaml.safe_dump(cfg.model_dump(mode="json", exclude=exclude), sort_keys=False)
+    return f"# model trained: {architecture}\n{text}" if architecture else text

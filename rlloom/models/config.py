@@ -2,7 +2,7 @@
 experts), read from and written to Hugging Face `config.json` dictionaries."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Hugging Face architecture name -> family. Adding a family adds a line here and, if it
@@ -12,11 +12,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MistralForCausalLM": "mistral",
 }
 FAMILY_TO_ARCH = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # The same families with one scalar output: reward models and critics.
 SCORING_ARCHITECTURES = {arch.replace("ForCausalLM", "ForSequenceClassification"): family
                          for arch, family in SUPPORTED_ARCHITECTURES.items()}
+
+
+# the gate activations the supported families use (transformers' ACT2FN names)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+# rotary embeddings: plain, or scaled as Hugging Face's rope_parameters say
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -29,7 +36,7 @@ class CheckpointError(ValueError):
 
 @dataclass
 class ModelConfig:
-    family: str                    # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    family: str                    # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,6 +46,12 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # Hugging Face's rope_parameters beyond the default (rope_type llama3, linear, dynamic,
+    # yarn with their factors); empty = default rotary embeddings
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    hidden_act: str = "silu"       # the MLP's gate activation (SwiGLU with silu by default)
+    sliding_window: int | None = None  # keys a query sees on a sliding-attention layer
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False         # Qwen2 always; Llama/Qwen3 when attention_bias
@@ -55,6 +68,9 @@ class ModelConfig:
     norm_topk_prob: bool = False   # renormalise the k chosen router probabilities to sum to 1
     decoder_sparse_step: int = 1   # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # the checkpoint's own config.json, written back on export with rlloom's fields on top,
+    # so fields rlloom does not read survive a round trip
+    source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_TO_ARCH:
@@ -64,6 +80,16 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         self.mlp_only_layers = tuple(self.mlp_only_layers)
+        self.sliding_layers = tuple(self.sliding_layers)
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedArchitectureError(
+                f"hidden_act={self.hidden_act!r} is not supported; rlloom implements "
+                f"{', '.join(ACTIVATIONS)}")
+        kind = self.rope_scaling.get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope_type {kind!r} is not supported; rlloom implements "
+                f"{', '.join(ROPE_TYPES)}")
         if self.n_experts:
             if self.family != "qwen3_moe":
                 raise UnsupportedArchitectureError(
@@ -101,22 +127,17 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (and their *ForSequenceClassification "
                 "forms with one label as reward models)")
         heads = hf["num_attention_heads"]
-        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise UnsupportedArchitectureError(
-                f"hidden_act={act!r} is not supported (rlloom's MLP is SwiGLU with silu); "
-                "training it as silu would change the model, so it is refused")
-        if hf.get("use_sliding_window") and hf.get("sliding_window"):
-            raise UnsupportedArchitectureError(
-                f"sliding-window attention (sliding_window={hf['sliding_window']}) is not "
-                "supported; set use_sliding_window to false in config.json if the model "
-                "was trained without it")
-        for rope in (hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}):
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise UnsupportedArchitectureError(
-                    f"rope scaling {rope!r} is not supported; only default rotary embeddings "
-                    "are")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        # transformers' own config class normalises what checkpoints spell in several ways
+        # (rope_scaling vs rope_parameters, Qwen2's use_sliding_window + max_window_layers)
+        norm = normalised_hf_config(hf, family)
+        rope = dict(norm.rope_parameters or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") == "default":
+            rope = {}
+        window = getattr(norm, "sliding_window", None)
+        types = getattr(norm, "layer_types", None)
+        sliding = (tuple(i for i, t in enumerate(types) if t == "sliding_attention") if types
+                   else tuple(range(hf["num_hidden_layers"])) if window else ())
         bias = bool(hf.get("attention_bias", False))
         moe = {}
         if family == "qwen3_moe":
@@ -137,7 +158,11 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            rope_theta=theta,
+            rope_scaling=rope,
+            hidden_act=hf.get("hidden_act", hf.get("hidden_activation", "silu")),
+            sliding_window=window if sliding else None,
+            sliding_layers=sliding if window else (),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=True if family == "qwen2" else bias,
@@ -148,10 +173,12 @@ class ModelConfig:
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
             **moe,
+            source=dict(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
         hf: dict[str, Any] = {
+            **self.source,
             "architectures": [FAMILY_TO_ARCH[self.family]],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
@@ -161,16 +188,26 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {"rope_type": "default", **self.rope_scaling,
+                                "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
+        hf.pop("rope_scaling", None)  # rope_parameters holds it
+        if self.family == "mistral":
+            hf["sliding_window"] = self.sliding_window
+        elif self.family != "llama" and self.sliding_window is not None:  # Qwen: some layers
+            hf.update(use_sliding_window=True,
+                      sliding_window=self.sliding_window,
+                      max_window_layers=min(self.sliding_layers, default=self.num_layers),
+                      layer_types=["sliding_attention" if i in self.sliding_layers
+                                   else "full_attention" for i in range(self.num_layers)])
         if self.family != "qwen2":
             hf["attention_bias"] = self.qkv_bias
         if self.family in ("llama", "qwen3"):
@@ -184,4 +221,31 @@ class ModelConfig:
         return hf
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "source"}
+
+    def describe(self) -> str:
+        """One line naming what a run trains: family, shape and the settings that matter."""
+        parts = [FAMILY_TO_ARCH[self.family], f"{self.num_layers} layers",
+                 f"hidden {self.hidden_size}", f"{self.num_heads} heads "
+                 f"({self.num_kv_heads} kv) of {self.head_dim}", f"vocab {self.vocab_size}",
+                 f"hidden_act {self.hidden_act}",
+                 f"rope {self.rope_scaling.get('rope_type', 'default')} theta {self.rope_theta:g}"]
+        if self.n_experts:
+            parts.append(f"{self.n_experts} experts, top {self.experts_per_token}")
+        if self.sliding_window is not None:
+            parts.append(f"sliding window {self.sliding_window} on layers "
+                         f"{list(self.sliding_layers)}")
+        return ", ".join(parts) + f"; {self.num_params / 1e6:.3g}M parameters"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None where it attends to all keys."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+
+def normalised_hf_config(hf: dict[str, Any], family: str) -> Any:
+    """`hf` read by transformers' config class of `family` (whose names are transformers'
+    model types; imported here: it is slow to import, and the CLI reads configs without it)."""
+    from transformers import CONFIG_MAPPING
+
+    keep = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+    return CONFIG_MAPPING[family](**keep)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from rlloom.models.config import ModelConfig
 
@@ -21,14 +21,15 @@ from rlloom.models.config import ModelConfig
 class Expert(nn.Module):
     """One SwiGLU expert (Qwen3-MoE experts have no biases)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool
@@ -70,8 +71,9 @@ class MoEBlock(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            for _ in range(cfg.n_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """weights, expert indices  # [tokens, k] for flat tokens x [tokens, d]."""

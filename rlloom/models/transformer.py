@@ -6,12 +6,17 @@ layouts are applied to these modules from outside.
 """
 from __future__ import annotations
 
+import functools
+import json
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from rlloom.models.cache import KVCache
-from rlloom.models.config import ModelConfig
+from rlloom.models.config import ModelConfig, normalised_hf_config
 from rlloom.models.moe import MoEBlock
 
 
@@ -28,14 +33,43 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin  # [batch, 1, seq, head_dim] for integer positions [batch, seq]."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                            device=positions.device) / head_dim)
-    freqs = positions.float()[..., None] * inv_freq          # [batch, seq, head_dim/2]
+def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
+                   longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin  # [batch, 1, seq, head_dim] for integer positions [batch, seq], with the
+    model's rope scaling. Dynamic NTK scales by the sequence's length, `longest` (default:
+    the last position here + 1, as Hugging Face counts a forward pass over these positions;
+    a sequence shard passes its whole sequence's)."""
+    if longest is None and cfg.rope_scaling.get("rope_type") == "dynamic":
+        longest = int(positions.max()) + 1 if positions.numel() else 0  # a device sync
+    inv_freq, scale = rope_frequencies(cfg, longest or 0)
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [b, seq, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_frequencies(rope_key: str, hf_key: str, family: str, seq_len: int | None
+                        ) -> tuple[torch.Tensor, float]:
+    hf = json.loads(hf_key)
+    rope = json.loads(rope_key)
+    norm = normalised_hf_config(hf, family)
+    return ROPE_INIT_FUNCTIONS[rope["rope_type"]](norm, torch.device("cpu"), seq_len)
+
+
+def rope_frequencies(cfg: ModelConfig, longest: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the attention scale of the rotary embedding:
+    theta's default, or transformers' scaled ones (llama3, linear, yarn, dynamic) for the
+    config's rope parameters."""
+    kind = cfg.rope_scaling.get("rope_type", "default")
+    if kind == "default":
+        hd = cfg.head_dim
+        return 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd), 1.0
+    # dynamic NTK rescales only past the trained length, and then by the current length
+    seq_len = longest if kind == "dynamic" and longest > cfg.max_position_embeddings else None
+    hf = {k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
+    return _scaled_frequencies(json.dumps(cfg.rope_scaling, sort_keys=True),
+                               json.dumps(hf, sort_keys=True, default=str), cfg.family,
+                               seq_len)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,9 +116,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=bias)
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
+        self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -118,13 +153,13 @@ class Backbone(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         past = cache.key_mask[:, :cache.length] if cache is not None else None
         positions, mask = positions_and_mask(attention_mask, past)
+        masks = layer_masks(self.config, mask, past.shape[1] if past is not None else 0)
         if cache is not None:
             cache.append_mask(attention_mask)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
-                                  x.dtype)
+        cos, sin = rotary_cos_sin(positions, self.config, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, masks[i], cache, i)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         return self.norm(x)
@@ -148,6 +183,19 @@ def positions_and_mask(new_mask: torch.Tensor, past_mask: torch.Tensor | None
     own[:, p:] = torch.eye(s, dtype=torch.bool, device=new_mask.device)
     mask = (causal & keys[:, None, :]) | own
     return positions.clamp(min=0), mask[:, None]
+
+
+def layer_masks(cfg: ModelConfig, mask: torch.Tensor, first_query: int) -> list[torch.Tensor]:
+    """Each layer's attention mask: `mask` [batch, 1, queries, keys], with query i at key
+    index first_query + i, narrowed on sliding-window layers to the keys less than the window
+    behind the query (by index, as Hugging Face counts it; left padding keeps real tokens
+    contiguous, so that is their distance in positions too)."""
+    if cfg.sliding_window is None:
+        return [mask] * cfg.num_layers
+    q = torch.arange(mask.shape[-2], device=mask.device)[:, None] + first_query
+    k = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+    narrow = mask & (q - k < cfg.sliding_window)
+    return [narrow if cfg.layer_window(i) else mask for i in range(cfg.num_layers)]
 
 
 class CausalLM(nn.Module):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.models.transformer import rotary_cos_sin
+from rlloom.models.transformer import layer_masks, rotary_cos_sin
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -118,14 +118,16 @@ class ContextParallelBackbone(nn.Module):
         length = input_ids.shape[1]
         parts = [torch.empty_like(attention_mask) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, attention_mask.contiguous(), group=self.group)
-        positions, mask = shard_positions_and_mask(torch.cat(parts, 1),
-                                                   dist.get_rank(self.group) * length, length)
+        full = torch.cat(parts, 1)
+        positions, mask = shard_positions_and_mask(full, dist.get_rank(self.group) * length,
+                                                   length)
+        masks = layer_masks(self.config, mask, dist.get_rank(self.group) * length)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
-                                  x.dtype)
+        cos, sin = rotary_cos_sin(positions, self.config, x.dtype,
+                                  longest=int(full.sum(1).max()))
         kv = _KVGather(self.group)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, kv, i)
+            x = layer(x, cos, sin, masks[i], kv, i)
         return self.norm(x)
 
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from rlloom.models.heads import ValueModel
-from rlloom.models.transformer import CausalLM, positions_and_mask, rotary_cos_sin
+from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask, rotary_cos_sin
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.grads import grad_norm, scale_grads
 
@@ -79,12 +79,12 @@ class StageModule(nn.Module):
         """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
         stage logits [mb, seq, vocab] (values [mb, seq] of a value model)."""
         positions, mask = positions_and_mask(attention_mask, None)
+        masks = layer_masks(self.config, mask, 0)
         if self.is_first:
             x = self.model.embed_tokens(x)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
-                                  x.dtype)
+        cos, sin = rotary_cos_sin(positions, self.config, x.dtype)
         for i, layer in self.model.layers.items():
-            x = layer(x, cos, sin, mask, None, int(i))
+            x = layer(x, cos, sin, masks[int(i)], None, int(i))
         if self.is_last:
             x = self.model.norm(x)
             x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)

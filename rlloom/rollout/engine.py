@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlloom.models.transformer import MLP, CausalLM, apply_rotary, rotary_cos_sin
+from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks, rotary_cos_sin
 from rlloom.rollout.generate import Rollout, generate, left_pad
 from rlloom.rollout.sampling import (
     Decode,
@@ -208,8 +208,7 @@ class _Run:
         self.cache = SlotKVCache(model, slots, max_len, cfg.kv_chunk)
         self.fused = [_Fused.of(layer) for layer in model.model.layers]
         c = model.config
-        cos, sin = rotary_cos_sin(torch.arange(max_len, device=dev)[None], c.head_dim,
-                                  c.rope_theta, p.dtype)
+        cos, sin = rotary_cos_sin(torch.arange(max_len, device=dev)[None], c, p.dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]                   # [max_len, head_dim]
         self.key_pos = torch.arange(max_len, device=dev)
         self.kv_row = torch.arange(slots * c.num_kv_heads, device=dev)
@@ -315,14 +314,14 @@ class _Run:
         # right padding: real keys come first, a padded query still sees key 0
         keys = self.key_pos[:width][None] < plen[:, None]                 # [b, width]
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        mask = (causal[None] & keys[:, None, :])[:, None]
+        masks = layer_masks(self.model.config, (causal[None] & keys[:, None, :])[:, None], 0)
         cos = self.cos[:width].view(1, 1, width, -1)
         sin = self.sin[:width].view(1, 1, width, -1)
         backbone = self.model.model
         capture = _Capture()
         x = backbone.embed_tokens(ids)
         for i, layer in enumerate(backbone.layers):
-            x = layer(x, cos, sin, mask, capture, i)
+            x = layer(x, cos, sin, masks[i], capture, i)
         last = x[torch.arange(b, device=self.device), plen - 1]
         logits = self.model.lm_head(backbone.norm(last))
         batch = _Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv], logits)
@@ -339,23 +338,32 @@ class _Run:
         cos, sin = self.cos[lens][:, None], self.sin[lens][:, None]      # [rows, 1, hd]
         # computed once per step for every layer: the additive mask over all cache positions
         # and the scatter index of the new key
-        kv = self.cache.kv_heads
-        bias = torch.zeros(rows, 1, 1, cap, dtype=self.cache.dtype, device=self.device)
-        bias.masked_fill_((self.key_pos[:cap] > lens[:, None]).view(rows, 1, 1, cap),
-                          float("-inf"))
-        bias = bias.expand(rows, kv, 1, cap).reshape(rows * kv, 1, cap)
+        kv, c = self.cache.kv_heads, self.model.config
+        hidden = self.key_pos[:cap] > lens[:, None]                     # [rows, cap]
+        biases = [self._bias(hidden, kv)] * c.num_layers
+        if c.sliding_window is not None:  # the new token is at index lens
+            window = self._bias(hidden | (self.key_pos[:cap] <= lens[:, None] - c.sliding_window),
+                                kv)
+            biases = [window if c.layer_window(i) else b for i, b in enumerate(biases)]
         # row (slot, kv head) of the flattened cache, times its capacity, plus the position;
         # an idle slot (decoded along, output ignored) writes at its own position 0, since
         # its stale length may equal the capacity and would spill into the next slot
         act = self.active[:rows]
         index = self.kv_row[:rows * kv] * cap + (lens * act).repeat_interleave(kv)
         for i, (layer, fused) in enumerate(zip(backbone.layers, self.fused)):
-            x = self._layer(i, layer, fused, x, cos, sin, bias, index)
+            x = self._layer(i, layer, fused, x, cos, sin, biases[i], index)
         logits = self.model.lm_head(backbone.norm(x))
         self.lens[:rows] += act
         self.width += 1
         self._commit(slice(0, rows), None, logits, act)
         self._reshape()
+
+    def _bias(self, hidden: torch.Tensor, kv: int) -> torch.Tensor:
+        """The additive attention mask [rows * kv, 1, cap] hiding the keys `hidden` marks."""
+        rows, cap = hidden.shape
+        bias = torch.zeros(rows, 1, 1, cap, dtype=self.cache.dtype, device=self.device)
+        bias.masked_fill_(hidden.view(rows, 1, 1, cap), float("-inf"))
+        return bias.expand(rows, kv, 1, cap).reshape(rows * kv, 1, cap)
 
     def _layer(self, i: int, layer: nn.Module, w: _Fused, x: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -384,7 +392,7 @@ class _Run:
         if w.gate_up_w is None:
             return x + layer.mlp(h[:, None])[:, 0]
         gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, -1)
-        return x + layer.mlp.down_proj(F.silu(gate) * up)
+        return x + layer.mlp.down_proj(layer.mlp.act(gate) * up)
 
     def _commit(self, idx: torch.Tensor | slice, slots: list[int] | None,
                 logits: torch.Tensor, act: torch.Tensor) -> None:

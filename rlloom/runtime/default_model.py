@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from rlloom.config import RunConfig
-from rlloom.data.prompts import read_prompt_file
+from rlloom.data.prompts import DataError, read_prompt_file
 from rlloom.data.synthetic import generate
 from rlloom.models.config import ModelConfig
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
@@ -68,6 +68,12 @@ def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) ->
         d = cfg.data
         problems = read_prompt_file(d.prompt_file, d.task, d.columns, d.transform,
                                     d.system_prompt)
+        unsolved = [p for p in problems if not p.solution.strip()]
+        if unsolved:
+            raise DataError(f"{unsolved[0].source}: no 'solution' field ({len(unsolved)} of "
+                            f"{len(problems)} rows lack one); supervised warm-starting trains on "
+                            "worked solutions: add a 'solution' column, or map yours with "
+                            "data.columns={solution: <column>}")
     else:
         problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
                             difficulty=cfg.data.difficulty)

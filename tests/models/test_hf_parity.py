@@ -138,9 +138,10 @@ def test_a_bf16_checkpoint_says_so_and_carries_a_generation_config(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
-    ({"use_sliding_window": True, "sliding_window": 64}, r"sliding-window attention"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope scaling"),
+    ({"hidden_act": "relu2"}, r"hidden_act='relu2' is not supported; rlloom implements silu, "
+                              r"gelu"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 6,
+                       "long_factor": [1.0] * 6}}, r"rope_type 'longrope' is not supported"),
 ])
 def test_config_fields_rlloom_does_not_implement_are_refused(tmp_path, change, message):
     import json

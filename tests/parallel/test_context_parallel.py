@@ -1,4 +1,5 @@
-"""Context parallelism (cp=2) against one process: logits, loss and gradients.
+"""Context parallelism (cp=2) against one process: logits, loss and gradients, with full and
+sliding-window attention layers and length-dependent (dynamic) rotary embeddings.
 
 Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
@@ -18,8 +19,12 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 def tiny_model() -> CausalLM:
+    # layer 1 attends within a window of 3 keys, which crosses the shard boundary; dynamic
+    # rope past 8 positions makes every shard's rotary depend on the whole sequence's length
     cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                      sliding_window=3, sliding_layers=(1,), max_position_embeddings=8,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     model = CausalLM(cfg).double()
     model.init_weights(seed=0, std=0.1)
     return model

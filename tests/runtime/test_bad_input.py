@@ -71,6 +71,19 @@ def test_prompt_longer_than_limit(tmp_path, tiny, capsys):
     assert not run.exists()
 
 
+def test_sft_on_rows_without_solutions_names_the_row_and_few_rows_still_train(tmp_path, tiny, capsys):
+    f = _prompt_file(tmp_path, [{"prompt": "Q:1+1=", "answer": "2", "solution": "A:2"},
+                                {"prompt": "Q:1+2=", "answer": "3"}])
+    _fails(["sft", *tiny, f"data.prompt_file={f}", "--out", str(tmp_path / "m")], capsys,
+           "prompts.jsonl:2: no 'solution' field (1 of 2 rows lack one)")
+    assert not (tmp_path / "m").exists()
+    # solved, two rows fill a batch of 16 by repeating
+    f = _prompt_file(tmp_path, [{"prompt": f"Q:1+{i}=", "answer": str(1 + i),
+                                 "solution": f"A:{1 + i}"} for i in range(2)])
+    main(["sft", *tiny, f"data.prompt_file={f}", "sft.steps=2", "--out", str(tmp_path / "m")])
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
 def test_a_layout_that_does_not_fit_the_model_is_refused_before_any_group_starts(tiny,
                                                                                 capsys):
     _fails(["train", *tiny, "plan.layouts.actor.tp=2"], capsys,

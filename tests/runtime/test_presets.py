@@ -92,6 +92,10 @@ def test_dpo_on_own_model_with_conversational_parquet_pairs(tmp_path, tiny, caps
     assert not any("eval_accuracy" in r for r in rows)
     assert "no held-out evaluation" in capsys.readouterr().out
     assert (run / "final" / "model.safetensors").is_file()
+    # config.yaml names the checkpoint trained, not the built-in model's unused settings
+    recorded = (run / "config.yaml").read_text()
+    assert recorded.startswith("# model trained: Qwen3ForCausalLM, 2 layers, hidden 32, ")
+    assert "hidden_size" not in recorded and "kv_heads" not in recorded
 
 
 def test_dpo_without_preference_file_is_refused(tiny, capsys):

@@ -35,7 +35,8 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     check_group_layouts(cfg, read_model_config(model_path))
     check_prompt_lengths(cfg, load_tokenizer(model_path, cfg.data.chat_template))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    (run_dir / "config.yaml").write_text(dump_config(
+        cfg, read_model_config(model_path).describe()))
     cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) * g.ranks for g in group_specs(cfg)))
     if cluster.note:
         print(cluster.note)

@@ -128,7 +128,8 @@ def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | Non
         loop = local_loop(cfg, run_dir, opts)  # validates everything before the run directory
         run_dir.mkdir(parents=True, exist_ok=True)
         if loop.main:
-            (run_dir / "config.yaml").write_text(dump_config(cfg))
+            architecture = read_model_config(loop.model_path).describe()
+            (run_dir / "config.yaml").write_text(dump_config(cfg, architecture))
         return loop.run(resume=resume_dir is not None)
     finally:
         leave_world()

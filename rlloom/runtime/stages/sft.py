@@ -42,7 +42,9 @@ def supervised_finetune(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     device = model_device(model)
     with progress_bar("sft", steps) as bar:
         for _ in range(steps):
-            batch = rng.sample(problems, batch_size)
+            # with fewer problems than a batch, some repeat
+            batch = (rng.sample(problems, batch_size) if len(problems) >= batch_size
+                     else rng.choices(problems, k=batch_size))
             seqs = teacher_forced(tokenizer, [p.prompt for p in batch],
                                   [p.solution for p in batch]).to(device)
             logp, _, _ = response_logprobs(model, seqs, temperature=1.0)
