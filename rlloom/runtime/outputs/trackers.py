@@ -70,13 +70,19 @@ class _MLflow:
         import mlflow
         self.mlflow = mlflow
         if "MLFLOW_TRACKING_URI" not in os.environ:  # a local file store in the run
+            # MLflow 3 keeps the file store behind this switch (a database needs a server
+            # or SQLAlchemy, which the tracking client alone does not bring)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(project)
         mlflow.start_run(run_name=run_dir.name)
         mlflow.log_params(_flat(config))
 
     def log(self, row: dict[str, Any], step: int) -> None:
-        self.mlflow.log_metrics(scalars(row), step=step)
+        # MLflow's file store keeps a metric per file, so "reward" (a file) and
+        # "reward/correct" (a file in a directory "reward") cannot both exist: "." joins
+        self.mlflow.log_metrics({k.replace("/", "."): v for k, v in scalars(row).items()},
+                               step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()
