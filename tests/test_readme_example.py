@@ -1,0 +1,36 @@
+"""The README's worked example runs as written: its bash block, in an empty directory, with
+this environment's `python` and `rlloom` first on PATH."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def worked_example() -> str:
+    text = README.read_text()
+    after = text.split("<!-- worked-example", 1)[1]
+    return after.split("```bash\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_worked_example_runs_as_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "RLLOOM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(["bash", "-e", "-c", worked_example()], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in
+            (tmp_path / "runs/worked/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert {"reward/exact", "reward/short", "lr"} <= set(rows[0])
+    # warm-up over 2 steps, then cosine decay to 0 at step 6
+    assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4, 8.535534e-5, 5e-5,
+                                                     1.464466e-5, 0.0], rel=1e-5)
+    assert list((tmp_path / "runs/worked/tensorboard").iterdir())
+    # step 5 loaded final/ in transformers and printed the greedy reply's repr
+    assert done.stdout.strip().splitlines()[-1].startswith("'")
