@@ -48,6 +48,17 @@ def _absolute(path: str | None) -> str | None:
 FilePath = Annotated[str | None, AfterValidator(_absolute)]
 
 
+class LoRASection(Strict):
+    """LoRA adapters (Hu et al. 2021): only they train; the base weights stay frozen."""
+    rank: int = Field(8, ge=1, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: updates are (alpha / r) B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                "up_proj", "down_proj"],
+                               description="projections that get adapters (PEFT's "
+                                           "target_modules)")
+
+
 class ModelSection(Strict):
     path: FilePath = Field(None, description="Hugging Face checkpoint dir; null = built-in "
                                                "tiny model, warm-started by SFT and cached")
@@ -65,6 +76,8 @@ class ModelSection(Strict):
                                               "layer")
     experts_per_token: int = Field(2, ge=1, description="built-in qwen3_moe model: experts "
                                                         "each token is routed to")
+    lora: LoRASection | None = Field(None, description="train LoRA adapters instead of every "
+                                     "weight, e.g. {rank: 16, alpha: 32}; null = full training")
 
 
 class DataSection(Strict):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from rlloom.models.config import ModelConfig
+from rlloom.models.lora import is_adapter_key
 from rlloom.models.transformer import Backbone, CausalLM
 
 
@@ -29,7 +30,9 @@ class ValueModel(nn.Module):
     def from_policy(cls, policy: CausalLM) -> "ValueModel":
         """A critic initialised from the policy's backbone with a zero head (values start at 0)."""
         critic = cls(policy.config)
-        critic.model.load_state_dict(policy.model.state_dict())
+        # a LoRA policy's adapters start at zero (B = 0): the base weights are its backbone
+        critic.model.load_state_dict({k: v for k, v in policy.model.state_dict().items()
+                                      if not is_adapter_key(k)})
         nn.init.zeros_(critic.score.weight)
         return critic.to(next(policy.parameters()).dtype)
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlloom.models.config import CheckpointError, ModelConfig
 from rlloom.models.heads import ValueModel
+from rlloom.models.lora import peft_state
 from rlloom.models.transformer import CausalLM
 
 
@@ -152,6 +154,23 @@ def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_adapter(weights: dict[str, torch.Tensor], config: dict[str, Any],
+                 path: str | os.PathLike) -> None:
+    """A LoRA model's adapters, from its whole `weights`, as PEFT writes them:
+    adapter_config.json and adapter_model.safetensors, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        state = {k: v.detach().cpu() for k, v in peft_state(weights).items()}
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlloom.models.lora import LoRALinear
 from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks, rotary_cos_sin
 from rlloom.rollout.generate import Rollout, generate, left_pad
 from rlloom.rollout.sampling import (
@@ -99,10 +100,16 @@ class _Fused:
         gate_up_w = gate_up_b = None
         if isinstance(layer.mlp, MLP):
             m = layer.mlp
-            gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            gate_up_w = torch.cat([_weight(m.gate_proj), _weight(m.up_proj)])
             if m.gate_proj.bias is not None:
                 gate_up_b = torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        return cls(torch.cat([p.weight for p in projs]), qkv_b, split, gate_up_w, gate_up_b)
+        return cls(torch.cat([_weight(p) for p in projs]), qkv_b, split, gate_up_w, gate_up_b)
+
+
+def _weight(proj: nn.Linear) -> torch.Tensor:
+    """What the projection multiplies by: a LoRA layer's merged weight (the fused copy is
+    made per call anyway, so merging costs no extra memory that lasts)."""
+    return proj.merged_weight() if isinstance(proj, LoRALinear) else proj.weight
 
 
 @dataclass

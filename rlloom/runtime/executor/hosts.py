@@ -25,7 +25,8 @@ from rlloom.config import RunConfig
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_checkpoint
+from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_adapter, save_checkpoint
+from rlloom.models.lora import adapters_disabled, apply_lora, merged_state, peft_config
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout, needs_generation_copy
@@ -141,10 +142,17 @@ class LiveModel:
 
 
 def build_policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
-    """The policy as the trainer builds it (an ActorCritic when the critic shares it)."""
+    """The policy as the trainer builds it (an ActorCritic when the critic shares it), with
+    LoRA adapters when `model.lora` asks for them (then only they, and a shared value head,
+    train)."""
     policy = load_model(model_path, DTYPES[cfg.model.dtype])
     if "critic" in PRESETS[cfg.algo.name].roles and cfg.plan.actor_critic == "shared":
         policy = ActorCritic.from_policy(policy)
+    lora = cfg.model.lora
+    if lora is not None:
+        apply_lora(policy, lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), cfg.seed)
+        if isinstance(policy, ActorCritic):
+            policy.score.requires_grad_(True)
     return policy
 
 
@@ -324,9 +332,14 @@ class AssessmentHost:
         dtype = DTYPES[cfg.model.dtype]
         ref_layout = model_layout(plan, group, "reference")
         self.ref_share = ranks.share(ref_layout)
-        self.reference = (ranks.frozen(load_model(model_path, dtype).to(ranks.device).eval()
-                                       .requires_grad_(False), ref_layout)
-                          if cfg.needs_reference else None)
+        self.reference: nn.Module | None = None
+        if cfg.needs_reference and cfg.model.lora is not None and training is not None:
+            # the reference is the base model: the policy with its adapters switched off
+            # (`adapters_disabled` around each use), not a second copy of the weights
+            self.reference, self.ref_share = training.policy, ranks.share(training.layout)
+        elif cfg.needs_reference:
+            self.reference = ranks.frozen(load_model(model_path, dtype).to(ranks.device).eval()
+                                          .requires_grad_(False), ref_layout)
         self.critic: LiveModel | ShadowModel | None = None
         self.critic_share = Share()
         if "critic" in PRESETS[a.name].roles:
@@ -370,7 +383,7 @@ class AssessmentHost:
         return exp.to("cpu"), self._info(exp, seconds)
 
     def _scores(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        with self._critic() as critic:
+        with self._critic() as critic, adapters_disabled(self.reference):
             return scores(batch.samples.to(self.ranks.device), self.reference, critic, self.cfg,
                           self.ranks, self.ref_share, self.critic_share)
 
@@ -463,7 +476,19 @@ def step_row(ginfo: dict[str, Any], ainfo: dict[str, Any], stats: dict[str, Any]
 
 def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor], path: Path
                ) -> None:
-    """The trained policy's whole weights as a Hugging Face checkpoint at `path`."""
+    """The trained policy's whole weights as a Hugging Face checkpoint at `path`; a LoRA
+    policy's with its adapters merged, and the adapters alone in PEFT's format in
+    `path/adapter` (for `peft` to load onto the base checkpoint)."""
+    tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
     policy = build_policy(cfg, model_path)
     policy.load_state_dict(weights)
-    save_checkpoint(policy, load_tokenizer(model_path, cfg.data.chat_template), path)
+    lora = cfg.model.lora
+    if lora is None:
+        save_checkpoint(policy, tokenizer, path)
+        return
+    merged = load_model(model_path, DTYPES[cfg.model.dtype])
+    merged.load_state_dict({k: v for k, v in merged_state(policy, weights).items()
+                            if k.startswith(("model.", "lm_head."))})
+    save_checkpoint(merged, tokenizer, path)
+    save_adapter(weights, peft_config(lora.rank, lora.alpha, lora.dropout,
+                                      tuple(lora.targets), str(model_path)), path / "adapter")

@@ -75,6 +75,13 @@ def loop_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
                         "plan.placement=colocated and plan.schedule=sync")
     if opts.fused_chunks < 1:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
+    if cfg.model.lora is not None:
+        sharded = sorted(role for role, layout in [*plan.layouts.items(), ("generation", gen)]
+                         if layout.tp > 1 or layout.pp > 1 or layout.ep > 1)
+        if sharded:
+            problems.append(f"model.lora: the layouts of {', '.join(sharded)} shard weights "
+                            "by tensor, pipeline or expert parallelism, which LoRA adapters "
+                            "are not split by; use dp (with any ZeRO stage) and cp there")
     return problems
 
 

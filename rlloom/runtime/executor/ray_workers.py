@@ -36,6 +36,7 @@ import torch
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
+from rlloom.models.lora import has_lora, trained_state
 from rlloom.plan import DeviceGroup
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.runtime.executor.hosts import (
@@ -116,7 +117,7 @@ class GroupWorker:
         call: it runs while generation or assessment reads the other buffer)."""
         shadow = self.generation.weights if what == "policy" else self.assessment.critic
         with self.spans.span("weight_sync", step, "sync", what=what, version=version):
-            state, nbytes = self.channels[what].receive(shadow.models[0].state_dict())
+            state, nbytes = self.channels[what].receive(shadow.synced)
             stats: SyncStats = shadow.publish(version, state, timeout_s)
         return {"bytes": nbytes, "seconds": stats.seconds, "wait_s": stats.wait_s}
 
@@ -160,6 +161,8 @@ class GroupWorker:
         t = self.training
         model = t.policy if what == "policy" else t.critic if t.critic is not None else t.policy
         state = self.ranks.full_state(model)
+        if has_lora(model):  # a copy's base weights never change
+            state = trained_state(state)
         return self.channels[what].send(state) if self.rank == 0 else 0
 
     def training_state(self) -> dict[str, Any]:

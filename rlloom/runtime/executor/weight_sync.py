@@ -26,6 +26,8 @@ from typing import Iterator, Mapping
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from rlloom.models.lora import has_lora, trained_state
+
 
 class SyncTimeout(TimeoutError):
     pass
@@ -120,6 +122,13 @@ def _write(dst: torch.Tensor, full: torch.Tensor) -> None:
         dst.copy_(full)
 
 
+def synced_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The entries of `model`'s state dict that weight sync refreshes: all of them, or a LoRA
+    model's trained ones."""
+    state = model.state_dict()
+    return trained_state(state) if has_lora(model) else state
+
+
 class ShadowModel:
     """Two copies of a model behind a DoubleBuffer; `read()` lends the newest complete one.
     `twin` is the second copy when it cannot be deep-copied from the first (a sharded model
@@ -130,14 +139,19 @@ class ShadowModel:
         self.models = (model, twin if twin is not None else copy.deepcopy(model))
         for m in self.models:
             m.eval().requires_grad_(False)
-        # state_dict() tensors share storage with the parameters and buffers
-        self.buffer = DoubleBuffer((self.models[0].state_dict(), self.models[1].state_dict()),
-                                   version)
+        # state_dict() tensors share storage with the parameters and buffers; a LoRA model's
+        # slots hold only its adapters (the base weights never change)
+        self.buffer = DoubleBuffer(tuple(synced_state(m) for m in self.models), version)
         self._index = {id(sd): i for i, sd in enumerate(self.buffer._slots)}
 
     @property
     def version(self) -> int:
         return self.buffer.version
+
+    @property
+    def synced(self) -> dict[str, torch.Tensor]:
+        """The tensors a publish writes (names, shapes and dtypes of what to receive)."""
+        return self.buffer._slots[0]
 
     @contextmanager
     def read(self) -> Iterator[tuple[int, torch.nn.Module]]:

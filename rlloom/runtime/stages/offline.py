@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.algos.preference import PREFERENCE_LOSSES, preference_accuracy
 from rlloom.config import AlgoSection
 from rlloom.data.preferences import PreferencePair
+from rlloom.models.lora import adapters_disabled
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.device import model_device
@@ -29,7 +30,8 @@ def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.opti
                     algo: AlgoSection, grad_clip: float) -> dict[str, float]:
     batch = pair_batch(tokenizer, pairs).to(model_device(policy))
     n = len(pairs)
-    with torch.no_grad():
+    # a LoRA policy is its own reference, with its adapters off
+    with torch.no_grad(), adapters_disabled(reference):
         ref = sequence_logprobs(reference, batch)
     pol = sequence_logprobs(policy, batch)
     loss = PREFERENCE_LOSSES.get(algo.preference_loss)(pol[:n], pol[n:], ref[:n], ref[n:],
