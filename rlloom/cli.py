@@ -120,7 +120,7 @@ def _request(args: argparse.Namespace) -> "Request":
                    args.epochs, args.minibatches, args.objective, args.runtime,
                    getattr(args, "price_only", False),
                    Path(args.hardware) if args.hardware else None, args.max_response,
-                   args.staleness, args.partial_rollout)
+                   args.staleness, args.partial_rollout, args.lora)
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -189,6 +189,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partial-rollout", type=int, default=0, metavar="TOKENS", help="partial "
                    "rollouts: a response generates at most TOKENS a step, one still going is "
                    "carried to the next (rollout.partial_tokens; default 0: off)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters "
+                   "of this rank on the actor instead of every weight (model.lora.rank; "
+                   "default 0: full training)")
     p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
     p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")

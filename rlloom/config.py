@@ -383,6 +383,11 @@ class RunConfig(Strict):
         return data
 
     @property
+    def lora_rank(self) -> int:
+        """The LoRA adapters' rank, 0 when every weight trains (the cost model's knob)."""
+        return self.model.lora.rank if self.model.lora is not None else 0
+
+    @property
     def needs_reference(self) -> bool:
         """A frozen reference model exists for a KL term, or to score DPO's pairs."""
         a = self.algo

@@ -203,6 +203,17 @@ def _sizer(plan: Plan, group: DeviceGroup) -> str:
 
 # -- what the executor runs: the one capability table `rlloom plan` and `rlloom train` read ----
 
+def lora_problems(layouts: dict[str, Layout]) -> list[str]:
+    """Why LoRA adapters cannot train over these layouts (empty when they can): they are not
+    split by tensor, pipeline or expert parallelism. The runtime and the planner both ask."""
+    sharded = sorted(role for role, x in layouts.items() if x.tp > 1 or x.pp > 1 or x.ep > 1)
+    if not sharded:
+        return []
+    return [f"model.lora: the layouts of {', '.join(sharded)} shard weights by tensor, "
+            "pipeline or expert parallelism, which LoRA adapters are not split by; use dp "
+            "(with any ZeRO stage) and cp there"]
+
+
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)

@@ -111,9 +111,12 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
                 # async: the shadow copy receives the next weights while generation reads one
                 copies = 2 if plan.schedule == "async" else 1
                 resident[name] += copies * mem.PARAM_B * mem.params_per_device(actor, gen)
+            elif role == "reference" and wl.lora_rank and g.runs("training"):
+                pass  # the runtime's rule: the trained LoRA actor, adapters off, is the reference
             else:
                 resident[name] += mem.model_state_bytes(
-                    active[role], layout_of(name, role), role in TRAINABLE and g.runs("training"))
+                    active[role], layout_of(name, role), role in TRAINABLE and g.runs("training"),
+                    lora_rank=wl.lora_rank if role == "actor" else 0)
 
     stages: list[StageCost] = []
     peak: dict[str, float] = dict(resident)
@@ -135,7 +138,10 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
             # rewards are scored as samples finish, beside generation; the runtime's shared
             # prompt pass serves log-probs, not value or reward heads
             g = gen_g if role == "reward" else ass_g
-            st = cost.forward(shape, layout_of(g, role), wl, hw, role, role == "reference",
+            # a LoRA actor scores as the reference beside its training, in its own layout
+            shares = role == "reference" and wl.lora_rank and groups[g].runs("training")
+            st = cost.forward(shape, train if shares else layout_of(g, role), wl, hw, role,
+                              role == "reference",
                               prompts_once=role == "reference",
                               trained=role in TRAINABLE and groups[g].runs("training"))
             stages.append(st)
@@ -176,8 +182,9 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     sync_s = 0.0
     # the runtime broadcasts whole weights from training rank 0 to every rank of a copy's
     # group (runtime/executor/weight_channel.py); each rank keeps its shard
-    if apart:
-        sync_s = comm.broadcast_between_groups(hw, mem.PARAM_B * actor.params)
+    if apart:  # a LoRA actor's copy receives the adapters alone
+        synced = actor.lora_params(wl.lora_rank) if wl.lora_rank else actor.params
+        sync_s = comm.broadcast_between_groups(hw, mem.PARAM_B * synced)
     elif hybrid:
         sync_s = reshard_seconds(actor, train, gen, hw)
     if "critic" in active and ass_g != train_g:  # the assessment group's critic copy

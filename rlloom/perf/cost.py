@@ -394,15 +394,18 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
 def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
              logits: bool = True, prompts_once: bool = False) -> StageCost:
     """ppo_epochs passes of forward + backward (3 C_f, +1 C_f with checkpointing) and the
-    DP gradient collectives of each optimizer step."""
+    DP gradient collectives of each optimizer step. A LoRA actor (`wl.lora_rank`) skips the
+    frozen weights' gradients: backward is the activation gradients alone (2 C_f in all, the
+    adapters' own r/d-small work aside), and only the adapters' gradients are reduced."""
     ckpt = layout.activation_checkpointing
+    lora = wl.lora_rank if role == "actor" else 0
     seqs = math.ceil(wl.rollouts / layout.dp)
     steps = wl.ppo_epochs * wl.minibatches
     mb_rows = math.ceil(seqs / wl.minibatches)
     tokens, m = wl.teacher_forced(mb_rows, prompts_once)  # per mini-batch
     mb_tokens, context = tokens / m, tokens / mb_rows
     tokens *= wl.minibatches
-    passes = (4 if ckpt else 3)
+    passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
     flops = wl.ppo_epochs * tokens * passes * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
@@ -414,7 +417,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,
                                                    2 * m * pieces)
-    dp_s = steps * _dp_comm(shape, layout, hw, m)
+    dp_s = steps * _dp_comm(shape, layout, hw, m, lora)
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
     optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
@@ -443,14 +446,21 @@ def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:
     return dp_s - hidden + max(0.0, hidden - work)
 
 
-def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int) -> float:
+def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int,
+             lora_rank: int = 0) -> float:
     """Per optimizer step. ZeRO-0/1: all-reduce bf16 gradients; ZeRO-2: reduce-scatter them and
     all-gather updated parameters; ZeRO-3: per micro-batch, all-gather parameters for forward
-    and backward and reduce-scatter gradients. `_exposed_dp` takes off what compute hides."""
+    and backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
+    change; ZeRO-3 still gathers the frozen weights for forward and backward.
+    `_exposed_dp` takes off what compute hides."""
     dp, span = layout.dp, layout.world_size
-    grads = mem.GRAD_B * mem.params_per_device(shape, layout)
+    weights = mem.GRAD_B * mem.params_per_device(shape, layout)
+    grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
     if layout.zero <= 1:
         return comm.all_reduce(hw, dp, span, grads)
     if layout.zero == 2:
         return 2 * comm.gather_or_scatter(hw, dp, span, grads)
+    if lora_rank:
+        return micro_batches * (2 * comm.gather_or_scatter(hw, dp, span, weights)
+                                + comm.gather_or_scatter(hw, dp, span, grads))
     return micro_batches * 3 * comm.gather_or_scatter(hw, dp, span, grads)

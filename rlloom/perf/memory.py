@@ -32,14 +32,25 @@ FP32_ADAM = (4, 4, 8)
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
-                      precision: tuple[int, int, int] = MIXED_ADAM) -> float:
+                      precision: tuple[int, int, int] = MIXED_ADAM, lora_rank: int = 0
+                      ) -> float:
     """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (PERF_MODEL.md's
     4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz in elements, here in bytes with the precisions above).
-    `precision` is bytes per parameter of (parameters, gradients, optimizer state)."""
+    `precision` is bytes per parameter of (parameters, gradients, optimizer state). With
+    `lora_rank`, a trained model is its frozen base plus LoRA adapters trained in full (the
+    runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device)."""
     p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
     param, grad, optim = precision
     if not trainable:
         return param * p / (dz if zero == 3 else 1)
+    if lora_rank:
+        return (model_state_bytes(shape, layout, False, precision)
+                + _trained_bytes(shape.lora_params(lora_rank), dz, zero, precision))
+    return _trained_bytes(p, dz, zero, precision)
+
+
+def _trained_bytes(p: float, dz: int, zero: int, precision: tuple[int, int, int]) -> float:
+    param, grad, optim = precision
     if zero == 0:
         return (param + grad + optim) * p
     if zero == 1:

@@ -65,6 +65,7 @@ class Request:
     max_response: int = 0  # the generation cap of lognormal lengths (0: p99)
     staleness: int = 1  # the bound of the async plans searched
     partial_rollout: int = 0  # rollout.partial_tokens: tokens per response per step (0: off)
+    lora: int = 0  # model.lora.rank of the actor's adapters (0: full training)
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -78,7 +79,7 @@ class Request:
         return Workload(self.prompts, samples, self.prompt_len, response,
                         ppo_epochs=self.epochs, minibatches=self.minibatches,
                         policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"),
-                        partial_tokens=self.partial_rollout)
+                        partial_tokens=self.partial_rollout, lora_rank=self.lora)
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
@@ -111,6 +112,8 @@ def plan_file(p: Priced, title: str) -> str:
         chunk = wl.partial_tokens
         config["rollout"] = {"partial_tokens": chunk,
                              "max_new_tokens": math.ceil(wl.response.max / chunk) * chunk}
+    if wl.lora_rank:
+        config["model"] = {"lora": {"rank": wl.lora_rank}}
     body = yaml.safe_dump(config, sort_keys=False)
     return f"# {title}\n{body}"
 

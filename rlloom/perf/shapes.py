@@ -47,6 +47,15 @@ class ModelShape:
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
         return 2 * d * self.q_width + 2 * d * self.kv_width + bias
 
+    def lora_params(self, rank: int) -> int:
+        """LoRA adapters of rank `rank` on every projection (q, k, v, o and the MLP's, routed
+        experts' included): r (d_in + d_out) each, the runtime's default `model.lora.targets`."""
+        d, mlp = self.hidden, 3 if self.gated_mlp else 2
+        attn = 2 * (d + self.q_width) + 2 * (d + self.kv_width)
+        ffn = mlp * (d + self.ffn) if not self.moe else \
+            mlp * (d + self.moe_ffn) * self.n_experts
+        return rank * self.layers * (attn + ffn)
+
     def _mlp(self, width: int) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden * width
 

@@ -69,7 +69,7 @@ def step_workload(row: dict, cfg: RunConfig) -> Workload:
                     dtype=run_dtype(cfg),
                     micro_batch_tokens=cfg.train.micro_batch_tokens,
                     max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
-                    partial_tokens=cfg.rollout.partial_tokens)
+                    partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank)
 
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:

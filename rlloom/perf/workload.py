@@ -123,6 +123,8 @@ class Workload:
     # OpenRLHF's default, priced for their runs); rlloom takes the sampler's, and recomputes
     # only the proximal log-probs of stale samples
     recompute_logprobs: bool = False
+    # LoRA adapters of this rank train on the actor (`model.lora.rank`); 0 = full training
+    lora_rank: int = 0
 
     @property
     def carries(self) -> bool:

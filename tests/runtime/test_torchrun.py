@@ -1,6 +1,6 @@
 """`rlloom train` under torchrun with 2 processes: FSDP, TP, a hybrid layout (TP
-generation, FSDP training) and pipeline stages, 3 steps each on the default task (tiny
-sizes)."""
+generation, FSDP training), pipeline stages and LoRA under ZeRO-3, 3 steps each on the default
+task (tiny sizes)."""
 import json
 import os
 import subprocess
@@ -17,6 +17,9 @@ LAYOUTS = {
                "plan.layouts.rollout.tp=2"],
     # the executor's roles run here too: pipeline stages, generation on 2 whole copies
     "pp": ["plan.layouts.actor.pp=2"],
+    # LoRA adapters beside frozen base weights in the same ZeRO-3 shards
+    "lora_zero3": ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
+                   "model.lora.rank=4", "algo.kl_coef=0.05"],
 }
 
 
@@ -55,6 +58,8 @@ def test_train_runs_under_torchrun(name, tmp_path, tiny):
         assert len(r["response_lens"]) == 4 * 4  # the whole batch: B prompts x K samples
     if name == "hybrid":
         assert all(r["reshard_bytes"] > 0 and r["reshard_s"] > 0 for r in rows)
+    if name == "lora_zero3":
+        assert (run / "final" / "adapter" / "adapter_model.safetensors").is_file()
     assert (run / "final" / "model.safetensors").is_file()
     assert (run / "checkpoints" / "step_000003" / "actor").is_dir()
     assert done.stdout.count("held-out greedy accuracy: before RL") == 1  # rank 0 prints

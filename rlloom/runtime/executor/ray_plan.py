@@ -15,6 +15,7 @@ from rlloom.plan import (
     Plan,
     device_groups,
     generation_layout,
+    lora_problems,
     model_layout,
     runnable_problems,
 )
@@ -76,12 +77,7 @@ def loop_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
     if opts.fused_chunks < 1:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
     if cfg.model.lora is not None:
-        sharded = sorted(role for role, layout in [*plan.layouts.items(), ("generation", gen)]
-                         if layout.tp > 1 or layout.pp > 1 or layout.ep > 1)
-        if sharded:
-            problems.append(f"model.lora: the layouts of {', '.join(sharded)} shard weights "
-                            "by tensor, pipeline or expert parallelism, which LoRA adapters "
-                            "are not split by; use dp (with any ZeRO stage) and cp there")
+        problems += lora_problems({**plan.layouts, "generation": gen})
     return problems
 
 
