@@ -92,9 +92,12 @@ class SpanLog:
         self.group, self.keep = group, keep  # keep: false on ranks that repeat rank 0's spans
         self._events: list[dict] = []
         self._lock = threading.Lock()
+        self.on_start: Callable[[str], None] | None = None  # told each span's name as it opens
 
     @contextmanager
     def span(self, name: str, step: int, lane: str, **args: Any) -> Iterator[dict]:
+        if self.on_start is not None:
+            self.on_start(name)
         start, t0 = time.time(), time.perf_counter()
         info: dict[str, Any] = {}
         try:

@@ -5,6 +5,7 @@ in place; the stage code is what a Ray rank runs."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,10 @@ class LocalExecutor:
 
     def spans(self) -> list[dict]:
         return self.worker.spans.drain()
+
+    def watch(self, on_stage: Callable[[str], None]) -> None:
+        """Tell `on_stage` each stage's name as this process starts it."""
+        self.worker.spans.on_start = on_stage
 
     def save(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> None:
         """The checkpoint, written by rank 0; in a world of several ranks every rank first

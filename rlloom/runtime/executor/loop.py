@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,6 +78,7 @@ class Executor(Protocol):
     def put(self, value: Any) -> Any: ...
     def inject(self, step: int) -> None: ...
     def spans(self) -> list[dict]: ...
+    def watch(self, on_stage: Callable[[str], None]) -> None: ...
     def save(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> None: ...
     def barrier(self) -> None: ...
 
@@ -123,11 +125,14 @@ class StepLoop:
         self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
         self.step = 0
         self.eval_history: list[tuple[int, float]] = []
+        # the progress bar's stage display, while a bar is up
+        self._on_stage: Callable[[str], None] = lambda name: None
 
     def _host(self, stage: str) -> Group:
         return self.ex.group(stage_group(self.specs, stage).name)
 
     def _get(self, refs: Any, what: str, step: int, group: Group | None = None) -> Any:
+        self._on_stage(what)
         return self.ex.get(refs, what, step, group)
 
     # -- state -------------------------------------------------------------------------------
@@ -334,6 +339,8 @@ class StepLoop:
                     if self.main else [])
         with progress_bar(self.ex.label, cfg.train.steps, done=self.step,
                           show=self.main, every=1) as bar, closing_all(trackers):
+            self._on_stage = bar.stage
+            self.ex.watch(bar.stage)
             while self.step < cfg.train.steps:
                 row = self.train_step()
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,9 @@ class RayExecutor:
         self._fault_at = time.perf_counter()
         print(f"fault injection: {kind} worker rank {info['rank']} of group {group!r} (pid "
               f"{info['pid']}) during step {step}")
+
+    def watch(self, on_stage: Callable[[str], None]) -> None:
+        """Stages run in the workers; the loop names each one as it waits on it."""
 
     def spans(self) -> list[dict]:
         """Every group's spans since the last call (rank 0 speaks for its group)."""

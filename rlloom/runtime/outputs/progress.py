@@ -21,6 +21,9 @@ from rich.progress import (
 class Bar(Protocol):
     def advance(self, **metrics: float | None) -> None: ...
 
+    def stage(self, name: str) -> None:
+        """Show the stage now running (a live bar only: a plain line per step says enough)."""
+
 
 def _text(metrics: dict[str, float | None]) -> str:
     return "  ".join(f"{k}={v:.3g}" for k, v in metrics.items() if v is not None)
@@ -32,6 +35,9 @@ class _LiveBar:
 
     def advance(self, **metrics: float | None) -> None:
         self._progress.update(self._task, advance=1, metrics=_text(metrics))
+
+    def stage(self, name: str) -> None:
+        self._progress.update(self._task, stage=name)
 
 
 class _Lines:
@@ -49,6 +55,9 @@ class _Lines:
             print(f"{self.label} {self.done}/{self.total} {elapsed:.0f}s  {_text(metrics)}",
                   flush=True)
 
+    def stage(self, name: str) -> None:
+        pass
+
 
 @contextmanager
 def progress_bar(label: str, total: int, done: int = 0, show: bool = True,
@@ -58,9 +67,10 @@ def progress_bar(label: str, total: int, done: int = 0, show: bool = True,
     if show and not Console(file=sys.stdout).is_terminal:
         yield _Lines(label, total, done, every or max(1, total // 20))
         return
-    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+    progress = Progress(TextColumn(f"[bold]{label}"), TextColumn("{task.fields[stage]:<10}"),
+                        BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(),
                         TextColumn("{task.fields[metrics]}"), transient=False, disable=not show)
     with progress:
         yield _LiveBar(progress, progress.add_task(label, total=total, completed=done,
-                                                   metrics=""))
+                                                   metrics="", stage=""))
