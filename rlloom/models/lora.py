@@ -76,12 +76,16 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
     return names
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+def lora_modules(model: Any) -> dict[str, LoRALinear]:
+    """The LoRA layers of `model` by name; none for anything else (no model, a pipeline stage
+    wrapper: LoRA runs without pipelining)."""
+    if not isinstance(model, nn.Module):
+        return {}
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+def has_lora(model: Any) -> bool:
+    return bool(lora_modules(model))
 
 
 def is_adapter_key(name: str) -> bool:
@@ -96,7 +100,7 @@ def trained_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+def adapters_disabled(model: Any) -> Iterator[Any]:
     """The base model, by switching its adapters off for the block: the reference policy of
     a LoRA run without a second copy of the weights."""
     modules = list(lora_modules(model).values())
@@ -107,22 +111,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m in modules:
             m.enabled = True
-
-
-class BaseModel(nn.Module):
-    """A LoRA model seen with its adapters off: the frozen reference, sharing the weights."""
-
-    def __init__(self, adapted: nn.Module) -> None:
-        super().__init__()
-        self.adapted = [adapted]  # a list: not a submodule, so its parameters are not ours
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with torch.no_grad(), adapters_disabled(self.adapted[0]) as base:
-            return base(*args, **kwargs)
-
-    @property
-    def config(self) -> Any:
-        return self.adapted[0].config
 
 
 def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
