@@ -25,6 +25,8 @@ from rlloom.data.synthetic import TASKS as BUILT_IN_TASKS
 from rlloom.data.synthetic import check_difficulty
 from rlloom.plan import Plan, Strict
 from rlloom.rewards import functions as reward_functions
+from rlloom.rollout.tools import BUILT_IN as BUILT_IN_TOOLS
+from rlloom.rollout.tools import load_tools
 from rlloom.runtime.outputs.trackers import check_installed
 from rlloom.user_code import function_name, load, resolve_spec
 
@@ -162,7 +164,20 @@ class RolloutSection(Strict):
         "rlloom", description="sampler: rlloom's engine (prefix sharing, continuous batching; "
         "unsharded models) or plain (one batched decode loop, what a tensor-parallel "
         "generation layout runs; the one-process twin of such a layout)")
-
+    tools: list[str] = Field([], description="tools the policy may call in a multi-turn "
+                             "rollout: calculator, python (run in the sandbox), or "
+                             "module.path:function / file.py:function taking the call's "
+                             "argument string and returning text (async allowed)")
+    max_turns: int = Field(1, ge=1, description="model turns per rollout; a turn ending in a "
+                           "tool call gets the tool's <result>...</result> and the model goes "
+                           "on (1 = single-turn, no tools)")
+    tool_format: Literal["tag", "json"] = Field(
+        "tag", description='how a turn calls a tool: <call NAME>ARGS</call> (tag) or '
+        '<call>{"name": NAME, "arguments": ARGS}</call> (json)')
+    tool_timeout_s: float = Field(10.0, gt=0, description="seconds a tool call may take; "
+                                  "then the model reads an error")
+    tool_output_chars: int = Field(512, ge=1, description="longest tool result the model "
+                                   "reads (longer ones are cut, saying how much)")
 
     @model_validator(mode="after")
     def _whole_chunks(self) -> "RolloutSection":
@@ -175,7 +190,22 @@ class RolloutSection(Strict):
                              f"rollout.max_new_tokens ({self.max_new_tokens}): a carried "
                              "response resumes with whole chunks; e.g. partial_tokens="
                              f"{_divisor_below(self.max_new_tokens, self.partial_tokens)}")
+        if (self.max_turns > 1) != bool(self.tools):
+            raise ValueError("multi-turn rollouts call tools: set rollout.tools (e.g. "
+                             "[calculator]) with rollout.max_turns > 1, or neither")
+        if self.max_turns > 1 and self.partial_tokens:
+            raise ValueError("rollout.partial_tokens carries single-turn responses across "
+                             "steps; multi-turn rollouts (rollout.max_turns > 1) finish in "
+                             "their step: set one of them to its default")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_load(cls, specs: list[str]) -> list[str]:
+        resolved = [s if s in BUILT_IN_TOOLS else resolve_spec(s, Path.cwd(), "tool", ValueError)
+                    for s in specs]
+        load_tools(resolved)  # fails early, naming the tool
+        return resolved
 
 
 def _divisor_below(n: int, k: int) -> int:

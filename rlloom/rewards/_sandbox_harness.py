@@ -75,14 +75,18 @@ def _guard(workdir: str) -> None:
 def _run_candidate(code: str, tests: list[str]) -> tuple[int, str]:
     ns: dict = {"__name__": "solution"}
     try:
-        exec(compile(code, "solution.py", "exec"), ns)
+        compiled = compile(code, "solution.py", "exec")
     except (SyntaxError, ValueError):
         return 0, "syntax error"
+    try:
+        exec(compiled, ns)
     except MemoryError:
         return 0, "memory limit"
     except SystemExit:
         return 0, "exit"
     except BaseException as e:  # noqa: BLE001 - any crash of the candidate scores 0
+        # the message goes with the output (a tool call reads it back; rewards ignore it)
+        os.write(2, f"{type(e).__name__}: {e}\n".encode("utf-8", "replace"))
         return 0, f"error: {type(e).__name__}"
     passed, reason = 0, "-"
     for test in tests:

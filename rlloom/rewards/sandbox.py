@@ -61,6 +61,7 @@ class RunResult:
     passed: int
     total: int
     reason: str | None
+    output: str = ""  # what the program printed (stdout and stderr), as far as it was kept
 
     @property
     def fraction(self) -> float:
@@ -129,16 +130,20 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str 
 
 def _parse(output: bytes, token: str, total: int) -> RunResult:
     passed, child_reason, status = 0, "no result", "harness error"
+    printed = []
     for line in output.decode("utf-8", "replace").splitlines():
         parts = line.split(" ", 4)
         if parts[0] != token or len(parts) < 3:
+            printed.append(line)
             continue
         if parts[1] == "result" and len(parts) == 5:
             passed, child_reason = int(parts[2]), parts[4]
         elif parts[1] == "status":
             status = line.split(" ", 2)[2]
     reason = status if status != "-" else child_reason
-    return RunResult(passed, total, None if reason == "-" else reason)
+    # the harness writes its result line after a newline of its own
+    text = "\n".join(printed).removesuffix("\n")
+    return RunResult(passed, total, None if reason == "-" else reason, text)
 
 
 def _run_in(workdir: str, code: str, tests: list[str], limits: SandboxLimits) -> RunResult:
@@ -163,7 +168,7 @@ def _run_in(workdir: str, code: str, tests: list[str], limits: SandboxLimits) ->
         _stop(proc)
         proc.stdout.close()
     if stopped:
-        return RunResult(0, len(tests), stopped)
+        return RunResult(0, len(tests), stopped, output.decode("utf-8", "replace"))
     return _parse(output, token, len(tests))
 
 

@@ -1,6 +1,7 @@
 """Batched autoregressive generation with a KV cache."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -24,16 +25,32 @@ class Rollout:
     response_mask: torch.Tensor # [n, resp_len]
     logprobs: torch.Tensor      # [n, resp_len], policy log-prob of each response token
     finished: torch.Tensor      # [n] bool, True where EOS was generated
+    # [n, resp_len] 1 where a tool's result was inserted into the response: read by the model,
+    # never trained on (no loss, no KL); None: every response token was sampled
+    injected: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(1)
 
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """[n, resp_len] the sampled tokens: what losses, KL and advantages count."""
+        if self.injected is None:
+            return self.response_mask
+        return self.response_mask * (1 - self.injected)
+
     def select(self, idx: torch.Tensor) -> "Rollout":
-        return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
+        return Rollout(*(_maybe(getattr(self, f.name), lambda v: v[idx]) for f in fields(self)))
 
     def to(self, device: torch.device | str) -> "Rollout":
-        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return Rollout(*(_maybe(getattr(self, f.name), lambda v: v.to(device))
+                         for f in fields(self)))
+
+
+def _maybe(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]
+           ) -> torch.Tensor | None:
+    return None if x is None else fn(x)
 
 
 def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
@@ -51,7 +68,10 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([pad(r.response_ids, t, pad_id, False) for r in parts]),
         torch.cat([pad(r.response_mask, t, 0, False) for r in parts]),
         torch.cat([pad(r.logprobs, t, 0.0, False) for r in parts]),
-        torch.cat([r.finished for r in parts]))
+        torch.cat([r.finished for r in parts]),
+        None if all(r.injected is None for r in parts) else torch.cat(
+            [pad(r.injected if r.injected is not None else torch.zeros_like(r.response_mask),
+                 t, 0, False) for r in parts]))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout, needs_generation_copy
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rollout.generate import Rollout
+from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
@@ -73,7 +74,7 @@ def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, tempera
             return pipelined_logprobs(policy, part, temperature)
         return response_logprobs(policy, part, temperature)[0]
     prox = torch.cat([logprobs(r.select(idx)) for idx in torch.arange(n).chunk(minibatches)])
-    mask = r.response_mask.float()
+    mask = r.action_mask.float()
     keep = mask > 0
     prox, old = torch.where(keep, prox, 0.0), torch.where(keep, r.logprobs, 0.0)
     weight = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -195,6 +196,7 @@ class TrainingHost:
                                                                a.critic_lr)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.eval_set = eval_problems(cfg)
+        self.tools = Tools.of(cfg.rollout)
         self.version = 0  # optimizer steps taken: the weight version
         # `optimise` calls the plain loss; decoupled_ppo is run through it (see `decoupled`)
         self.opt_cfg = (cfg.model_copy(update={"algo": a.model_copy(
@@ -246,7 +248,7 @@ class TrainingHost:
             return None
         with self.spans.span("eval", step, "eval"):
             return greedy_accuracy(self.generator, self.tokenizer, self.eval_set, self.cfg,
-                                   self.pool)
+                                   self.pool, self.tools)
 
     def state(self) -> dict[str, Any]:
         """The loop state, with whole weights and optimizer state when one rank holds them
@@ -291,6 +293,7 @@ class GenerationHost:
         self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
         r = cfg.rollout
         self.pool = PartialPool(r.partial_tokens, r.max_new_tokens) if r.partial_tokens else None
+        self.tools = Tools.of(r)
 
     @_in_compute_dtype
     def generate(self, step: int, prompts: int | None = None
@@ -300,11 +303,13 @@ class GenerationHost:
         start, so a request never mixes versions. Every rank returns the whole batch (on the
         CPU)."""
         cfg = self.cfg
+        if self.tools is not None:  # each turn's tool calls, a span of their own
+            self.tools.span = functools.partial(self.spans.span, "tools", step, "tools")
         with self.weights.read() as (version, policy):
             with self.spans.span("generation", step, "actor", version=version) as span:
                 samples = generate_group(policy, self.tokenizer, self.stream, cfg,
                                          self.rewarder, self.sample_gen, self.ranks, self.share,
-                                         prompts, self.pool, version)
+                                         prompts, self.pool, version, self.tools)
                 baseline = (greedy_baseline(policy, self.tokenizer, samples, cfg, self.rewarder)
                             if self.greedy else None)
         batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)

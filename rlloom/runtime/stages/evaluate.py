@@ -11,8 +11,10 @@ from rlloom.models.transformer import CausalLM
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import engine_generate
+from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.stages.batch import decode_responses, encode
+from rlloom.runtime.stages.generation import respond
 
 EVAL_BATCH = 256
 
@@ -29,17 +31,22 @@ def eval_problems(cfg: RunConfig) -> list[Problem]:
 
 
 def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                    cfg: RunConfig, pool: SandboxPool | None = None) -> float:
+                    cfg: RunConfig, pool: SandboxPool | None = None,
+                    tools: Tools | None = None) -> float:
     """Fraction of problems whose greedy response (at most `eval.max_new_tokens`, ended by
-    `rollout.stop` like the sampled ones) gets the verifier's full marks."""
+    `rollout.stop` like the sampled ones; with `tools`, a greedy conversation) gets the
+    verifier's full marks."""
     params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0,
                             stop=tuple(cfg.rollout.stop))
     correct = 0
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
         prompts = encode(tokenizer, [p.prompt for p in chunk])
-        rollout = engine_generate(model, prompts, params, tokenizer.eos_token_id,
-                                  tokenizer.pad_token_id, decode=tokenizer.decode)
+        if tools is None:
+            rollout = engine_generate(model, prompts, params, tokenizer.eos_token_id,
+                                      tokenizer.pad_token_id, decode=tokenizer.decode)
+        else:
+            rollout, _ = respond(model, tokenizer, prompts, params, cfg, None, 0, tools)
         terms = task_terms(chunk, decode_responses(tokenizer, rollout), cfg.data.task, pool)
         correct += sum(c >= 1.0 for c in terms["correct"])
     return correct / len(problems)

@@ -25,9 +25,11 @@ from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate
+from rlloom.rollout.multi_turn import Tools, as_rollout, converse, tool_stats
 from rlloom.rollout.partial import PartialPool
 from rlloom.rollout.partial_rule import partial_step
 from rlloom.rollout.sampling import SamplingParams, StopMatcher
+from rlloom.rollout.tools import CALL_END
 from rlloom.runtime.device import kv_budget_bytes, model_device
 from rlloom.runtime.executor.ranks import RankGroup, Share
 from rlloom.runtime.stages.batch import (
@@ -50,6 +52,9 @@ class Samples:
     # [n] the weight versions of each response's tokens, summed (partial rollouts mix
     # versions in one response); None: every token has the batch's one version
     version_sum: torch.Tensor | None = None
+    # [n, 4] multi-turn rollouts' turns, tool calls, tool errors, tool seconds (None:
+    # single-turn); metrics, so they stay on the CPU
+    tools: torch.Tensor | None = None
 
     @property
     def correct(self) -> torch.Tensor:
@@ -66,7 +71,16 @@ class Samples:
                 "truncated": (~r.finished).float().mean().item(),
                 "sample_rounds": self.rounds,
                 "prompt_len": r.prompt_mask.sum(1).float().mean().item(),
-                "response_lens": r.response_lengths.tolist()}
+                "response_lens": r.response_lengths.tolist(), **self._tool_stats()}
+
+    def _tool_stats(self) -> dict[str, float]:
+        if self.tools is None:
+            return {}
+        turns, calls, errors, seconds = self.tools.sum(0).tolist()
+        n = len(self.tools)
+        return {"turns": turns / n, "tool_calls": calls / n, "tool_errors": errors / n,
+                "tool_success": (calls - errors) / calls if calls else 0.0,
+                "tool_s": seconds}
 
     def to(self, device: torch.device | str) -> "Samples":
         return replace(self, rollout=self.rollout.to(device),
@@ -90,7 +104,8 @@ class Samples:
                    torch.cat([s.scores for s in parts]), max(s.rounds for s in parts),
                    sum(s.score_s for s in parts),
                    None if parts[0].version_sum is None
-                   else torch.cat([s.version_sum for s in parts]))
+                   else torch.cat([s.version_sum for s in parts]),
+                   None if parts[0].tools is None else torch.cat([s.tools for s in parts]))
 
     def groups(self, keep: list[int]) -> "Samples":
         """The groups `keep` (indices into `problems`), renumbered from 0 in that order."""
@@ -101,7 +116,8 @@ class Samples:
                        rollout=self.rollout.select(idx), group_ids=new_ids,
                        terms={k: v[idx] for k, v in self.terms.items()},
                        scores=self.scores[idx],
-                       version_sum=_maybe(lambda v: v[idx], self.version_sum))
+                       version_sum=_maybe(lambda v: v[idx], self.version_sum),
+                       tools=_maybe(lambda v: v[idx.cpu()], self.tools))
 
 
 def _maybe(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor | None
@@ -187,22 +203,39 @@ def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list
                            tokenizer.pad_token_id, generator, engine, tokenizer.decode)
 
 
+def respond(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+            params: SamplingParams, cfg: RunConfig, generator: torch.Generator | None,
+            n_samples: int, tools: Tools | None) -> tuple[Rollout, torch.Tensor | None]:
+    """One response per prompt: a single turn, or with `tools` a conversation of turns and
+    tool results (`multi_turn.converse`), and then its per-row tool stats."""
+    if tools is None:
+        return _rollout(policy, tokenizer, prompts, params, cfg, generator, n_samples), None
+    turn = replace(params, stop=(*params.stop, CALL_END))
+    convs = converse(lambda rows, room: _rollout(
+        policy, tokenizer, rows, replace(turn, max_new_tokens=room), cfg, generator, 0
+    ).to("cpu"), prompts, params.max_new_tokens, tools, tokenizer.decode,
+        lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    return as_rollout(convs, tokenizer.pad_token_id).to(model_device(policy)), tool_stats(convs)
+
+
 def _scored(problems: list[Problem], rollout: Rollout, k: int, rewarder: Rewarder,
-            versions: torch.Tensor | None = None) -> Samples:
+            versions: torch.Tensor | None = None, tools: torch.Tensor | None = None
+            ) -> Samples:
     group_ids = torch.arange(len(problems), device=rollout.finished.device).repeat_interleave(k)
     t0 = time.perf_counter()
     terms, scores = rewarder.score(problems, group_ids, rollout)
     return Samples(problems, rollout, group_ids, terms, scores,
-                   score_s=time.perf_counter() - t0, version_sum=versions)
+                   score_s=time.perf_counter() - t0, version_sum=versions, tools=tools)
 
 
 def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                  cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator) -> Samples:
+                  cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator,
+                  tools: Tools | None = None) -> Samples:
     k = cfg.rollout.n_samples
     prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
-    rollout = _rollout(policy, tokenizer, prompts, _params(cfg, cfg.rollout.max_new_tokens),
-                       cfg, generator, k)
-    return _scored(problems, rollout, k, rewarder)
+    rollout, stats = respond(policy, tokenizer, prompts,
+                             _params(cfg, cfg.rollout.max_new_tokens), cfg, generator, k, tools)
+    return _scored(problems, rollout, k, rewarder, tools=stats)
 
 
 def partial_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, pool: PartialPool,
@@ -264,7 +297,8 @@ def collect(sample_round: Callable[[int], Samples], cfg: RunConfig, pad_id: int)
 def generate_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream: PromptStream,
                    cfg: RunConfig, rewarder: Rewarder, generator: torch.Generator,
                    ranks: RankGroup, share: Share, prompts: int | None = None,
-                   pool: PartialPool | None = None, version: int = 0) -> Samples:
+                   pool: PartialPool | None = None, version: int = 0,
+                   tools: Tools | None = None) -> Samples:
     """The step's scored samples on every rank of a group (`collect`, with dynamic sampling),
     or a fused schedule's chunk of `prompts` prompts. Each round every rank draws the same
     prompts; each generation replica samples its `share` of them and the shares are
@@ -276,7 +310,8 @@ def generate_group(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, stream:
             return partial_groups(policy, tokenizer, pool, stream.next, n, cfg, rewarder,
                                   generator, version, ranks, share)
         problems = stream.next(n)
-        part = sample_groups(policy, tokenizer, problems[share.of(n)], cfg, rewarder, generator)
+        part = sample_groups(policy, tokenizer, problems[share.of(n)], cfg, rewarder, generator,
+                             tools)
         if ranks.world == 1:
             return part
         got = [p for p in ranks.gather(part.to("cpu") if share.leader else None)

@@ -117,7 +117,7 @@ def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Ten
     those passes per chunk as chunks arrive and calls this once over the whole batch (GAE and
     REINFORCE++ whiten over it)."""
     a, r = cfg.algo, s.rollout
-    mask = r.response_mask.float()
+    mask = r.action_mask.float()  # tool results inserted into a response are not actions
     scores = s.scores
     if a.overlong == "penalty":
         scores = scores + overlong_penalty(r.response_lengths, cfg.rollout.max_new_tokens,
@@ -274,4 +274,4 @@ def behaviour_kl(exp: Experience) -> float:
     """Mean per-token k1 KL of the sampling policy to the reference (what adaptive KL tracks)."""
     if exp.ref_logp is None:
         return 0.0
-    return _mean(exp.samples.rollout.logprobs - exp.ref_logp, exp.samples.rollout.response_mask)
+    return _mean(exp.samples.rollout.logprobs - exp.ref_logp, exp.samples.rollout.action_mask)

@@ -59,4 +59,5 @@ def trim(r: Rollout) -> Rollout:
     p = max(int(r.prompt_mask.sum(1).max()), 1)
     t = max(int(r.response_mask.sum(1).max()), 1)
     return Rollout(r.prompt_ids[:, -p:], r.prompt_mask[:, -p:], r.response_ids[:, :t],
-                   r.response_mask[:, :t], r.logprobs[:, :t], r.finished)
+                   r.response_mask[:, :t], r.logprobs[:, :t], r.finished,
+                   None if r.injected is None else r.injected[:, :t])
