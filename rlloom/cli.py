@@ -120,7 +120,19 @@ def _request(args: argparse.Namespace) -> "Request":
                    args.epochs, args.minibatches, args.objective, args.runtime,
                    getattr(args, "price_only", False),
                    Path(args.hardware) if args.hardware else None, args.max_response,
-                   args.staleness, args.partial_rollout, args.lora)
+                   args.staleness, args.partial_rollout, args.lora, args.turns,
+                   args.tool_latency)
+
+
+def _latency_pair(text: str) -> tuple[float, float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give P50 or P50,P99 in seconds") from None
+    if len(values) > 2 or any(v < 0 for v in values) or (len(values) == 2
+                                                          and values[1] <= values[0]):
+        raise argparse.ArgumentTypeError(f"{text!r}: give P50 or P50,P99 seconds, P99 > P50")
+    return (values[0], values[1] if len(values) == 2 else 0.0)
 
 
 def _perf_errors(fn: Callable[[], str]) -> None:
@@ -192,6 +204,11 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters "
                    "of this rank on the actor instead of every weight (model.lora.rank; "
                    "default 0: full training)")
+    p.add_argument("--turns", type=_positive, default=1, help="multi-turn rollouts: model turns "
+                   "per rollout, each but the last calling a tool (rollout.max_turns)")
+    p.add_argument("--tool-latency", type=_latency_pair, default=(0.0, 0.0), metavar="P50[,P99]",
+                   help="seconds a tool call takes: a median, or a median and 99th percentile "
+                   "(lognormal); the replica waits for its slowest call each turn")
     p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
     p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")

@@ -20,6 +20,7 @@ REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "code": {"tests": list},  # Python assert statements; a response passes if all of them do
     "countdown": {"numbers": list, "target": int},
     "math": {"answer": (str, int, float)},
+    "multiply": {"answer": (str, int)},
 }
 
 

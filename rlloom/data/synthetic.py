@@ -7,6 +7,10 @@ Tasks:
   SFT; the number of steps is what makes it hard.
 - ``code``: write ``f`` from three input/output examples, checked by unit tests in the
   sandbox, e.g. prompt ``F:f(1)=5,f(2)=7,f(3)=9?``, solution ``def f(x): return 2*x+3``.
+- ``multiply``: a ``difficulty``-digit (1..6) number times a two-digit one, e.g. prompt
+  ``M:347*58=``; the solution calls the calculator tool,
+  ``<call calculator>347*58</call><result>20126</result>A:20126``. Two layers cannot
+  multiply such numbers; they can learn to copy them into a call and copy the result out.
 - ``countdown``: reach a target in 1..200 using each of ``difficulty`` numbers
   exactly once with + - * /, e.g. prompt ``C:3,7,25=28?``, solution ``A:25+3``.
   Numbers are drawn from 1..20 for difficulty <= 3 and from 1..50 above, so
@@ -41,7 +45,7 @@ def row_columns(problems: list[Problem]) -> dict[str, list]:
                           if k not in columns}}
 
 
-_DIFFICULTY = {"arith": (1, 32), "countdown": (2, 5), "code": (1, 3)}
+_DIFFICULTY = {"arith": (1, 32), "countdown": (2, 5), "code": (1, 3), "multiply": (1, 6)}
 _TARGET_RANGE = (1, 200)
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 # Floor division is exact here because "/" is only chosen when it divides evenly.
@@ -83,6 +87,15 @@ def _arith(rng: random.Random, difficulty: int) -> Problem:
         solution=",".join(steps) + f".A:{value}",
         meta={"expression": expression},
     )
+
+
+def _multiply(rng: random.Random, difficulty: int) -> Problem:
+    check_difficulty("multiply", difficulty)
+    a, b = rng.randint(10 ** (difficulty - 1), 10 ** difficulty - 1), rng.randint(10, 99)
+    return Problem(prompt=f"M:{a}*{b}=", answer=str(a * b),
+                   solution=f"<call calculator>{a}*{b}</call><result>{a * b}</result>"
+                            f"A:{a * b}",
+                   meta={"expression": f"{a}*{b}"})
 
 
 def _build(rng: random.Random, leaves: list[int]) -> tuple[int, str, int]:
@@ -148,6 +161,7 @@ TASKS: dict[str, Callable[[random.Random, int], Problem]] = {
     "code": _code,
     "arith": _arith,
     "countdown": _countdown,
+    "multiply": _multiply,
 }
 
 

@@ -223,8 +223,33 @@ def _queue_lengths(wl: Workload, n: int) -> list[int]:
     return lengths
 
 
+def _turns(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
+           per_replica: int, role: str) -> StageCost:
+    """Multi-turn rollouts as the runtime runs them (rollout/multi_turn.py): `wl.turns` engine
+    calls one after another, turn t prefilling the prompt and the t turns (and tool results)
+    before it again, each a `wl.turns`-th of the response; between turns the replica waits
+    for its slowest tool call (calls run concurrently): the largest of `per_replica` draws
+    of the latency."""
+    share = wl.response.scaled(1 / wl.turns)
+    parts = []
+    for t in range(wl.turns):
+        turn = replace(wl, turns=1, response=share, prompt_len=wl.prompt_len + round(
+            t * share.mean), samples=wl.samples if t == 0 else 1)
+        parts.append(_generate(shape, layout, turn, hw, concurrent, per_replica, role))
+    wait = (wl.turns - 1) * wl.tool_latency.quantile(1 - 1 / (per_replica + 1))
+    total = [sum(getattr(p, f) for p in parts) for f in
+             ("flops", "bytes_moved", "depth", "compute_s", "memory_s", "comm_s", "seconds")]
+    note = (f"{wl.turns} turns, {wl.turns - 1} tool calls per rollout: {wait:.3g} s waiting on "
+            f"tools; {parts[0].note}")
+    return StageCost("generation", role, *total[:6], total[6] + wait,
+                     mem.kv_bytes_per_rollout(shape, layout, wl.max_context) * concurrent,
+                     note)
+
+
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
               per_replica: int, role: str) -> StageCost:
+    if wl.turns > 1:
+        return _turns(shape, layout, wl, hw, concurrent, per_replica, role)
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
     if wl.carries:
         totals, decode_steps, prefills = _partial_totals(shape, layout, wl, hw, concurrent)

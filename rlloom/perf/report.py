@@ -66,6 +66,8 @@ class Request:
     staleness: int = 1  # the bound of the async plans searched
     partial_rollout: int = 0  # rollout.partial_tokens: tokens per response per step (0: off)
     lora: int = 0  # model.lora.rank of the actor's adapters (0: full training)
+    turns: int = 1  # model turns per rollout, each but the last calling a tool
+    tool_latency: tuple[float, float] = (0.0, 0.0)  # a tool call's p50 and p99 seconds
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -79,7 +81,8 @@ class Request:
         return Workload(self.prompts, samples, self.prompt_len, response,
                         ppo_epochs=self.epochs, minibatches=self.minibatches,
                         policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"),
-                        partial_tokens=self.partial_rollout, lora_rank=self.lora)
+                        partial_tokens=self.partial_rollout, lora_rank=self.lora,
+                        turns=self.turns, tool_latency=_latency(*self.tool_latency))
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
@@ -95,6 +98,11 @@ class Request:
             return int(count), load_hardware(self.hardware_file)
         devices, hw_name = parse_gpus(self.gpus)
         return devices, hardware(hw_name)
+
+
+def _latency(p50: float, p99: float) -> Lengths:
+    """Tool-call seconds: lognormal from a median and a 99th percentile, fixed without one."""
+    return Lengths("lognormal", p50, p99) if p99 > p50 > 0 else Lengths("fixed", p50)
 
 
 def plan_file(p: Priced, title: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from statistics import NormalDist
@@ -87,6 +87,13 @@ class Lengths:
             return self.p50 if self.kind == "fixed" else (self.low + self.high) / 2
         return sum(self.spread(2000)) / 2000
 
+    def scaled(self, f: float) -> "Lengths":
+        """The same distribution with every length times `f` (one turn's share of a
+        multi-turn response)."""
+        return replace(self, p50=self.p50 * f, p99=self.p99 * f, low=self.low * f,
+                       high=self.high * f, cap=self.cap * f,
+                       values=tuple(v * f for v in self.values))
+
     def spread(self, n: int) -> list[float]:
         """n lengths at evenly spaced quantiles, ascending: a deterministic sample that keeps the
         tail, so simulated generation sees the live batch shrink."""
@@ -125,6 +132,11 @@ class Workload:
     recompute_logprobs: bool = False
     # LoRA adapters of this rank train on the actor (`model.lora.rank`); 0 = full training
     lora_rank: int = 0
+    # multi-turn rollouts with tools (`rollout.max_turns`): model turns per rollout, each but
+    # the last ending in a tool call whose latency in seconds `tool_latency` gives; the
+    # response lengths count every turn and tool result
+    turns: int = 1
+    tool_latency: Lengths = Lengths("fixed", 0.0)
 
     @property
     def carries(self) -> bool:

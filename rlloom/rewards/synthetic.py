@@ -51,6 +51,7 @@ def _countdown(problem: Problem, answer: str) -> tuple[bool, bool]:
 
 _CHECKS: dict[str, Callable[[Problem, str], tuple[bool, bool]]] = {
     "arith": _arith,
+    "multiply": _arith,  # an integer answer line, like arith's
     "countdown": _countdown,
 }
 

@@ -48,6 +48,7 @@ def _code(problems: list[Problem], responses: list[str], pool: SandboxPool | Non
 
 TASK_TERMS: dict[str, Callable[[list[Problem], list[str], SandboxPool | None], Terms]] = {
     "arith": _synthetic("arith"), "countdown": _synthetic("countdown"), "math": _math,
+    "multiply": _synthetic("multiply"),
     "code": _code}
 
 

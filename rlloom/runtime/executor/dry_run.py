@@ -71,7 +71,8 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None =
                   dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
                   micro_batch_tokens=cfg.train.micro_batch_tokens,
                   max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
-                  partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank)
+                  partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank,
+                  turns=cfg.rollout.max_turns)
     priced = price(cfg.plan, role_models(shape, run_roles(cfg)), wl, hw)
     lines.append(f"memory per device on {hw.name} ({hw.mem_gib:g} GiB): "
                  + ", ".join(f"{g} {gib:.2f} GiB" for g, gib in sorted(priced.mem_gib.items()))
