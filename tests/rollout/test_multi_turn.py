@@ -107,3 +107,23 @@ def test_json_calls_and_why_conversations_end():
     # a result that would fill the budget ends the conversation instead
     [c] = _converse([["<call huge>x</call>", "A:1$"]], max_new=40)
     assert c.end == "context" and c.calls == 1 and not any(c.injected)
+
+
+def test_user_tools_load_from_a_file_and_bad_settings_are_refused(tmp_path, monkeypatch):
+    from rlloom.config import ConfigError, load_config
+
+    (tmp_path / "my_tools.py").write_text(
+        "async def lookup(args):\n    return args.upper()\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["rollout.tools=[calculator, my_tools.py:lookup]",
+                             "rollout.max_turns=2"])
+    tools = Tools.of(cfg.rollout)
+    [result] = tools.runner.run([parse_call("<call lookup>abc</call>", "tag")])
+    assert (result.text, result.error) == ("ABC", False)  # an async tool, awaited
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        load_config(None, ["rollout.tools=[my_tools.py:nope]", "rollout.max_turns=2"])
+    with pytest.raises(ConfigError, match="set rollout.tools .* with rollout.max_turns > 1"):
+        load_config(None, ["rollout.max_turns=3"])
+    with pytest.raises(ConfigError, match="multi-turn rollouts .* finish in their step"):
+        load_config(None, ["rollout.tools=[calculator]", "rollout.max_turns=2",
+                           "rollout.partial_tokens=8"])
