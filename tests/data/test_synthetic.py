@@ -6,7 +6,8 @@ import pytest
 from rlloom.data.synthetic import TASKS, Problem, generate
 from rlloom.rewards.expr import evaluate, numbers_used
 
-RANGES = {"arith": range(1, 7), "countdown": range(2, 6), "code": range(1, 4)}
+RANGES = {"arith": range(1, 7), "countdown": range(2, 6), "code": range(1, 4),
+          "multiply": range(1, 7)}
 
 
 class ScriptedRandom(random.Random):
@@ -24,7 +25,7 @@ class ScriptedRandom(random.Random):
 
 
 def test_registry_names() -> None:
-    assert sorted(TASKS) == ["arith", "code", "countdown"]
+    assert sorted(TASKS) == ["arith", "code", "countdown", "multiply"]
 
 
 def test_code_hand_built() -> None:
@@ -44,6 +45,13 @@ def test_code_solutions_pass_their_tests_in_the_sandbox() -> None:
     with SandboxPool(workers=2) as pool:
         terms = task_terms(problems, [p.solution for p in problems], "code", pool)
     assert terms == {"correct": [1.0] * 30, "format": [1.0] * 30}
+
+
+def test_multiply_hand_built() -> None:
+    # draws: the 3-digit factor 347, then the 2-digit 58
+    p = TASKS["multiply"](ScriptedRandom([347, 58], []), 3)
+    assert (p.prompt, p.answer) == ("M:347*58=", "20126")
+    assert p.solution == "<call calculator>347*58</call><result>20126</result>A:20126"
 
 
 def test_arith_hand_built() -> None:

@@ -71,7 +71,7 @@ def test_prompt_longer_than_limit(tmp_path, tiny, capsys):
     assert not run.exists()
 
 
-def test_sft_on_rows_without_solutions_names_the_row_and_few_rows_still_train(tmp_path, tiny, capsys):
+def test_sft_without_solutions_names_the_row_and_few_rows_still_train(tmp_path, tiny, capsys):
     f = _prompt_file(tmp_path, [{"prompt": "Q:1+1=", "answer": "2", "solution": "A:2"},
                                 {"prompt": "Q:1+2=", "answer": "3"}])
     _fails(["sft", *tiny, f"data.prompt_file={f}", "--out", str(tmp_path / "m")], capsys,
