@@ -72,50 +72,120 @@ def _guard(workdir: str) -> None:
     sys.addaudithook(hook)
 
 
-def _run_candidate(code: str, tests: list[str]) -> tuple[int, str]:
+_REPORT, _STRICT_EQ = "__rlloom_report__", "__rlloom_eq__"
+_MAX_ITEMS = 100_000  # elements of one reported value
+_MAX_REPORT_BYTES = 4 << 20
+_BUILTIN_TYPES = {bool: "b", int: "i", float: "f", str: "s", type(None): "n", list: "l",
+                  tuple: "t", dict: "d", set: "S", frozenset: "S"}
+
+
+def _plain(value: object, budget: list[int]) -> list:
+    """`value` as tagged plain data, checked by exact builtin type (a subclass of int, str or
+    list, or any object of the candidate's, is refused with TypeError): ["i", 3], ["l", [...]],
+    ["d", [k, v, k, v, ...]], ..."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise TypeError("value too large")
+    kind = _BUILTIN_TYPES.get(type(value))
+    if kind is None:
+        raise TypeError(f"not plain data: {type(value).__name__}")
+    if kind == "n":
+        return ["n"]
+    if kind == "f":
+        return ["f", float.__repr__(value)]
+    if kind in "bis":
+        return [kind, value]
+    if kind == "d":
+        return ["d", [item for k, v in dict.items(value)
+                      for item in (_plain(k, budget), _plain(v, budget))]]
+    return [kind, [_plain(v, budget) for v in value]]
+
+
+def _strict_eq(a: object, b: object) -> bool:
+    """`a == b` for plain data only: anything else (an always-equal object) is unequal."""
+    try:
+        _plain(a, [_MAX_ITEMS])
+        _plain(b, [_MAX_ITEMS])
+    except (TypeError, RecursionError):
+        return False
+    return a == b
+
+
+def _run_candidate(code: str, tests: list[str]) -> dict:
+    """Runs the candidate, then each test in a scope of its own (the candidate's names plus
+    the report helpers, set last so a candidate cannot shadow them): which tests ran to their
+    end, and the values their rewritten asserts reported (rlloom.rewards.test_rewrite)."""
     ns: dict = {"__name__": "solution"}
+    out: dict = {"reason": "-", "completed": [], "reports": []}
     try:
         compiled = compile(code, "solution.py", "exec")
     except (SyntaxError, ValueError):
-        return 0, "syntax error"
+        return {**out, "reason": "syntax error"}
     try:
         exec(compiled, ns)
     except MemoryError:
-        return 0, "memory limit"
+        return {**out, "reason": "memory limit"}
     except SystemExit:
-        return 0, "exit"
+        return {**out, "reason": "exit"}
     except BaseException as e:  # noqa: BLE001 - any crash of the candidate scores 0
         # the message goes with the output (a tool call reads it back; rewards ignore it)
         os.write(2, f"{type(e).__name__}: {e}\n".encode("utf-8", "replace"))
-        return 0, f"error: {type(e).__name__}"
-    passed, reason = 0, "-"
-    for test in tests:
+        return {**out, "reason": f"error: {type(e).__name__}"}
+    reports = out["reports"]
+
+    def report(index: int, value: object) -> None:
         try:
-            exec(compile(test, "<test>", "exec"), ns)
-            passed += 1
+            reports.append([index, _plain(value, [_MAX_ITEMS])])
+        except (TypeError, RecursionError):
+            reports.append([index, ["x"]])  # not plain data: the host counts it a failure
+
+    for test in tests:
+        scope = dict(ns)
+        scope[_REPORT], scope[_STRICT_EQ] = report, _strict_eq
+        try:
+            exec(compile(test, "<test>", "exec"), scope)
+            out["completed"].append(True)
         except MemoryError:
-            reason = "memory limit"
+            out["reason"] = "memory limit"
+            out["completed"].append(False)
         except BaseException:  # noqa: BLE001 - a failing test just doesn't count
-            pass
-    return passed, reason
+            out["completed"].append(False)
+    return out
 
 
-def _child(token: str, workdir: str, code: str, tests: list[str], args: list[int]) -> None:
+def _child(wfd: int, workdir: str, code: str, tests: list[str], args: list[int]) -> None:
     cpu_s, memory_mb, file_size_mb, max_processes, uid = args
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _limit(cpu_s, memory_mb, file_size_mb, max_processes)
     if uid >= 0:
         _drop(uid)
     _guard(workdir)
-    passed, reason = _run_candidate(code, tests)
+    result = _run_candidate(code, tests)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BaseException:  # noqa: BLE001 - the candidate may have broken its streams
             pass
     # os.write and os._exit: the candidate may have replaced sys.stdout or registered atexit.
-    os.write(1, f"\n{token} result {passed} {len(tests)} {reason}\n".encode())
+    try:
+        payload = json.dumps(result).encode()
+    except BaseException:  # noqa: BLE001 - the candidate may have broken json
+        payload = b""
+    while payload:
+        payload = payload[os.write(wfd, payload[:65536]):]
     os._exit(0)
+
+
+def _read_report(rfd: int) -> bytes:
+    """What the child wrote to its report pipe, up to a limit."""
+    got = bytearray()
+    while True:
+        chunk = os.read(rfd, 65536)
+        if not chunk:
+            return bytes(got)
+        if len(got) + len(chunk) > _MAX_REPORT_BYTES:
+            return b""
+        got += chunk
 
 
 def _describe(status: int, cpu: float, cpu_s: int) -> str:
@@ -131,23 +201,31 @@ def _describe(status: int, cpu: float, cpu_s: int) -> str:
 def main() -> None:
     workdir, *rest = sys.argv[1:]
     args = [int(a) for a in rest]
-    token = sys.stdin.readline().strip()
     with open(os.path.join(workdir, "solution.py"), encoding="utf-8") as f:
         code = f.read()
     with open(os.path.join(workdir, "tests.json"), encoding="utf-8") as f:
         tests = json.load(f)
     _isolate(as_root=os.geteuid() == 0)
+    rfd, wfd = os.pipe()
     child = 0
     # The host asks us to stop with SIGTERM; killing pid 1 takes the whole namespace down.
     signal.signal(signal.SIGTERM, lambda *_: child and os.kill(child, signal.SIGKILL))
     child = os.fork()
     if child == 0:
         try:
-            _child(token, workdir, code, tests, args)
+            # the token is read after the fork, by the parent: it never exists in this process
+            os.close(0)
+            os.close(rfd)
+            _child(wfd, workdir, code, tests, args)
         finally:
             os._exit(1)  # never fall back into the parent's code
+    os.close(wfd)
+    token = sys.stdin.readline().strip()
+    report = _read_report(rfd)
     _, status, usage = os.wait4(child, 0)
     reason = _describe(status, usage.ru_utime + usage.ru_stime, args[0])
+    if report:
+        os.write(1, f"\n{token} report ".encode() + report + b"\n")
     os.write(1, f"\n{token} status {reason}\n".encode())
 
 

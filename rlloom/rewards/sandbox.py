@@ -17,9 +17,11 @@ Each program runs in a fresh temporary working directory (always removed) throug
   OS level; an audit hook rejects writes outside the workdir and socket connects, as defence
   in depth only (ctypes can bypass it).
 
-The pass count is reported on a line tagged with a random per-run token, so printing a fake
-result line cannot forge a pass; a program that introspects the harness's memory could, as it
-could also return objects whose ``__eq__`` is always true.
+Results cannot be forged by the program: each ``assert EXPR == LITERAL`` of the tests is
+rewritten (``test_rewrite``) to report EXPR's value as plain builtin data, and the literal stays
+in this process, which judges it; the child's report reaches this process through the harness
+parent, tagged with a random per-run token that the parent reads only after forking the child,
+so it never exists in the program's memory. docs/sandbox.md has the threat model.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from rlloom.rewards.test_rewrite import Expected, judge, rewrite
 
 _HARNESS = Path(__file__).with_name("_sandbox_harness.py")
 _SANDBOX_UID = 65534
@@ -128,28 +133,47 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str 
     return bytes(kept), None
 
 
-def _parse(output: bytes, token: str, total: int) -> RunResult:
-    passed, child_reason, status = 0, "no result", "harness error"
-    printed = []
+def _parse(output: bytes, token: str, expected: list[Expected], total: int) -> RunResult:
+    """The harness's report and status lines (behind the run's token) judged against the
+    expected values (`test_rewrite.judge`); every other line is what the program printed."""
+    report, status, printed = None, "harness error", []
     for line in output.decode("utf-8", "replace").splitlines():
-        parts = line.split(" ", 4)
+        parts = line.split(" ", 2)
         if parts[0] != token or len(parts) < 3:
             printed.append(line)
-            continue
-        if parts[1] == "result" and len(parts) == 5:
-            passed, child_reason = int(parts[2]), parts[4]
+        elif parts[1] == "report":
+            report = _report(parts[2])
         elif parts[1] == "status":
-            status = line.split(" ", 2)[2]
-    reason = status if status != "-" else child_reason
-    # the harness writes its result line after a newline of its own
+            status = parts[2]
+    # the harness writes its lines after a newline of its own
     text = "\n".join(printed).removesuffix("\n")
+    if report is None:
+        return RunResult(0, total, status if status != "-" else "no result", text)
+    reason, completed, reports = report
+    passed = sum(judge(expected, total, completed, reports))
+    reason = status if status != "-" else reason
     return RunResult(passed, total, None if reason == "-" else reason, text)
+
+
+def _report(payload: str) -> tuple[str, list[bool], list[tuple[int, Any]]] | None:
+    """(reason, completed, reports) of a well-formed report; None otherwise (the candidate
+    may have broken the child's writer)."""
+    try:
+        body = json.loads(payload)
+        completed = [c is True for c in body["completed"]]
+        reports = [(int(r[0]), r[1]) for r in body["reports"]]
+        return str(body["reason"]), completed, reports
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        return None
 
 
 def _run_in(workdir: str, code: str, tests: list[str], limits: SandboxLimits) -> RunResult:
     drop = os.geteuid() == 0
+    # the expected values of the tests' asserts stay here; the sandbox reports what the
+    # program computed (test_rewrite)
+    runnable, expected = rewrite(tests)
     Path(workdir, "solution.py").write_text(code, encoding="utf-8")
-    Path(workdir, "tests.json").write_text(json.dumps(tests), encoding="utf-8")
+    Path(workdir, "tests.json").write_text(json.dumps(runnable), encoding="utf-8")
     if drop:
         os.chown(workdir, _SANDBOX_UID, _SANDBOX_UID)
     token = secrets.token_hex(16)
@@ -169,7 +193,7 @@ def _run_in(workdir: str, code: str, tests: list[str], limits: SandboxLimits) ->
         proc.stdout.close()
     if stopped:
         return RunResult(0, len(tests), stopped, output.decode("utf-8", "replace"))
-    return _parse(output, token, len(tests))
+    return _parse(output, token, expected, len(tests))
 
 
 def run_program(code: str, tests: list[str], limits: SandboxLimits = SandboxLimits()) -> RunResult:
