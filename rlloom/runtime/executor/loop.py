@@ -46,8 +46,8 @@ from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
 from rlloom.runtime.outputs.trackers import closing_all, open_trackers
 
-PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "step_s",
-                 "gen_s", "assess_s", "train_s", "staleness")
+PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "tool_calls",
+                 "step_s", "gen_s", "assess_s", "train_s", "staleness")
 
 
 class Group(Protocol):
