@@ -1,6 +1,8 @@
 """`rlloom train --dry-run`: the planner's plan for 64 GPUs passes every check the executor
 makes, and a layout that cannot run fails the same way a real start would, without building
 or running anything."""
+import re
+
 import pytest
 
 from rlloom.cli import main
@@ -34,3 +36,20 @@ def test_a_layout_that_cannot_run_fails_the_dry_run(tmp_path, capsys):
         main(["train", "plan.layouts.actor.tp=2", "model.kv_heads=1", "--dry-run"])
     assert e.value.code == 2
     assert "tp=2 does not divide the model's num_kv_heads=1" in capsys.readouterr().err
+
+
+def test_the_dry_run_prices_lora_and_tool_turns(capsys):
+    """LoRA leaves optimizer state to the adapters and skips the frozen weights' gradients;
+    three turns re-prefill the conversation: the priced memory and step move accordingly."""
+    size = ["model.hidden_size=1024", "model.layers=8", "model.heads=16", "model.kv_heads=4"]
+
+    def priced(*extra):
+        main(["train", "--dry-run", "--hardware", "h100", *size, *extra])
+        gib, step = re.search(r"all ([\d.]+) GiB; predicted step ([\d.]+) s",
+                              capsys.readouterr().out).groups()
+        return float(gib), float(step)
+
+    full, lora = priced(), priced("model.lora.rank=8")
+    turns = priced("rollout.tools=[calculator]", "rollout.max_turns=3")
+    assert lora[0] < full[0] / 2 and lora[1] < full[1]
+    assert turns[0] == full[0] and turns[1] > full[1]
