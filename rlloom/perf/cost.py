@@ -47,6 +47,7 @@ class StageCost:
     seconds: float
     transient_bytes: float  # KV cache / activations / buffers on top of the resident state
     note: str = ""
+    wait_s: float = 0.0  # of `seconds`, idle waiting on tools (multi-turn generation)
 
 
 def _ops(per: tuple[int, int], shape: ModelShape, layout: Layout) -> float:
@@ -243,7 +244,7 @@ def _turns(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concur
             f"tools; {parts[0].note}")
     return StageCost("generation", role, *total[:6], total[6] + wait,
                      mem.kv_bytes_per_rollout(shape, layout, wl.max_context) * concurrent,
-                     note)
+                     note, wait)
 
 
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,

@@ -197,7 +197,8 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
     split = {"generation": best.gen_s, "assessment": best.assess_s, "training": best.train_s}
     stage = max(split, key=split.__getitem__)
     worst = max((st for st in best.stages if st.stage == stage), key=lambda st: st.seconds)
-    bounds = {"compute": worst.compute_s, "memory": worst.memory_s, "communication": worst.comm_s}
+    bounds = {"compute": worst.compute_s, "memory": worst.memory_s, "communication": worst.comm_s,
+              "tool": worst.wait_s}
     bound = max(bounds, key=bounds.__getitem__)
     usable = hw.mem_gib * mem.USABLE
     naive_plan = (f"the naive plan (co-located, data parallel only, sync, micro-batch "
@@ -216,7 +217,8 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
         f"{_sec(best.train_s)} s" + (f", weight sync {_sec(best.sync_s)} s" if best.sync_s else ""),
         f"  bottleneck: {stage}, {split[stage] / best.step_s:.0%} of the step; its slowest part "
         f"({worst.role}) is {bound}-bound: compute {_sec(worst.compute_s)} s, memory "
-        f"{_sec(worst.memory_s)} s, communication {_sec(worst.comm_s)} s",
+        f"{_sec(worst.memory_s)} s, communication {_sec(worst.comm_s)} s"
+        + (f", waiting on tools {_sec(worst.wait_s)} s" if worst.wait_s else ""),
         "  peak memory per device: " + ", ".join(
             f"{g} {gib:.1f} GiB" for g, gib in sorted(best.mem_gib.items()))
         + f" of {usable:.1f} usable"]

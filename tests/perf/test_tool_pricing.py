@@ -36,3 +36,4 @@ def test_each_turn_but_the_last_waits_for_the_slowest_call():
     assert slow.seconds - base.seconds == pytest.approx(
         2 * latency.quantile(1 - 1 / (per_replica + 1)))
     assert "2 tool calls per rollout" in slow.note
+    assert slow.wait_s == pytest.approx(slow.seconds - base.seconds) and base.wait_s == 0
