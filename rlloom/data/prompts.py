@@ -12,7 +12,7 @@ from rlloom.data.row_files import DataError, read_rows
 from rlloom.data.synthetic import Problem, generate
 
 if TYPE_CHECKING:
-    from rlloom.config import DataSection
+    from rlloom.config_sections import DataSection
 
 # Fields each task's reward needs in a prompt-file row, beyond "prompt".
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {

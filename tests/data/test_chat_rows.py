@@ -6,7 +6,8 @@ import re
 import pytest
 from row_writer import FORMATS, write_rows
 
-from rlloom.config import ConfigError, DataSection, load_config
+from rlloom.config import ConfigError, load_config
+from rlloom.config_sections import DataSection
 from rlloom.data.preferences import PreferencePair, read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets, read_prompt_file
 from rlloom.models.tokenizer import build_char_tokenizer

@@ -6,7 +6,7 @@ import datasets
 import pytest
 from row_writer import FORMATS, write_rows
 
-from rlloom.config import DataSection
+from rlloom.config_sections import DataSection
 from rlloom.data.prompts import DataError, load_prompt_sets, read_prompt_file
 
 ROWS = [
