@@ -1,13 +1,11 @@
 """The stages a rank hosts (generation, assessment, training) with the models, streams and
 RNGs each needs, built with the single-process loaders and seeds over the rank's group
-(`ranks.RankGroup`); the batch that passes between them; trace spans. No Ray here: a
+(`ranks.RankGroup`); the batch that passes between them. No Ray here: a
 `ray_workers.GroupWorker` hosts the stages its group runs."""
 from __future__ import annotations
 
 import copy
 import functools
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -25,8 +23,8 @@ from rlloom.config import RunConfig
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import PromptStream, load_prompt_sets
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_adapter, save_checkpoint
-from rlloom.models.lora import adapters_disabled, apply_lora, merged_state, peft_config
+from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer
+from rlloom.models.lora import adapters_disabled
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout, needs_generation_copy
@@ -36,8 +34,10 @@ from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
+from rlloom.runtime.executor.policy import build_policy
 from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel
+from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import eval_problems, greedy_accuracy
 from rlloom.runtime.stages.generation import Rewarder, Samples, generate_group, greedy_baseline
@@ -83,41 +83,6 @@ def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, tempera
     return replace(exp, samples=samples, advantages=exp.advantages * weight), kl
 
 
-# -- tracing --------------------------------------------------------------------------------
-
-class SpanLog:
-    """Chrome-trace events of one worker: pid is its group, tid the role's lane. Timestamps are
-    wall-clock (time.time()), comparable across processes of one machine."""
-
-    def __init__(self, group: str, keep: bool = True) -> None:
-        self.group, self.keep = group, keep  # keep: false on ranks that repeat rank 0's spans
-        self._events: list[dict] = []
-        self._lock = threading.Lock()
-        self.on_start: Callable[[str], None] | None = None  # told each span's name as it opens
-
-    @contextmanager
-    def span(self, name: str, step: int, lane: str, **args: Any) -> Iterator[dict]:
-        if self.on_start is not None:
-            self.on_start(name)
-        start, t0 = time.time(), time.perf_counter()
-        info: dict[str, Any] = {}
-        try:
-            yield info
-        finally:
-            info["seconds"] = time.perf_counter() - t0
-            event = {"name": name, "ph": "X", "pid": self.group, "tid": lane,
-                     "ts": start * 1e6, "dur": info["seconds"] * 1e6,
-                     "args": {"step": step, **args}}
-            with self._lock:
-                if self.keep:
-                    self._events.append(event)
-
-    def drain(self) -> list[dict]:
-        with self._lock:
-            events, self._events = self._events, []
-        return events
-
-
 # -- the stages a rank hosts ---------------------------------------------------------------
 
 def _in_compute_dtype(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,21 +108,6 @@ class LiveModel:
             yield t.version, t.critic if t.critic is not None else t.policy
         else:
             yield t.version, t.generator
-
-
-def build_policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
-    """The policy as the trainer builds it (an ActorCritic when the critic shares it), with
-    LoRA adapters when `model.lora` asks for them (then only they, and a shared value head,
-    train)."""
-    policy = load_model(model_path, DTYPES[cfg.model.dtype])
-    if "critic" in PRESETS[cfg.algo.name].roles and cfg.plan.actor_critic == "shared":
-        policy = ActorCritic.from_policy(policy)
-    lora = cfg.model.lora
-    if lora is not None:
-        apply_lora(policy, lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), cfg.seed)
-        if isinstance(policy, ActorCritic):
-            policy.score.requires_grad_(True)
-    return policy
 
 
 def _shadow(build: Callable[[], torch.nn.Module], ranks: RankGroup) -> ShadowModel:
@@ -480,23 +430,3 @@ def step_row(ginfo: dict[str, Any], ainfo: dict[str, Any], stats: dict[str, Any]
            "gen_s": ginfo["gen_s"], "assess_s": ainfo["assess_s"] + ginfo["score_s"],
            "train_s": train_s}
     return row, kl_now
-
-
-def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor], path: Path
-               ) -> None:
-    """The trained policy's whole weights as a Hugging Face checkpoint at `path`; a LoRA
-    policy's with its adapters merged, and the adapters alone in PEFT's format in
-    `path/adapter` (for `peft` to load onto the base checkpoint)."""
-    tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
-    policy = build_policy(cfg, model_path)
-    policy.load_state_dict(weights)
-    lora = cfg.model.lora
-    if lora is None:
-        save_checkpoint(policy, tokenizer, path)
-        return
-    merged = load_model(model_path, DTYPES[cfg.model.dtype])
-    merged.load_state_dict({k: v for k, v in merged_state(policy, weights).items()
-                            if k.startswith(("model.", "lm_head."))})
-    save_checkpoint(merged, tokenizer, path)
-    save_adapter(weights, peft_config(lora.rank, lora.alpha, lora.dropout,
-                                      tuple(lora.targets), str(model_path)), path / "adapter")

@@ -37,7 +37,8 @@ from rlloom.algos.presets import DECOUPLED_LOSSES, PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
-from rlloom.runtime.executor.hosts import save_final, step_row
+from rlloom.runtime.executor.hosts import step_row
+from rlloom.runtime.executor.policy import save_final
 from rlloom.runtime.executor.ray_cluster import GroupCall, WorkerFailure
 from rlloom.runtime.executor.ray_plan import RunOptions, state_keys
 from rlloom.runtime.outputs.metrics import MetricsLog

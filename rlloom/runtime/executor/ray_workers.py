@@ -44,12 +44,12 @@ from rlloom.runtime.executor.hosts import (
     Batch,
     GenerationHost,
     PreferenceHost,
-    SpanLog,
     TrainingHost,
 )
 from rlloom.runtime.executor.ranks import RankGroup, free_address, leave_world
 from rlloom.runtime.executor.weight_channel import WeightChannel
 from rlloom.runtime.executor.weight_sync import SyncStats
+from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.stages.online import Experience
 
 # -- the process ----------------------------------------------------------------------------
