@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +137,7 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str = "auto"
 def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
                     path: str | os.PathLike) -> None:
     """Write config.json, model.safetensors and tokenizer files atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
+    with atomic_dir(Path(path)) as tmp:
         # Only the language model: a shared actor-critic's value head is training state.
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
                  if k.startswith(("model.", "lm_head."))}
@@ -154,23 +153,26 @@ def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_adapter(weights: dict[str, torch.Tensor], config: dict[str, Any],
                  path: str | os.PathLike) -> None:
     """A LoRA model's adapters, from its whole `weights`, as PEFT writes them:
     adapter_config.json and adapter_model.safetensors, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
+    with atomic_dir(Path(path)) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         state = {k: v.detach().cpu() for k, v in peft_state(weights).items()}
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+@contextmanager
+def atomic_dir(path: Path, prefix: str | None = None) -> Iterator[Path]:
+    """A temporary directory beside `path` to write into; it becomes `path` when the block
+    ends, or is removed if the block raises, so readers never see a partial `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix or f".{path.name}."))
+    try:
+        yield tmp
         replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

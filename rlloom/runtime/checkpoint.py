@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlloom.models.hf_io import replace_dir
+from rlloom.models.hf_io import atomic_dir
 
 _NAME = re.compile(r"^step_(\d{6})$")
 
@@ -26,18 +25,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
                     write: Callable[[Path], None] | None = None) -> Path:
     """Write `state` as checkpoints/step_NNNNNN (and whatever `write` puts into the directory
     first: a group's sharded weights); a crash mid-write leaves no such directory."""
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp_"))
-    try:
+    final = run_dir / "checkpoints" / f"step_{step:06d}"
+    with atomic_dir(final, prefix=".tmp_") as tmp:
         if write is not None:
             write(tmp)
         torch.save(state, tmp / "state.pt")
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in checkpoint_dirs(run_dir)[:-keep]:
         shutil.rmtree(old)
     return final
