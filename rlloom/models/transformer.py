@@ -48,28 +48,30 @@ def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
 
 
 @functools.lru_cache(maxsize=64)
-def _scaled_frequencies(rope_key: str, hf_key: str, family: str, seq_len: int | None
+def _scaled_frequencies(fields: str, family: str, seq_len: int | None
                         ) -> tuple[torch.Tensor, float]:
-    hf = json.loads(hf_key)
-    rope = json.loads(rope_key)
+    hf = json.loads(fields)
     norm = normalised_hf_config(hf, family)
-    return ROPE_INIT_FUNCTIONS[rope["rope_type"]](norm, torch.device("cpu"), seq_len)
+    return ROPE_INIT_FUNCTIONS[hf["rope_parameters"]["rope_type"]](norm, torch.device("cpu"),
+                                                                  seq_len)
 
 
 def rope_frequencies(cfg: ModelConfig, longest: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim / 2] and the attention scale of the rotary embedding:
     theta's default, or transformers' scaled ones (llama3, linear, yarn, dynamic) for the
-    config's rope parameters."""
+    config's rope parameters (computed once per distinct setting: this runs every forward)."""
     kind = cfg.rope_scaling.get("rope_type", "default")
     if kind == "default":
         hd = cfg.head_dim
         return 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd), 1.0
     # dynamic NTK rescales only past the trained length, and then by the current length
     seq_len = longest if kind == "dynamic" and longest > cfg.max_position_embeddings else None
-    hf = {k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
-    return _scaled_frequencies(json.dumps(cfg.rope_scaling, sort_keys=True),
-                               json.dumps(hf, sort_keys=True, default=str), cfg.family,
-                               seq_len)
+    # the fields transformers' rope functions read, and nothing else: the cache's key
+    fields = {"rope_parameters": {**cfg.rope_scaling, "rope_theta": cfg.rope_theta},
+              "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
+              "num_attention_heads": cfg.num_heads,
+              "max_position_embeddings": cfg.max_position_embeddings}
+    return _scaled_frequencies(json.dumps(fields, sort_keys=True), cfg.family, seq_len)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
