@@ -41,15 +41,16 @@ class Rollout:
         return self.response_mask * (1 - self.injected)
 
     def select(self, idx: torch.Tensor) -> "Rollout":
-        return Rollout(*(_maybe(getattr(self, f.name), lambda v: v[idx]) for f in fields(self)))
+        return Rollout(*(maybe(lambda v: v[idx], getattr(self, f.name)) for f in fields(self)))
 
     def to(self, device: torch.device | str) -> "Rollout":
-        return Rollout(*(_maybe(getattr(self, f.name), lambda v: v.to(device))
+        return Rollout(*(maybe(lambda v: v.to(device), getattr(self, f.name))
                          for f in fields(self)))
 
 
-def _maybe(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]
-           ) -> torch.Tensor | None:
+def maybe(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor | None
+          ) -> torch.Tensor | None:
+    """`fn(x)`, or None for an optional tensor that is absent."""
     return None if x is None else fn(x)
 
 

@@ -253,13 +253,14 @@ class GenerationHost:
         start, so a request never mixes versions. Every rank returns the whole batch (on the
         CPU)."""
         cfg = self.cfg
-        if self.tools is not None:  # each turn's tool calls, a span of their own
-            self.tools.span = functools.partial(self.spans.span, "tools", step, "tools")
+        # each turn's tool calls, a span of their own in this step
+        tools = self.tools and replace(self.tools, span=functools.partial(
+            self.spans.span, "tools", step, "tools"))
         with self.weights.read() as (version, policy):
             with self.spans.span("generation", step, "actor", version=version) as span:
                 samples = generate_group(policy, self.tokenizer, self.stream, cfg,
                                          self.rewarder, self.sample_gen, self.ranks, self.share,
-                                         prompts, self.pool, version, self.tools)
+                                         prompts, self.pool, version, tools)
                 baseline = (greedy_baseline(policy, self.tokenizer, samples, cfg, self.rewarder)
                             if self.greedy else None)
         batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)

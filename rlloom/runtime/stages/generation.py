@@ -24,7 +24,7 @@ from rlloom.rewards import functions as reward_functions
 from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
-from rlloom.rollout.generate import Rollout, cat_rollouts, generate
+from rlloom.rollout.generate import Rollout, cat_rollouts, generate, maybe
 from rlloom.rollout.multi_turn import Tools, as_rollout, converse, tool_stats
 from rlloom.rollout.partial import PartialPool
 from rlloom.rollout.partial_rule import partial_step
@@ -87,7 +87,7 @@ class Samples:
                        group_ids=self.group_ids.to(device),
                        terms={k: v.to(device) for k, v in self.terms.items()},
                        scores=self.scores.to(device),
-                       version_sum=_maybe(lambda v: v.to(device), self.version_sum))
+                       version_sum=maybe(lambda v: v.to(device), self.version_sum))
 
     @classmethod
     def cat(cls, parts: list["Samples"], pad_id: int) -> "Samples":
@@ -116,13 +116,8 @@ class Samples:
                        rollout=self.rollout.select(idx), group_ids=new_ids,
                        terms={k: v[idx] for k, v in self.terms.items()},
                        scores=self.scores[idx],
-                       version_sum=_maybe(lambda v: v[idx], self.version_sum),
-                       tools=_maybe(lambda v: v[idx.cpu()], self.tools))
-
-
-def _maybe(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor | None
-           ) -> torch.Tensor | None:
-    return None if x is None else fn(x)
+                       version_sum=maybe(lambda v: v[idx], self.version_sum),
+                       tools=maybe(lambda v: v[idx.cpu()], self.tools))
 
 
 class Rewarder:
