@@ -13,7 +13,7 @@ import time
 import torch
 
 from rlloom.models.config import ModelConfig
-from rlloom.models.lora import apply_lora
+from rlloom.models.lora import PROJECTIONS, apply_lora
 from rlloom.models.transformer import CausalLM
 
 CFG = ModelConfig(family="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768,
@@ -25,9 +25,7 @@ def _model(lora: bool) -> tuple[CausalLM, torch.optim.Optimizer]:
     model = CausalLM(CFG)
     model.init_weights(seed=0)
     if lora:
-        apply_lora(model, rank=16, alpha=32.0, dropout=0.0,
-                   targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"), seed=0)
+        apply_lora(model, rank=16, alpha=32.0, dropout=0.0, targets=PROJECTIONS, seed=0)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, optim
 
