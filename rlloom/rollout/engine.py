@@ -14,11 +14,16 @@ How one call runs:
   limit) the next waiting sequence is placed into its slot before the next decode step, so
   the live batch stays full;
 - every (sequence, step) gets its uniform from a hash of one seed drawn per call, so what a
-  sequence samples does not depend on which slot it got or what else shared the batch.
+  sequence samples does not depend on which slot it got or what else shared the batch;
+- with a `Dialogue` (multi-turn rollouts with tools), a sequence whose turn ends in a tool
+  call keeps its slot, parked, while the other slots go on decoding; when the tool answers,
+  the call's last token and the result are forwarded over the slot's cached keys in one
+  extend forward (no re-prefill of the conversation) and the next turn samples from its
+  logits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,7 @@ from torch import nn
 from rlloom.models.lora import LoRALinear
 from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks, rotary_cos_sin
 from rlloom.rollout.generate import Rollout, generate, left_pad
+from rlloom.rollout.multi_turn import Dialogue
 from rlloom.rollout.sampling import (
     Decode,
     SamplingParams,
@@ -35,6 +41,7 @@ from rlloom.rollout.sampling import (
     uniforms,
 )
 from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
+from rlloom.rollout.tools import Pending
 
 try:
     from torch.distributed.tensor import DTensor
@@ -68,6 +75,16 @@ def is_plain(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
+@dataclass
+class Forwarded:
+    """Tokens one `Engine.generate` call ran through the model: prompt tokens prefilled
+    (once per distinct prompt), tokens extended onto a parked slot (a call's last token and
+    its result), and decode-step rows (live rows times steps)."""
+    prefill: int = 0
+    extend: int = 0
+    decode: int = 0
+
+
 class _Capture:
     """The cache a prefill forward runs with: keeps each layer's keys and values aside (to be
     copied into slots) and attends over them unchanged."""
@@ -79,6 +96,22 @@ class _Capture:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         self.kv.append((k, v))
         return k, v
+
+
+class _SlotWrite:
+    """The cache an extend forward runs with: writes the new keys/values [1, kv, m, hd] into
+    one slot from position `start` and attends over the slot's keys up to them."""
+
+    def __init__(self, cache: SlotKVCache, slot: int, start: int) -> None:
+        self.cache, self.slot, self.start = cache, slot, start
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.start + k.shape[2]
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[self.slot, :, self.start:end] = k[0].to(kc.dtype)
+        vc[self.slot, :, self.start:end] = v[0].to(vc.dtype)
+        return kc[self.slot:self.slot + 1, :, :end], vc[self.slot:self.slot + 1, :, :end]
 
 
 @dataclass
@@ -146,13 +179,17 @@ class Engine:
     def __init__(self, model: CausalLM, config: EngineConfig | None = None) -> None:
         self.model = model
         self.config = config or EngineConfig()
+        self.forwarded = Forwarded()  # of the last `generate` call
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, eos_id: int,
                  pad_id: int, generator: torch.Generator | None = None,
-                 decode: Decode | None = None) -> Rollout:
+                 decode: Decode | None = None, dialogue: Dialogue | None = None) -> Rollout:
         """Sample up to `params.max_new_tokens` per prompt; rows end at EOS or a stop.
 
-        `decode` turns response token ids into text for `params.stop` strings.
+        `decode` turns response token ids into text for `params.stop` strings. With a
+        `dialogue`, a row is a conversation: a turn ending in a tool call (`params.stop`
+        must hold the call end) goes on after the tool's result, which the returned
+        Rollout marks `injected`.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generation needs at least one prompt and no empty prompt")
@@ -161,21 +198,27 @@ class Engine:
         if not is_plain(self.model):
             # A parallel layout (TP / FSDP / replicate) runs inside the modules' own forwards,
             # which the fast path bypasses: the reference drives those forwards instead.
-            return generate(self.model, prompts, params, eos_id, pad_id, generator,
-                            decode=decode)
+            def turn(rows: list[list[int]], room: int) -> Rollout:
+                return generate(self.model, rows, replace(params, max_new_tokens=room), eos_id,
+                                pad_id, generator, decode=decode)
+            if dialogue is not None:
+                return dialogue.converse(turn, prompts, pad_id)
+            return turn(prompts, params.max_new_tokens)
         with torch.inference_mode():
             run = _Run(self.model, prompts, params, eos_id, pad_id, generator, self.config,
-                       decode)
+                       decode, dialogue)
             run.loop()
+        self.forwarded = run.forwarded
         return run.rollout(prompts)
 
 
 def engine_generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
                     eos_id: int, pad_id: int, generator: torch.Generator | None = None,
-                    config: EngineConfig | None = None, decode: Decode | None = None
-                    ) -> Rollout:
+                    config: EngineConfig | None = None, decode: Decode | None = None,
+                    dialogue: Dialogue | None = None) -> Rollout:
     """`Engine(model, config).generate(...)`: a drop-in for the reference `generate`."""
-    return Engine(model, config).generate(prompts, params, eos_id, pad_id, generator, decode)
+    return Engine(model, config).generate(prompts, params, eos_id, pad_id, generator, decode,
+                                          dialogue)
 
 
 class _Run:
@@ -183,8 +226,11 @@ class _Run:
 
     def __init__(self, model: CausalLM, prompts: list[list[int]], params: SamplingParams,
                  eos_id: int, pad_id: int, generator: torch.Generator | None,
-                 cfg: EngineConfig, decode: Decode | None) -> None:
+                 cfg: EngineConfig, decode: Decode | None, dialogue: Dialogue | None
+                 ) -> None:
         self.model, self.params, self.cfg, self.decode = model, params, cfg, decode
+        self.dialogue = dialogue
+        self.forwarded = Forwarded()
         self.eos, self.pad = eos_id, pad_id
         p = next(model.parameters())
         dev = self.device = p.device
@@ -228,9 +274,11 @@ class _Run:
         # row n and column t are targets for idle slots, so no step needs a branch for them
         self.out_tok = torch.full((n + 1, t + 1), pad_id, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(n + 1, t + 1, dtype=torch.float32, device=dev)
+        self.out_inj = torch.zeros(n + 1, t + 1, dtype=torch.long, device=dev)
         zeros = torch.zeros(slots, dtype=torch.long, device=dev)
         self.next_tok, self.lens, self.gen = zeros.clone(), zeros.clone(), zeros.clone()
-        self.active = zeros.clone()
+        # active: decoding; held: holding a sequence, decoding or parked on a tool call
+        self.active, self.held = zeros.clone(), zeros.clone()
         self.seq = torch.full((slots,), n, dtype=torch.long, device=dev)
 
         self.slot_seq = [-1] * slots
@@ -242,7 +290,9 @@ class _Run:
         self.resp_len = [0] * n
         self.finished = [False] * n
         self.stops = StopMatcher(params, decode)
-        self.tails: list[list[int]] = [[] for _ in range(slots)]
+        self.tails: list[list[int]] = [[] for _ in range(slots)]  # the current turn's tokens
+        self.turn_start = [0] * n             # response index of each sequence's turn
+        self.parked: dict[int, Pending] = {}  # slot -> the tool call it waits on
 
     # -- main loop --------------------------------------------------------------------------
 
@@ -250,9 +300,12 @@ class _Run:
         while True:
             if self.waiting < self.n and (self.cfg.continuous or self.live == 0):
                 self._admit()
-            if self.live == 0:
+            if self.parked:
+                self._resume(wait=self.live == 0)
+            if self.live:
+                self._decode_step()
+            elif not self.parked and self.waiting == self.n:
                 break
-            self._decode_step()
 
     def _admit(self) -> None:
         """Place waiting sequences into free slots (their first token comes from the prompt's
@@ -288,7 +341,7 @@ class _Run:
             self.seq[idx] = seq_t
             self.lens[idx] = self.prompt_len[seq_t]
             self.gen[idx] = 0
-            self.active[idx] = 1
+            self.active[idx] = self.held[idx] = 1
             for slot, s in zip(order_slots, order_seqs):
                 self.slot_seq[slot] = s
                 self.tails[slot] = []
@@ -332,6 +385,7 @@ class _Run:
         last = x[torch.arange(b, device=self.device), plen - 1]
         logits = self.model.lm_head(backbone.norm(last))
         batch = _Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv], logits)
+        self.forwarded.prefill += int(plen.sum())
         for row, g in enumerate(groups):
             self.prefilled[g] = (batch, row)
 
@@ -353,15 +407,17 @@ class _Run:
                                 kv)
             biases = [window if c.layer_window(i) else b for i, b in enumerate(biases)]
         # row (slot, kv head) of the flattened cache, times its capacity, plus the position;
-        # an idle slot (decoded along, output ignored) writes at its own position 0, since
-        # its stale length may equal the capacity and would spill into the next slot
+        # a free slot (decoded along, output ignored) writes at its own position 0, since its
+        # stale length may equal the capacity and would spill into the next slot; a parked
+        # one at its length, which its extend overwrites
         act = self.active[:rows]
-        index = self.kv_row[:rows * kv] * cap + (lens * act).repeat_interleave(kv)
+        index = self.kv_row[:rows * kv] * cap + (lens * self.held[:rows]).repeat_interleave(kv)
         for i, (layer, fused) in enumerate(zip(backbone.layers, self.fused)):
             x = self._layer(i, layer, fused, x, cos, sin, biases[i], index)
         logits = self.model.lm_head(backbone.norm(x))
         self.lens[:rows] += act
         self.width += 1
+        self.forwarded.decode += self.live
         self._commit(slice(0, rows), None, logits, act)
         self._reshape()
 
@@ -424,27 +480,88 @@ class _Run:
         rows_t = torch.tensor(rows, device=self.device)
         lens = gen[rows_t].tolist()
         eos = (tok[rows_t] == self.eos).tolist()
-        for r, n_tok, hit in zip(rows, lens, eos):
+        turns = (self.out_tok[seq[rows_t]].tolist() if self.dialogue is not None
+                 else [None] * len(rows))
+        for r, n_tok, hit, out in zip(rows, lens, eos, turns):
             slot = slots[r] if slots is not None else r
             s = self.slot_seq[slot]
-            self.resp_len[s] = n_tok
-            self.finished[s] = hit or r in stopped
-            self.slot_seq[slot] = -1
-            self.free.append(slot)
+            pending = None if out is None else self.dialogue.turn_end(
+                s, out[self.turn_start[s]:n_tok], hit or r in stopped)
+            if pending is not None:
+                self.parked[slot] = pending
+            else:
+                self._retire(slot, s, n_tok, hit or r in stopped)
         slot_t = rows_t if slots is None else torch.tensor(
             [slots[r] for r in rows], device=self.device)
         self.active[slot_t] = 0
         self.seq[slot_t] = self.n
         self.live -= len(rows)
+        self._dirty = True
+
+    def _retire(self, slot: int, s: int, n_tok: int, finished: bool) -> None:
+        self.resp_len[s] = n_tok
+        self.finished[s] = finished
+        self.slot_seq[slot] = -1
+        self.held[slot] = 0
+        self.free.append(slot)
         self.free.sort()
         self._dirty = True
+
+    def _resume(self, wait: bool) -> None:
+        """Go on with the parked conversations whose tool has answered (with `wait`, after
+        waiting for the first to): extend each slot by the call's last token and the result,
+        then sample its next turn's first token; a result with no room after it ends it."""
+        ready = [slot for slot, p in self.parked.items() if p.done()]
+        while wait and not ready:
+            next(iter(self.parked.values())).wait(0.005)
+            ready = [slot for slot, p in self.parked.items() if p.done()]
+        for slot in ready:
+            s, used = self.slot_seq[slot], int(self.gen[slot])
+            ids = self.dialogue.result(s, self.parked.pop(slot), used)
+            if ids is None:
+                self._retire(slot, s, used, False)
+                continue
+            m = len(ids)
+            self.out_tok[s, used:used + m] = torch.tensor(ids, device=self.device)
+            self.out_inj[s, used:used + m] = 1
+            logits = self._extend(slot, [int(self.out_tok[s, used - 1]), *ids])
+            idx = torch.tensor([slot], device=self.device)
+            self.gen[idx] = used + m
+            self.seq[idx] = s
+            self.active[idx] = 1
+            self.turn_start[s] = used + m
+            self.tails[slot] = []
+            self.live += 1
+            self._dirty = True
+            self._commit(idx, [slot], logits, torch.ones_like(idx))
+        self._reshape()
+
+    def _extend(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Forward `tokens` at the end of the slot's sequence, their keys and values written
+        into its cache; the last token's logits [1, V]."""
+        start, m = int(self.lens[slot]), len(tokens)
+        end = start + m
+        self.cache.ensure(end)
+        ids = torch.tensor([tokens], device=self.device)
+        causal = self.key_pos[:end][None] <= self.key_pos[start:end, None]      # [m, end]
+        masks = layer_masks(self.model.config, causal[None, None], start)
+        cos = self.cos[start:end].view(1, 1, m, -1)
+        sin = self.sin[start:end].view(1, 1, m, -1)
+        backbone = self.model.model
+        cache = _SlotWrite(self.cache, slot, start)
+        x = backbone.embed_tokens(ids)
+        for i, layer in enumerate(backbone.layers):
+            x = layer(x, cos, sin, masks[i], cache, i)
+        self.lens[slot] = end
+        self.forwarded.extend += m
+        return self.model.lm_head(backbone.norm(x[:, -1]))
 
     def _stops(self, toks: list[int], slots: list[int] | None) -> set[int]:
         """Rows whose response now ends with a stop token sequence or contains a stop string."""
         hits = set()
         for r, tok in enumerate(toks):
             slot = slots[r] if slots is not None else r
-            if self.slot_seq[slot] < 0:
+            if self.slot_seq[slot] < 0 or slot in self.parked:
                 continue
             tail = self.tails[slot]
             tail.append(tok)
@@ -465,19 +582,21 @@ class _Run:
             self.rows = self.width = 0
             return
         self.rows = used[-1] + 1
-        act = self.active[:self.rows]
-        self.width = int(torch.where(act > 0, self.lens[:self.rows], 0).max()) + 1
+        held = self.held[:self.rows]
+        self.width = int(torch.where(held > 0, self.lens[:self.rows], 0).max()) + 1
         no_refill = self.waiting == self.n or not self.cfg.continuous
         if no_refill and len(used) <= self.rows // 2 and self.rows >= 8:
             keep = torch.tensor(used, device=self.device)
             m = len(used)
             self.cache.compact(keep)
-            for t in (self.next_tok, self.lens, self.gen, self.active, self.seq):
+            for t in (self.next_tok, self.lens, self.gen, self.active, self.held, self.seq):
                 t[:m] = t[keep].clone()
-            self.active[m:] = 0
+            self.active[m:] = self.held[m:] = 0
             self.seq[m:] = self.n
             self.slot_seq = [self.slot_seq[i] for i in used] + [-1] * (self.slots - m)
             self.tails = [self.tails[i] for i in used] + [[] for _ in range(self.slots - m)]
+            self.parked = {new: self.parked[old] for new, old in enumerate(used)
+                           if old in self.parked}
             self.free = list(range(m, self.slots))
             self.rows = m
 
@@ -488,7 +607,9 @@ class _Run:
         used = int(lens.max())
         prompt_ids, prompt_mask = left_pad(prompts, self.pad)
         mask = (torch.arange(used, device=self.device)[None] < lens[:, None]).long()
+        finished, injected = torch.tensor(self.finished), None
+        if self.dialogue is not None:
+            finished, injected = self.dialogue.finished(), self.out_inj[:n, :used].clone()
         return Rollout(prompt_ids.to(self.device), prompt_mask.to(self.device),
                        self.out_tok[:n, :used].clone(), mask,
-                       self.out_lp[:n, :used].clone(),
-                       torch.tensor(self.finished, device=self.device))
+                       self.out_lp[:n, :used].clone(), finished.to(self.device), injected)

@@ -103,43 +103,66 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
     return tools
 
 
+class Pending:
+    """One tool call in flight: `done()` once it answered or ran out of time, `result()` its
+    result (waiting for it if need be)."""
+
+    def __init__(self, call: ToolCall, timeout_s: float, result: ToolResult | None = None
+                 ) -> None:
+        self.call, self.timeout_s = call, timeout_s
+        self.deadline = time.perf_counter() + timeout_s
+        self._result = result
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        return (self._result is not None or not self._thread.is_alive()
+                or time.perf_counter() >= self.deadline)
+
+    def wait(self, seconds: float) -> None:
+        """Block up to `seconds` (never past the deadline) for the call to answer."""
+        if self._thread is not None:
+            self._thread.join(max(0.0, min(seconds, self.deadline - time.perf_counter())))
+
+    def result(self) -> ToolResult:
+        self.wait(self.timeout_s)
+        if self._result is None:  # still running: abandoned, the daemon thread left behind
+            self._result = ToolResult(f"error: tool {self.call.name!r} took longer than "
+                                      f"{self.timeout_s:g} s", True, self.timeout_s)
+        return self._result
+
+
 class ToolRunner:
-    """Calls tools concurrently, each in a daemon thread given `timeout_s` (a hung tool is
-    abandoned, never waited on at exit), and returns each call's result text, at most
-    `max_chars` long; failures come back as error text for the model to read."""
+    """Calls tools, each in a daemon thread given `timeout_s` (a hung tool is abandoned, never
+    waited on at exit), and returns each call's result text, at most `max_chars` long;
+    failures come back as error text for the model to read."""
 
     def __init__(self, tools: dict[str, Tool], timeout_s: float, max_chars: int) -> None:
         self.tools, self.timeout_s, self.max_chars = tools, timeout_s, max_chars
 
-    def run(self, calls: list[ToolCall | str]) -> list[ToolResult]:
-        """Results in the order of `calls`; a string in `calls` is a parse error to return."""
-        slots: list[ToolResult | None] = [None] * len(calls)
-        threads = []
-        t0 = time.perf_counter()
-        for i, call in enumerate(calls):
-            if isinstance(call, str):
-                slots[i] = ToolResult(f"error: {call}", True, 0.0)
-                continue
-            fn = self.tools.get(call.name)
-            if fn is None:
-                slots[i] = ToolResult(f"error: unknown tool {call.name!r}; tools are "
-                                      f"{', '.join(self.tools)}", True, 0.0)
-                continue
-            thread = threading.Thread(target=self._call, args=(fn, call, slots, i),
-                                      daemon=True, name=f"rlloom-tool-{call.name}")
-            thread.start()
-            threads.append((i, call, thread))
-        for i, call, thread in threads:
-            thread.join(max(0.0, self.timeout_s - (time.perf_counter() - t0)))
-            if thread.is_alive():
-                slots[i] = ToolResult(f"error: tool {call.name!r} took longer than "
-                                      f"{self.timeout_s:g} s", True, self.timeout_s)
-        return [s for s in slots if s is not None]
+    def start(self, call: ToolCall | str) -> Pending:
+        """Start one call (a string is a parse error to give back) and return at once."""
+        if isinstance(call, str):
+            return Pending(ToolCall("", ""), self.timeout_s,
+                           ToolResult(f"error: {call}", True, 0.0))
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return Pending(call, self.timeout_s, ToolResult(
+                f"error: unknown tool {call.name!r}; tools are {', '.join(self.tools)}",
+                True, 0.0))
+        pending = Pending(call, self.timeout_s)
+        pending._thread = threading.Thread(target=self._call, args=(fn, pending), daemon=True,
+                                           name=f"rlloom-tool-{call.name}")
+        pending._thread.start()
+        return pending
 
-    def _call(self, fn: Tool, call: ToolCall, slots: list[ToolResult | None], i: int) -> None:
+    def run(self, calls: list[ToolCall | str]) -> list[ToolResult]:
+        """The results of `calls`, run concurrently, in their order."""
+        return [p.result() for p in [self.start(c) for c in calls]]
+
+    def _call(self, fn: Tool, pending: Pending) -> None:
         start = time.perf_counter()
         try:
-            out = fn(call.args)
+            out = fn(pending.call.args)
             if inspect.isawaitable(out):
                 out = asyncio.run(out)
             text, error = str(out), False
@@ -147,5 +170,5 @@ class ToolRunner:
             text, error = f"error: {type(e).__name__}: {e}", True
         if len(text) > self.max_chars:
             text = text[:self.max_chars] + f"...[{len(text) - self.max_chars} more characters]"
-        if slots[i] is None:  # not already timed out
-            slots[i] = ToolResult(text, error, time.perf_counter() - start)
+        if pending._result is None:  # not already timed out
+            pending._result = ToolResult(text, error, time.perf_counter() - start)

@@ -8,7 +8,7 @@ import torch
 
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.rollout.generate import Rollout, right_pad
-from rlloom.rollout.multi_turn import Tools, as_rollout, converse, tool_stats
+from rlloom.rollout.multi_turn import Dialogue, Tools
 from rlloom.rollout.tools import ToolRunner, calculator, parse_call
 
 TOK = build_char_tokenizer()
@@ -51,19 +51,23 @@ def _boom(args):
 
 
 def _converse(turns, max_new=120, max_turns=3, fmt="tag"):
+    """The rollout and the conversations' stats of `Dialogue.converse` over scripted turns."""
     runner = ToolRunner({"calculator": calculator, "slow": _slow, "huge": _huge,
                          "boom": _boom}, timeout_s=0.3, max_chars=20)
     prompts = [_ids(f"{i}Q") for i in range(len(turns))]
-    return converse(_scripted(turns), prompts, max_new, Tools(runner, max_turns, fmt),
-                    TOK.decode, _ids)
+    dialogue = Dialogue(Tools(runner, max_turns, fmt), len(prompts), max_new, TOK.decode, _ids)
+    return dialogue.converse(_scripted(turns), prompts, pad_id=0), dialogue
+
+
+def _text(r, i=0):
+    return TOK.decode(r.response_ids[i][r.response_mask[i].bool()], skip_special_tokens=True)
 
 
 def test_a_tool_result_is_inserted_and_masked_out_of_training():
-    [c] = _converse([["<call calculator>347*58</call>", "A:20126$"]])
-    assert TOK.decode(c.tokens, skip_special_tokens=True) == \
-        "<call calculator>347*58</call><result>20126</result>A:20126"
-    r = as_rollout([c], pad_id=0)
-    inserted = TOK.decode([t for t, k in zip(c.tokens, c.injected) if k])
+    r, d = _converse([["<call calculator>347*58</call>", "A:20126$"]])
+    [c] = d.convs
+    assert _text(r) == "<call calculator>347*58</call><result>20126</result>A:20126"
+    inserted = TOK.decode(r.response_ids[0][r.injected[0].bool()])
     assert inserted == "<result>20126</result>"
     # sampled tokens keep their log-probs; inserted ones are not actions
     assert torch.equal(r.action_mask[0].bool(), r.injected[0] == 0)
@@ -84,8 +88,9 @@ def test_a_tool_result_is_inserted_and_masked_out_of_training():
 ])
 def test_a_failing_call_is_an_error_turn_and_the_model_goes_on(call, result):
     start = time.perf_counter()
-    [c] = _converse([[call, "A:2$"]], max_new=200)
-    text = TOK.decode(c.tokens, skip_special_tokens=True)
+    r, d = _converse([[call, "A:2$"]], max_new=200)
+    [c] = d.convs
+    text = _text(r)
     assert text.startswith(call + result)
     assert text.endswith("A:2") and c.end == "answer"
     assert c.errors == (0 if "huge" in call else 1)
@@ -95,18 +100,17 @@ def test_a_failing_call_is_an_error_turn_and_the_model_goes_on(call, result):
 def test_json_calls_and_why_conversations_end():
     assert parse_call('<call>{"name": "calculator", "arguments": "2*3"}</call>', "json").args \
         == "2*3"
-    convs = _converse([
+    r, d = _converse([
         ["<call calculator>1+1</call>"] * 3,
         ["A:" + "1" * 200],                 # no EOS within the budget
         ["<call calculator>9*9</call>", "A:81$"],
     ], max_new=150, max_turns=3)
-    assert [c.end for c in convs] == ["max_turns", "length", "answer"]
-    assert [c.finished for c in convs] == [False, False, True]
-    stats = tool_stats(convs)
-    assert stats[:, :3].tolist() == [[3, 2, 0], [1, 0, 0], [2, 1, 0]]
+    assert [c.end for c in d.convs] == ["max_turns", "length", "answer"]
+    assert r.finished.tolist() == [False, False, True]
+    assert d.stats()[:, :3].tolist() == [[3, 2, 0], [1, 0, 0], [2, 1, 0]]
     # a result that would fill the budget ends the conversation instead
-    [c] = _converse([["<call huge>x</call>", "A:1$"]], max_new=40)
-    assert c.end == "context" and c.calls == 1 and not any(c.injected)
+    r, d = _converse([["<call huge>x</call>", "A:1$"]], max_new=40)
+    assert d.convs[0].end == "context" and d.convs[0].calls == 1 and not r.injected.any()
 
 
 def test_user_tools_load_from_a_file_and_bad_settings_are_refused(tmp_path, monkeypatch):

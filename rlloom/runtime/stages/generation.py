@@ -25,7 +25,7 @@ from rlloom.rewards.sandbox import SandboxPool
 from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate, maybe
-from rlloom.rollout.multi_turn import Tools, as_rollout, converse, tool_stats
+from rlloom.rollout.multi_turn import Dialogue, Tools
 from rlloom.rollout.partial import PartialPool
 from rlloom.rollout.partial_rule import partial_step
 from rlloom.rollout.sampling import SamplingParams, StopMatcher
@@ -186,31 +186,35 @@ def _params(cfg: RunConfig, max_new_tokens: int) -> SamplingParams:
 
 def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
              params: SamplingParams, cfg: RunConfig, generator: torch.Generator,
-             n_samples: int) -> Rollout:
+             n_samples: int, dialogue: Dialogue | None = None) -> Rollout:
     r = cfg.rollout
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if r.engine == "plain":
-        return generate(policy, prompts, params, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, generator, decode=tokenizer.decode)
+        def turn(rows: list[list[int]], room: int) -> Rollout:
+            return generate(policy, rows, replace(params, max_new_tokens=room), eos, pad,
+                            generator, decode=tokenizer.decode)
+        if dialogue is not None:
+            return dialogue.converse(turn, prompts, pad)
+        return turn(prompts, params.max_new_tokens)
     # a sharded model falls back to the plain loop inside the engine
     engine = EngineConfig(max_batch=r.max_batch, n_samples=n_samples,
                           kv_budget_bytes=kv_budget_bytes(model_device(policy)))
-    return engine_generate(policy, prompts, params, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, generator, engine, tokenizer.decode)
+    return engine_generate(policy, prompts, params, eos, pad, generator, engine,
+                           tokenizer.decode, dialogue)
 
 
 def respond(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
             params: SamplingParams, cfg: RunConfig, generator: torch.Generator | None,
             n_samples: int, tools: Tools | None) -> tuple[Rollout, torch.Tensor | None]:
     """One response per prompt: a single turn, or with `tools` a conversation of turns and
-    tool results (`multi_turn.converse`), and then its per-row tool stats."""
+    tool results (`multi_turn.Dialogue`), and then its per-row tool stats."""
     if tools is None:
         return _rollout(policy, tokenizer, prompts, params, cfg, generator, n_samples), None
-    turn = replace(params, stop=(*params.stop, CALL_END))
-    convs = converse(lambda rows, room: _rollout(
-        policy, tokenizer, rows, replace(turn, max_new_tokens=room), cfg, generator, 0
-    ).to("cpu"), prompts, params.max_new_tokens, tools, tokenizer.decode,
-        lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
-    return as_rollout(convs, tokenizer.pad_token_id).to(model_device(policy)), tool_stats(convs)
+    dialogue = Dialogue(tools, len(prompts), params.max_new_tokens, tokenizer.decode,
+                        lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    rollout = _rollout(policy, tokenizer, prompts, replace(params, stop=(*params.stop, CALL_END)),
+                       cfg, generator, n_samples, dialogue)
+    return rollout.to(model_device(policy)), dialogue.stats()
 
 
 def _scored(problems: list[Problem], rollout: Rollout, k: int, rewarder: Rewarder,
