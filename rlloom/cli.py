@@ -121,7 +121,7 @@ def _request(args: argparse.Namespace) -> "Request":
                    getattr(args, "price_only", False),
                    Path(args.hardware) if args.hardware else None, args.max_response,
                    args.staleness, args.partial_rollout, args.lora, args.turns,
-                   args.tool_latency)
+                   args.tool_latency, args.tool_result)
 
 
 def _latency_pair(text: str) -> tuple[float, float]:
@@ -208,7 +208,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    "per rollout, each but the last calling a tool (rollout.max_turns)")
     p.add_argument("--tool-latency", type=_latency_pair, default=(0.0, 0.0), metavar="P50[,P99]",
                    help="seconds a tool call takes: a median, or a median and 99th percentile "
-                   "(lognormal); the replica waits for its slowest call each turn")
+                   "(lognormal); the other rollouts decode while one waits on its call")
+    p.add_argument("--tool-result", type=int, default=0, metavar="TOKENS", help="tokens a tool's "
+                   "result inserts into the response (counted in its length; appended by an "
+                   "extend forward, not decoded; default 0)")
     p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
     p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")

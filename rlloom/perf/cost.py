@@ -159,10 +159,14 @@ _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generatio
 @dataclass(frozen=True)
 class EngineSchedule:
     """What the engine runs for one replica: `segments` of (decode steps, live rollouts,
-    their generated tokens summed at the segment's start), and the prompts each prefill
-    forward of an admission takes."""
+    their generated tokens summed at the segment's start), the prompts each prefill forward
+    of an admission takes, the tokens of each extend forward (a tool call's last token and
+    its result, appended to a parked rollout), and the steps' worth of time the replica
+    spends idle, every held slot waiting on a tool."""
     segments: tuple[tuple[int, int, int], ...]
     prefills: tuple[int, ...]
+    extends: tuple[int, ...] = ()
+    idle_steps: int = 0
 
     @property
     def decode_steps(self) -> int:
@@ -174,24 +178,73 @@ class EngineSchedule:
         return sum(steps * live for steps, live, _ in self.segments)
 
 
+# a turn of a rollout: (tokens it samples, tokens its tool call's result inserts, steps' worth
+# of time the call takes); a single-turn rollout is one (length, 0, 0)
+Turn = tuple[int, int, int]
+
+
 def engine_schedule(lengths: list[int], slots: int, samples: int,
-                    groups: list[int] | None = None, done: list[int] | None = None
-                    ) -> EngineSchedule:
+                    groups: list[int] | None = None, done: list[int] | None = None,
+                    turns: list[list[Turn]] | None = None) -> EngineSchedule:
     """The decode steps and prefills of rollouts with response `lengths` (tokens, in queue
     order; each run of `samples` shares a prompt, or rows of equal `groups` entries do) over
     `slots` KV slots with continuous batching, as the engine runs them: admitted rollouts take
     their first token from the prefill's logits; one decode step gives every live rollout a
     token; the slots freed by rollouts that end are refilled before the next step, a rollout
     of one token freeing its slot at once (another prefill forward). `done`: tokens a
-    (partial) rollout already holds in its context before this call."""
-    n, step, waiting, free, generated = len(lengths), 0, 0, slots, 0
+    (partial) rollout already holds in its context before this call. `turns` (multi-turn
+    rollouts, overriding `lengths`): a turn but the last ends in a tool call; its rollout
+    stays in its slot, parked, not decoding, until the call returns; then one extend forward
+    appends the result and gives the next turn's first token."""
+    plans = turns or [[(length, 0, 0)] for length in lengths]
+    n = len(plans)
     group = groups or [i // samples for i in range(n)]
     held = done or [0] * n
-    live: list[tuple[int, int]] = []  # (decode steps done when it ends, its context growth)
+    step = waiting = generated = live = idle = 0
+    free = slots
+    # (step, kind, rollout, turn, context growth then): a turn's end in a decode step (0), a
+    # tool call's return (1); at one step the engine retires and parks the ended turns,
+    # admits, and then extends the returned calls
+    events: list[tuple[int, int, int, int, int]] = []
     prefilled: set[int] = set()
     segments: list[tuple[int, int, int]] = []
     prefills: list[int] = []
+    extends: list[int] = []
+
+    def begin(i: int, j: int, growth: int) -> None:
+        """Turn j of rollout i starts, its first token sampled (from a prefill's or an
+        extend's logits): `growth` tokens past the prompt in its context."""
+        nonlocal generated, live
+        sampled = max(1, plans[i][j][0])
+        if sampled == 1:  # ended on that token, before any decode step
+            end(i, j, growth, at_once=True)
+            return
+        live += 1
+        generated += growth
+        heapq.heappush(events, (step + sampled - 1, 0, i, j, growth + sampled - 1))
+
+    def end(i: int, j: int, growth: int, at_once: bool) -> None:
+        """Turn j ends: the rollout frees its slot, or parks until its call returns (a call
+        that has returned already is extended at once when its turn ended at once)."""
+        nonlocal free
+        if j + 1 == len(plans[i]):
+            free += 1
+        elif at_once and plans[i][j][2] == 0:
+            resume(i, j, growth)
+        else:
+            heapq.heappush(events, (step + plans[i][j][2], 1, i, j, growth))
+
+    def resume(i: int, j: int, growth: int) -> None:
+        result = plans[i][j][1]
+        extends.append(1 + result)
+        begin(i, j + 1, growth + result + 1)
+
     while True:
+        while events and events[0][:2] <= (step, 0):
+            _, _, i, j, growth = heapq.heappop(events)
+            live -= 1
+            generated -= growth
+            end(i, j, growth, at_once=False)
         while free and waiting < n:  # admission: one prefill forward per round
             new = range(waiting, min(n, waiting + free))
             waiting, free = new.stop, free - len(new)
@@ -200,20 +253,23 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
                 prefills.append(len(fresh))
                 prefilled |= fresh
             for i in new:
-                if lengths[i] <= 1:
-                    free += 1
-                else:
-                    heapq.heappush(live, (step + lengths[i] - 1, lengths[i] + held[i]))
-                    generated += 1 + held[i]
-        if not live:
-            return EngineSchedule(tuple(segments), tuple(prefills))
-        steps = live[0][0] - step
-        segments.append((steps, len(live), generated))
-        generated += steps * len(live)
+                begin(i, 0, 1 + held[i])
+        resumed = False
+        while events and events[0][0] <= step:
+            _, _, i, j, growth = heapq.heappop(events)
+            resume(i, j, growth)
+            resumed = True
+        if resumed and free and waiting < n:
+            continue  # a resumed rollout ended at once: its slot is refilled first
+        if not events:
+            return EngineSchedule(tuple(segments), tuple(prefills), tuple(extends), idle)
+        steps = events[0][0] - step
+        if live:
+            segments.append((steps, live, generated))
+            generated += steps * live
+        else:
+            idle += steps
         step += steps
-        while live and live[0][0] == step:
-            generated -= heapq.heappop(live)[1]
-            free += 1
 
 
 def _queue_lengths(wl: Workload, n: int) -> list[int]:
@@ -224,34 +280,10 @@ def _queue_lengths(wl: Workload, n: int) -> list[int]:
     return lengths
 
 
-def _turns(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
-           per_replica: int, role: str) -> StageCost:
-    """Multi-turn rollouts as the runtime runs them (rollout/multi_turn.py): `wl.turns` engine
-    calls one after another, turn t prefilling the prompt and the t turns (and tool results)
-    before it again, each a `wl.turns`-th of the response; between turns the replica waits
-    for its slowest tool call (calls run concurrently): the largest of `per_replica` draws
-    of the latency."""
-    share = wl.response.scaled(1 / wl.turns)
-    parts = []
-    for t in range(wl.turns):
-        turn = replace(wl, turns=1, response=share, prompt_len=wl.prompt_len + round(
-            t * share.mean), samples=wl.samples if t == 0 else 1)
-        parts.append(_generate(shape, layout, turn, hw, concurrent, per_replica, role))
-    wait = (wl.turns - 1) * wl.tool_latency.quantile(1 - 1 / (per_replica + 1))
-    total = [sum(getattr(p, f) for p in parts) for f in
-             ("flops", "bytes_moved", "depth", "compute_s", "memory_s", "comm_s", "seconds")]
-    note = (f"{wl.turns} turns, {wl.turns - 1} tool calls per rollout: {wait:.3g} s waiting on "
-            f"tools; {parts[0].note}")
-    return StageCost("generation", role, *total[:6], total[6] + wait,
-                     mem.kv_bytes_per_rollout(shape, layout, wl.max_context) * concurrent,
-                     note, wait)
-
-
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
               per_replica: int, role: str) -> StageCost:
-    if wl.turns > 1:
-        return _turns(shape, layout, wl, hw, concurrent, per_replica, role)
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
+    wait = 0.0
     if wl.carries:
         totals, decode_steps, prefills = _partial_totals(shape, layout, wl, hw, concurrent)
         how = f"partial rollouts of {wl.partial_tokens} tokens a step"
@@ -259,17 +291,47 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
         # beyond ENGINE_POINTS rollouts a simulated rollout stands for `weight` of them
         points = min(per_replica, ENGINE_POINTS)
         weight = per_replica / points
-        sched = engine_schedule(_queue_lengths(wl, points), max(1, round(concurrent / weight)),
-                                max(1, round(wl.samples / weight)))
+        slots, samples = max(1, round(concurrent / weight)), max(1, round(wl.samples / weight))
+        lengths = _queue_lengths(wl, points)
+        sched = engine_schedule(lengths, slots, samples)
         totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
-        decode_steps, prefills = sched.decode_steps, len(sched.prefills)
         how = "continuous batching"
+        if wl.turns > 1:
+            # the tools' latencies in decode steps at the single-turn schedule's pace
+            step_s = totals[5] / max(sched.decode_steps, 1)
+            sched = engine_schedule(lengths, slots, samples,
+                                    turns=_turn_plans(wl, lengths, step_s))
+            totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
+            wait = sched.idle_steps * step_s
+            totals[5] += wait
+            how += (f", {wl.turns} turns per rollout ({len(sched.extends) * weight:.0f} "
+                    f"extend forwards; {wait:.3g} s idle, every slot waiting on a tool)")
+        decode_steps, prefills = sched.decode_steps, len(sched.prefills)
     flops, nbytes, compute_s, memory_s, comm_s, seconds = totals
     depth = forward_depth(shape, wl.max_context) * wl.response.max
     note = (f"{concurrent} of {per_replica} rollouts per replica at once, {how}: "
             f"{decode_steps:.0f} decode steps, {prefills:.0f} prefill forwards")
     return StageCost("generation", role, layout.dp * flops, nbytes, depth, compute_s,
-                     memory_s, comm_s, seconds, concurrent * kv_one, note)
+                     memory_s, comm_s, seconds, concurrent * kv_one, note, wait)
+
+
+def _turn_plans(wl: Workload, lengths: list[int], step_s: float) -> list[list[Turn]]:
+    """Each rollout of response `lengths` as `wl.turns` turns of equal sampled tokens, each
+    but the last followed by a result of `wl.tool_result_len` tokens (fewer where the
+    response is too short) and a tool latency drawn from `wl.tool_latency` (in a fixed
+    shuffled order), in steps of `step_s` seconds."""
+    t = wl.turns
+    latencies = wl.tool_latency.spread(len(lengths) * (t - 1))
+    random.Random(1).shuffle(latencies)
+    plans = []
+    for i, length in enumerate(lengths):
+        result = max(0, min(wl.tool_result_len, (length - t) // (t - 1)))
+        sampled = length - (t - 1) * result
+        share = [sampled // t + (j < sampled % t) for j in range(t)]
+        waits = [math.ceil(x / step_s) if step_s > 0 else 0
+                 for x in latencies[i * (t - 1):(i + 1) * (t - 1)]]
+        plans.append([(share[j], result, waits[j]) for j in range(t - 1)] + [(share[-1], 0, 0)])
+    return plans
 
 
 def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, layout: Layout,
@@ -301,6 +363,19 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
+    # an extend forward appends a tool's result to one parked rollout, about half way through
+    # its response: the weights read for a few tokens
+    pos = s + wl.response.mean / 2
+    for m in sched.extends:
+        tokens = m * weight
+        f = weight * (m * shape.forward_flops(2 * pos, logits=False) + logits)
+        b = weight * (_weight_bytes(shape, layout, wl) * pp + pos * kv_tok)
+        c = weight * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
+            _activation_s(shape, layout, wl, hw, tokens)
+            + _tp_comm(hw, layout, shape, tokens, 2)
+            + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
+        for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
+            totals[k] += v
     launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) + hw.decode_step_s
     for steps, simulated, generated in sched.segments:
         live = simulated * weight

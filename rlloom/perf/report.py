@@ -68,6 +68,7 @@ class Request:
     lora: int = 0  # model.lora.rank of the actor's adapters (0: full training)
     turns: int = 1  # model turns per rollout, each but the last calling a tool
     tool_latency: tuple[float, float] = (0.0, 0.0)  # a tool call's p50 and p99 seconds
+    tool_result: int = 0  # tokens a tool's result inserts into the response
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -82,7 +83,8 @@ class Request:
                         ppo_epochs=self.epochs, minibatches=self.minibatches,
                         policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"),
                         partial_tokens=self.partial_rollout, lora_rank=self.lora,
-                        turns=self.turns, tool_latency=_latency(*self.tool_latency))
+                        turns=self.turns, tool_latency=_latency(*self.tool_latency),
+                        tool_result_len=self.tool_result)
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,

@@ -137,6 +137,7 @@ class Workload:
     # response lengths count every turn and tool result
     turns: int = 1
     tool_latency: Lengths = Lengths("fixed", 0.0)
+    tool_result_len: int = 0  # tokens each tool result inserts (counted in `response`)
 
     @property
     def carries(self) -> bool:

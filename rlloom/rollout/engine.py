@@ -300,8 +300,8 @@ class _Run:
         while True:
             if self.waiting < self.n and (self.cfg.continuous or self.live == 0):
                 self._admit()
-            if self.parked:
-                self._resume(wait=self.live == 0)
+            if self.parked and self._resume():
+                continue  # a resumed conversation ended: its slot is refilled first
             if self.live:
                 self._decode_step()
             elif not self.parked and self.waiting == self.n:
@@ -507,14 +507,26 @@ class _Run:
         self.free.sort()
         self._dirty = True
 
-    def _resume(self, wait: bool) -> None:
-        """Go on with the parked conversations whose tool has answered (with `wait`, after
-        waiting for the first to): extend each slot by the call's last token and the result,
-        then sample its next turn's first token; a result with no room after it ends it."""
-        ready = [slot for slot, p in self.parked.items() if p.done()]
-        while wait and not ready:
-            next(iter(self.parked.values())).wait(0.005)
+    def _resume(self) -> bool:
+        """Go on with the parked conversations whose tool has answered (waiting for one when
+        nothing else could run): extend each slot by the call's last token and the result,
+        then sample its next turn's first token; a result with no room after it ends the
+        conversation. Whether a slot was freed for a waiting sequence."""
+        freed = False
+        while self.parked:
             ready = [slot for slot, p in self.parked.items() if p.done()]
+            if not ready:
+                if self.live or (freed and self.waiting < self.n):
+                    break
+                next(iter(self.parked.values())).wait(0.005)
+                continue
+            freed |= self._extend_ready(ready)
+        self._reshape()
+        return freed and self.waiting < self.n
+
+    def _extend_ready(self, ready: list[int]) -> bool:
+        """`_resume` for the slots `ready`; whether one of them ended."""
+        free = len(self.free)
         for slot in ready:
             s, used = self.slot_seq[slot], int(self.gen[slot])
             ids = self.dialogue.result(s, self.parked.pop(slot), used)
@@ -534,7 +546,7 @@ class _Run:
             self.live += 1
             self._dirty = True
             self._commit(idx, [slot], logits, torch.ones_like(idx))
-        self._reshape()
+        return len(self.free) > free
 
     def _extend(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Forward `tokens` at the end of the slot's sequence, their keys and values written
