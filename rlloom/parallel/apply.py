@@ -7,9 +7,11 @@
     save_sharded(model, optim, "ckpt/step_100")  # every rank; any layout can load it
     state = full_state_dict(model)               # rank 0: plain tensors for HF export
 
-The order is fixed: tensor parallel first (it replaces Linear/RMSNorm weights by DTensors
-sharded over `tp`), then context parallel (it swaps the backbone for a wrapper over sequence
-shards of `cp`, holding the same modules), then expert parallel (each MoE block keeps its
+The order is fixed: context parallel first (it swaps the backbone for a wrapper over
+sequence shards of `cp`, holding the same modules), then tensor parallel (it replaces
+Linear/RMSNorm weights by DTensors sharded over `tp`, and hooks the backbone, the wrapper
+under cp, so its output comes back whole: within a cp shard, TP's sequence-parallel norms
+split the shard again), then expert parallel (each MoE block keeps its
 share of the experts, spread over the dp ranks), then activation checkpointing (it wraps whole
 layers, whatever is inside), then data parallel (FSDP2 shards the already-TP DTensors again
 over `dp` and groups each checkpointed layer; routed experts are left to their owners).
@@ -53,7 +55,8 @@ from rlloom.plan import Layout
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None, *,
                 mixed_precision: bool | None = None) -> nn.Module:
-    """Apply `layout` to the plain `model` in place (TP -> checkpointing -> DP/ZeRO).
+    """Apply `layout` to the plain `model` in place (CP -> TP -> EP -> checkpointing ->
+    DP/ZeRO).
 
     The model must hold the same weights on every rank, on the mesh's device. `mesh`
     defaults to `build_mesh(layout)` over the whole world; pass one (with the dimension
@@ -72,17 +75,14 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
         raise LayoutError(f"ep={layout.ep}: experts are spread over the data-parallel ranks, "
                           f"so use ep = dp (dp={layout.dp}) with tp=1, cp=1 and zero 0, 2 or 3 "
                           "(ZeRO-1's owner broadcasts would overwrite other ranks' experts)")
-    if layout.cp > 1 and layout.tp > 1:
-        raise LayoutError(f"cp={layout.cp} with tp={layout.tp}: sequence-parallel TP norms and "
-                          "context-parallel shards would both split the sequence; use one")
     if layout.world_size > 1 and mesh is None:
         mesh = build_mesh(layout)
     # A 1-process layout applies to this process's own copy, whatever else is running.
     validate_layout(layout, backbone_of(model).config, mesh.size() if mesh is not None else 1)
-    if layout.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"].get_group())
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
     experts: set[nn.Parameter] = set()
     if layout.ep > 1:
         apply_expert_parallel(model, mesh["dp"].get_group())

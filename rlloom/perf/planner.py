@@ -61,8 +61,8 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    either cp or pp without tp, or ep = dp alone; pp without tp for a frozen role that may
-    be `pipelined`, the reference; see `plan.runnable_problems`)."""
+    cp (with or without tp) or pp without tp, or ep = dp alone; pp without tp for a frozen
+    role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
@@ -74,7 +74,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
             if runnable and (not _tp_applies(tp, shape)
-                             or (tp > 1 and cp * pp > 1)):
+                             or (tp > 1 and pp > 1)):
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)

@@ -1,19 +1,25 @@
-"""Context parallelism (cp=2) against one process: logits, loss and gradients, with full and
-sliding-window attention layers and length-dependent (dynamic) rotary embeddings.
+"""Context parallelism (cp=2, and cp=2 x tp=2) against one process: logits, loss and
+gradients, with full and sliding-window attention layers and length-dependent (dynamic)
+rotary embeddings.
 
 Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
 import torch
 import torch.distributed as dist
-from harness import loss_of, spawn
+from harness import full, loss_of, spawn
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM, positions_and_mask
+from rlloom.parallel.apply import parallelize
 from rlloom.parallel.context_parallel import (
     apply_context_parallel,
+    on_shards,
     shard_positions_and_mask,
     shard_sequence,
 )
+from rlloom.parallel.data_parallel import local_tensor
+from rlloom.parallel.mesh import build_mesh
+from rlloom.plan import Layout
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -77,3 +83,33 @@ def _cp_body():
 
 def test_cp2_forward_backward_match_single_process():
     spawn(_cp_body, 2)
+
+
+def _cp_tp_body():
+    """cp=2 x tp=2 as the executor runs it: `on_shards` gathers the logits back whole, the
+    loss is computed on every rank, and the gradients are averaged over the cp group."""
+    ids, mask, labels = batch()
+    n_tokens = (labels != -100).sum()
+    ref = tiny_model()
+    ref_logits = ref(ids, mask)
+    ref_loss = loss_of(ref_logits, labels, n_tokens)
+    ref_loss.backward()
+    layout = Layout(cp=2, tp=2)
+    mesh = build_mesh(layout)
+    model = parallelize(tiny_model(), layout, mesh)
+    assert model.model.layers[0].self_attn.n_heads == 2  # this rank's half of the heads
+    logits = on_shards(model, model, ids, mask)
+    torch.testing.assert_close(logits, ref_logits.detach(), **TOL)
+    loss = loss_of(logits, labels, n_tokens)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL)
+    loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = local_tensor(p.grad)
+        dist.all_reduce(grad, group=mesh["cp"].get_group())
+        grad.div_(2)
+        torch.testing.assert_close(full(p.grad), ref_params[name].grad, **TOL, msg=name)
+
+
+def test_cp2_x_tp2_forward_backward_match_single_process():
+    spawn(_cp_tp_body, 4)

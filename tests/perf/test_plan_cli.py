@@ -24,8 +24,8 @@ def test_plan_prints_ranked_plans_without_torch():
 
 def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
     """The executor applies dp (ZeRO 0-3) and tp to every model, and to the models that train
-    either cp or pp (tp=1), or ep = dp alone: by default every ranked layout keeps to that;
-    --price-only adds the rest and says the plans do not run yet."""
+    cp (with tp or not) or pp (tp=1), or ep = dp alone: by default every ranked layout keeps
+    to that; --price-only adds the rest and says the plans do not run yet."""
     def outside(data):
         bad = set()
         for p in data["ranked"]:
@@ -36,7 +36,7 @@ def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
                     bad.add("ep")
                 if x["pp"] > 1 and not (trained and x["tp"] == x["cp"] == 1):
                     bad.add("pp")
-                if x["cp"] > 1 and not (trained and x["tp"] == 1):
+                if x["cp"] > 1 and not trained:
                     bad.add("cp")
         return bad
     moe = ["--model", "qwen3-30b-a3b", "--json", "--top", "2000"]

@@ -78,14 +78,15 @@ def test_disaggregated_zero3_training_and_tp_generation_match_one_process(tmp_pa
     assert single(algo, tiny)[-1]["grad_norm"] > 0  # it really trained
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_context_parallel_training_group_matches_one_process(tmp_path, tiny, single, algo):
+@pytest.mark.parametrize("algo, tp", [("grpo", 1), ("ppo", 2)])
+def test_context_parallel_training_group_matches_one_process(tmp_path, tiny, single, algo, tp):
     """The actor (and PPO's critic) trains on 2 ranks holding half of every sequence each
-    (cp=2); generation and held-out evaluation run on a whole copy resharded after every
-    step."""
+    (cp=2), for PPO each of them split over 2 TP ranks (4 ranks); generation and held-out
+    evaluation run on a whole copy resharded after every step."""
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, "plan.placement=disaggregated",
-          "plan.layouts.actor.cp=2", f"run_dir={run}", "--worker-timeout", "300"])
+          "plan.layouts.actor.cp=2", f"plan.layouts.actor.tp={tp}", "plan.layouts.rollout.dp=1",
+          f"run_dir={run}", "--worker-timeout", "300"])
     _assert_same(single(algo, tiny), _rows(run))
 
 
