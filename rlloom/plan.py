@@ -232,14 +232,13 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of the models that train (actor, critic); set cp=1 "
                             "here")
-        if layout.pp > 1 and (role not in TRAINABLE + ("reference",) or layout.tp > 1
-                              or layout.cp > 1
+        if layout.pp > 1 and (role not in TRAINABLE + ("reference",) or layout.cp > 1
                               or plan.actor_critic == "shared" and "critic" in models
                               or role == "reference" and critic_copy):
-            problems.append(f"plan.layouts.{role}.pp={layout.pp}: pipeline stages run the "
-                            "actor, a separate critic and the reference, with tp=1 and cp=1 "
-                            "(not a shared actor-critic's value head, nor a reference beside "
-                            "a synced critic copy); set pp=1 here")
+            problems.append(f"plan.layouts.{role}.pp={layout.pp}: pipeline stages (with tp "
+                            "or not) run the actor, a separate critic and the reference, with "
+                            "cp=1 (not a shared actor-critic's value head, nor a reference "
+                            "beside a synced critic copy); set pp=1 here")
     rollout = plan.layouts.get("rollout")
     if rollout is not None and rollout.zero:
         problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "

@@ -20,6 +20,12 @@ pipelined loss and its gradients equal the single-process loss of the batch and 
 Tied input and output embeddings (most small checkpoints) live on both the first and the last
 stage; their two gradients are summed over the pair of them (`sync_tied_grads`), so both
 copies take the same optimizer step, as the one weight does in one process.
+
+With tensor parallelism (`tp_mesh`) each stage's decoder layers are sharded as
+`tensor_parallel` shards them; the residual stream enters a stage's first layer as a DTensor
+split on the sequence and leaves its last layer gathered whole, so what passes between
+stages, and the embedding, final norm and head, stay plain and replicated over the tp ranks
+(each tp rank of a stage talks to the same tp rank of the next).
 """
 from __future__ import annotations
 
@@ -31,12 +37,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlloom.models.heads import ValueModel
 from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask, rotary_cos_sin
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.grads import grad_norm, scale_grads
+from rlloom.parallel.tensor_parallel import shard_layer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,10 +65,11 @@ class StageModule(nn.Module):
     and its parameter names are the full model's (`model.layers.5.mlp.up_proj.weight`), so
     per-stage state dicts merge into a checkpoint by plain union."""
 
-    def __init__(self, model: CausalLM | ValueModel, stage: int, n_stages: int) -> None:
+    def __init__(self, model: CausalLM | ValueModel, stage: int, n_stages: int,
+                 tp_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
         cfg = model.config
-        self.config = cfg
+        self.config, self.tp_mesh = cfg, tp_mesh
         self.values = isinstance(model, ValueModel)
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layer_ids = stage_layers(cfg.num_layers, n_stages)[stage]
@@ -74,6 +84,9 @@ class StageModule(nn.Module):
                 self.score = model.score
             else:
                 self.lm_head = model.lm_head
+        if tp_mesh is not None:
+            for layer in self.model.layers.values():
+                shard_layer(layer, tp_mesh)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
@@ -83,8 +96,13 @@ class StageModule(nn.Module):
         if self.is_first:
             x = self.model.embed_tokens(x)
         cos, sin = rotary_cos_sin(positions, self.config, x.dtype)
+        if self.tp_mesh is not None:
+            x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False
+                                   ).redistribute(self.tp_mesh, [Shard(1)])
         for i, layer in self.model.layers.items():
             x = layer(x, cos, sin, masks[int(i)], None, int(i))
+        if self.tp_mesh is not None:
+            x = x.full_tensor()
         if self.is_last:
             x = self.model.norm(x)
             x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
@@ -108,11 +126,12 @@ class PipelinedModel:
     """
 
     def __init__(self, model: CausalLM | ValueModel, group: dist.ProcessGroup | None = None,
-                 n_microbatches: int | None = None, tied_group: dist.ProcessGroup | None = None
-                 ) -> None:
+                 n_microbatches: int | None = None, tied_group: dist.ProcessGroup | None = None,
+                 tp_mesh: DeviceMesh | None = None) -> None:
         """`n_microbatches` (default: one per stage, the fewest 1F1B accepts) must divide
         every batch. `tied_group`: the first and last stage's ranks, for a model with tied
-        embeddings over more than 2 stages (with 2, the pipeline group is that pair)."""
+        embeddings over more than 2 stages (with 2, the pipeline group is that pair).
+        `tp_mesh`: the tensor-parallel ranks that share this stage."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.n_stages = dist.get_world_size(group)
@@ -120,7 +139,7 @@ class PipelinedModel:
         if self.n_microbatches < self.n_stages:
             raise ValueError(f"1F1B needs at least one microbatch per stage: n_microbatches="
                              f"{self.n_microbatches} < pp={self.n_stages}")
-        self.module = StageModule(model, self.rank, self.n_stages)
+        self.module = StageModule(model, self.rank, self.n_stages, tp_mesh)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.last_rank = (self.n_stages - 1 if group is None

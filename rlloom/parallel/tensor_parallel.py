@@ -68,50 +68,56 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         "norm": SequenceParallel(),
     })
     for layer in backbone.layers:
-        attn = layer.self_attn
-        plan: dict[str, Any] = {
-            "input_layernorm": SequenceParallel(),
-            # Attention(x, cos, sin, mask, cache, layer): only x is sharded.
-            "self_attn": PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * 5,
-                                            desired_input_layouts=(Replicate(),) + (None,) * 5,
-                                            use_local_output=True),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                      desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
-        }
-        if isinstance(layer.mlp, MLP):
-            plan.update({
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            })
-        else:
-            # An MoE block is not split by TP (expert parallelism splits experts): every TP
-            # rank runs it on the whole sequence, and its output is cut back to this rank's
-            # sequence shard. The backward of that cut all-gathers the gradient, so the
-            # replicated expert weights get the full gradient on every rank.
-            plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_input=True, output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(1),), use_local_output=False)
-        if attn.qk_norm:
-            # Per-head norms see only this rank's heads ([b, s, heads/tp, hd], heads on dim
-            # 2); a Replicate weight over a head-sharded input makes DTensor sum the weight's
-            # gradient over all heads, as the single-process model does.
-            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(layer, tp_mesh, plan)
-        _localise_heads(attn, tp)
+        shard_layer(layer, tp_mesh)
     # Outputs of the whole backbone are plain and replicated, whatever head comes next.
     parallelize_module(backbone, tp_mesh, PrepareModuleOutput(
         output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     backbone.register_forward_pre_hook(_shard_kv_cache, with_kwargs=True)
     return model
+
+
+def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard one decoder layer over `tp_mesh`, in place: it then takes and returns the
+    residual stream as a DTensor sharded on the sequence (dim 1)."""
+    attn = layer.self_attn
+    plan: dict[str, Any] = {
+        "input_layernorm": SequenceParallel(),
+        # Attention(x, cos, sin, mask, cache, layer): only x is sharded.
+        "self_attn": PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * 5,
+                                        desired_input_layouts=(Replicate(),) + (None,) * 5,
+                                        use_local_output=True),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                  desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
+    }
+    if isinstance(layer.mlp, MLP):
+        plan.update({
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+    else:
+        # An MoE block is not split by TP (expert parallelism splits experts): every TP
+        # rank runs it on the whole sequence, and its output is cut back to this rank's
+        # sequence shard. The backward of that cut all-gathers the gradient, so the
+        # replicated expert weights get the full gradient on every rank.
+        plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            use_local_input=True, output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),), use_local_output=False)
+    if attn.qk_norm:
+        # Per-head norms see only this rank's heads ([b, s, heads/tp, hd], heads on dim
+        # 2); a Replicate weight over a head-sharded input makes DTensor sum the weight's
+        # gradient over all heads, as the single-process model does.
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    parallelize_module(layer, tp_mesh, plan)
+    _localise_heads(attn, tp_mesh.size())
 
 
 def _localise_heads(attn: Attention, tp: int) -> None:

@@ -61,7 +61,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    cp (with or without tp) or pp without tp, or ep = dp alone; pp without tp for a frozen
+    cp or pp (each with tp or not), or ep = dp alone; pp (with tp or not) for a frozen
     role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
@@ -73,8 +73,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
-            if runnable and (not _tp_applies(tp, shape)
-                             or (tp > 1 and pp > 1)):
+            if runnable and not _tp_applies(tp, shape):
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)

@@ -24,7 +24,7 @@ def test_plan_prints_ranked_plans_without_torch():
 
 def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
     """The executor applies dp (ZeRO 0-3) and tp to every model, and to the models that train
-    cp (with tp or not) or pp (tp=1), or ep = dp alone: by default every ranked layout keeps
+    cp or pp (each with tp or not), or ep = dp alone: by default every ranked layout keeps
     to that; --price-only adds the rest and says the plans do not run yet."""
     def outside(data):
         bad = set()
@@ -34,7 +34,7 @@ def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
                 if x["ep"] > 1 and not (trained and x["ep"] == x["dp"] and x["zero"] != 1
                                         and x["tp"] * x["cp"] * x["pp"] == 1):
                     bad.add("ep")
-                if x["pp"] > 1 and not (trained and x["tp"] == x["cp"] == 1):
+                if x["pp"] > 1 and not (trained and x["cp"] == 1):
                     bad.add("pp")
                 if x["cp"] > 1 and not trained:
                     bad.add("cp")

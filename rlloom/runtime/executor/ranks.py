@@ -225,7 +225,7 @@ class RankGroup:
         if layout.activation_checkpointing:
             apply_activation_checkpointing(model)
         pipe = PipelinedModel(model, mesh["pp"].get_group(),
-                                 tied_group=_first_and_last_stages(mesh))
+                              tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh))
         if layout.dp > 1:
             apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
                                 layers=pipe.module.model.layers.values())
@@ -252,7 +252,7 @@ class RankGroup:
         validate_layout(layout, backbone_of(model).config, self.world)
         if layout.pp > 1:
             pipe = PipelinedModel(model, mesh["pp"].get_group(),
-                                  tied_group=_first_and_last_stages(mesh))
+                                  tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh))
             if layout.dp > 1 and layout.zero == 3:
                 apply_data_parallel(pipe.module, mesh["dp"], 3, mixed_precision=False,
                                     layers=pipe.module.model.layers.values())
@@ -282,6 +282,11 @@ def whole_weights(model: nn.Module | PipelinedModel, cpu: bool = False
                                                                  cpu_offload=cpu))
     experts = all_experts(model)  # each rank holds its own; cpu_offload leaves {} off rank 0
     return {**state, **experts} if state else state
+
+
+def _tp(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The tensor-parallel ranks of `mesh`, None when there are none to split over."""
+    return mesh["tp"] if mesh["tp"].size() > 1 else None
 
 
 def _first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:
