@@ -228,10 +228,10 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
                             "ep = dp, with tp, cp and pp 1 and zero 0, 2 or 3; change it "
                             "(`rlloom plan --price-only` prices such plans without running "
                             "them)")
-        if layout.cp > 1 and role not in TRAINABLE:
+        if layout.cp > 1 and role not in TRAINABLE + ("reference",):
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
-                            "the sequences of the models that train (actor, critic); set cp=1 "
-                            "here")
+                            "the sequences of teacher-forced passes (actor, critic, reference), "
+                            "not generation's; set cp=1 here")
         if layout.pp > 1 and (role not in TRAINABLE + ("reference",) or layout.cp > 1
                               or plan.actor_critic == "shared" and "critic" in models
                               or role == "reference" and critic_copy):

@@ -61,14 +61,14 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    cp or pp (each with tp or not), or ep = dp alone; pp (with tp or not) for a frozen
-    role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
+    cp or pp (each with tp or not), or ep = dp alone; the same cp and pp for a frozen role
+    that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
     if runnable:
-        splits = ([(1, cp) for cp in CONTEXT_PARALLEL] + [(2, 1), (4, 1)] if trainable
-                  else [(1, 1), (2, 1), (4, 1)] if pipelined else [(1, 1)])
+        splits = ([(1, cp) for cp in CONTEXT_PARALLEL] + [(2, 1), (4, 1)]
+                  if trainable or pipelined else [(1, 1)])
     while tp <= min(n, hw.devices_per_node):
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
@@ -142,7 +142,7 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
          rollout_only: bool, cache: dict, runnable: bool = False, pipelined: bool = False
          ) -> list[Layout]:
     """The TOP_K fastest layouts of a role alone on n devices that fit; `runnable`: only those
-    the executor applies; `pipelined`: a frozen role may take pp stages."""
+    the executor applies; `pipelined`: a frozen role may take pp stages or cp shards."""
     key = (role, n, with_gen, rollout_only, runnable, pipelined)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only

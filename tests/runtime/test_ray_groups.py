@@ -114,13 +114,15 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
 
 @pytest.mark.parametrize("plan", [
     ["plan.placement=disaggregated", "plan.layouts.reference.pp=2"],
+    ["plan.placement=disaggregated", "plan.layouts.reference.cp=2"],
     ["plan.placement=colocated", "plan.layouts.actor.dp=2", "plan.layouts.reference.pp=2",
      "plan.layouts.rollout.tp=2"],
 ])
 def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, plan):
     """The frozen reference scores on 2 pipeline stages (a forward-only schedule, one layer
     each, log-probs broadcast from the last stage to both): on a group of its own, and
-    colocated on the 2 ranks where the actor trains at dp2 and generates on a tp2 copy."""
+    colocated on the 2 ranks where the actor trains at dp2 and generates on a tp2 copy; or
+    on 2 ranks holding half of every sequence each (cp=2)."""
     run = tmp_path / "ray"
     main(["train", *tiny, "algo=grpo", *EXACT, *plan, f"run_dir={run}",
           "--worker-timeout", "300"])

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.checkpointing import apply_activation_checkpointing
+from rlloom.parallel.context_parallel import apply_context_parallel
 from rlloom.parallel.data_parallel import apply_data_parallel, local_tensor
 from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
 from rlloom.parallel.grads import clip_grad_norm
@@ -242,10 +243,10 @@ class RankGroup:
                 apply_tensor_parallel(model, mesh["tp"])
         return model
     def frozen(self, model: nn.Module, layout: Layout) -> nn.Module | PipelinedModel:
-        """A forward-only model in `layout`: TP shards it, PP splits it into this rank's stage
-        (scored with a forward-only pipeline schedule), ZeRO-3 shards it over dp (gathered per
-        layer as it runs); plain dp keeps a whole copy per replica (no gradients, so no
-        wrapper)."""
+        """A forward-only model in `layout`: CP runs it on sequence shards, TP shards it, PP
+        splits it into this rank's stage (scored with a forward-only pipeline schedule),
+        ZeRO-3 shards it over dp (gathered per layer as it runs); plain dp keeps a whole copy
+        per replica (no gradients, so no wrapper)."""
         mesh = self.mesh(layout)
         if mesh is None:
             return model
@@ -257,6 +258,8 @@ class RankGroup:
                 apply_data_parallel(pipe.module, mesh["dp"], 3, mixed_precision=False,
                                     layers=pipe.module.model.layers.values())
             return pipe
+        if layout.cp > 1:
+            apply_context_parallel(model, mesh["cp"].get_group())
         if layout.tp > 1:
             apply_tensor_parallel(model, mesh["tp"])
         if layout.dp > 1 and layout.zero == 3:
