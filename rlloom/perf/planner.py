@@ -27,7 +27,7 @@ from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
 from rlloom.plan import Layout, Plan, lora_problems, runnable_problems
 
-TOP_K = 3
+TOP_K = 4
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 CONTEXT_PARALLEL = (1, 2, 4)
 INF = float("inf")

@@ -23,8 +23,8 @@ def test_plan_prints_ranked_plans_without_torch():
 
 
 def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
-    """The executor applies dp (ZeRO 0-3) and tp to every model, and to the models that train
-    cp or pp (each with tp or not), or ep = dp alone: by default every ranked layout keeps
+    """The executor applies dp (ZeRO 0-3) and tp to every model, to the models that train and
+    the reference cp or pp (each with tp or not), to the models that train ep = dp alone: by default every ranked layout keeps
     to that; --price-only adds the rest and says the plans do not run yet."""
     def outside(data):
         bad = set()
@@ -34,9 +34,10 @@ def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
                 if x["ep"] > 1 and not (trained and x["ep"] == x["dp"] and x["zero"] != 1
                                         and x["tp"] * x["cp"] * x["pp"] == 1):
                     bad.add("ep")
-                if x["pp"] > 1 and not (trained and x["cp"] == 1):
+                scored = trained or role == "reference"  # teacher-forced passes
+                if x["pp"] > 1 and not (scored and x["cp"] == 1):
                     bad.add("pp")
-                if x["cp"] > 1 and not trained:
+                if x["cp"] > 1 and not scored:
                     bad.add("cp")
         return bad
     moe = ["--model", "qwen3-30b-a3b", "--json", "--top", "2000"]
