@@ -233,12 +233,11 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
                             "the sequences of teacher-forced passes (actor, critic, reference), "
                             "not generation's; set cp=1 here")
         if layout.pp > 1 and (role not in TRAINABLE + ("reference",) or layout.cp > 1
-                              or plan.actor_critic == "shared" and "critic" in models
                               or role == "reference" and critic_copy):
             problems.append(f"plan.layouts.{role}.pp={layout.pp}: pipeline stages (with tp "
-                            "or not) run the actor, a separate critic and the reference, with "
-                            "cp=1 (not a shared actor-critic's value head, nor a reference "
-                            "beside a synced critic copy); set pp=1 here")
+                            "or not) run the actor (a shared actor-critic too), a separate "
+                            "critic and the reference, with cp=1 (not a reference beside a "
+                            "synced critic copy); set pp=1 here")
     rollout = plan.layouts.get("rollout")
     if rollout is not None and rollout.zero:
         problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "

@@ -2,7 +2,9 @@
 contiguous stages, one per rank of a pipeline group, run with `torch.distributed.pipelining`.
 
 Stage 0 holds the token embedding, the last stage the final norm and the output head (the
-lm_head's logits [mb, seq, vocab], or a value model's score head: values [mb, seq]). Training
+lm_head's logits [mb, seq, vocab], a value model's score head: values [mb, seq], or both of
+a shared actor-critic: logits with the value appended, [mb, seq, vocab + 1], one tensor so
+the schedule sends and slices one output). Training
 runs the 1F1B schedule (at most `n_stages` microbatches of activations alive per stage);
 scoring runs a forward-only schedule (GPipe with no loss: without a backward pass 1F1B and
 GPipe issue the same forwards, and 1F1B's own `eval` path insists on a loss and a target).
@@ -41,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from rlloom.models.heads import ValueModel
+from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask, rotary_cos_sin
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.grads import grad_norm, scale_grads
@@ -71,6 +73,7 @@ class StageModule(nn.Module):
         cfg = model.config
         self.config, self.tp_mesh = cfg, tp_mesh
         self.values = isinstance(model, ValueModel)
+        self.both = isinstance(model, ActorCritic)  # logits and values
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layer_ids = stage_layers(cfg.num_layers, n_stages)[stage]
         self.model = nn.Module()
@@ -80,9 +83,9 @@ class StageModule(nn.Module):
                                            for i in self.layer_ids})
         if self.is_last:
             self.model.norm = model.model.norm
-            if self.values:
+            if self.values or self.both:
                 self.score = model.score
-            else:
+            if not self.values:
                 self.lm_head = model.lm_head
         if tp_mesh is not None:
             for layer in self.model.layers.values():
@@ -90,7 +93,8 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
-        stage logits [mb, seq, vocab] (values [mb, seq] of a value model)."""
+        stage logits [mb, seq, vocab] (values [mb, seq] of a value model, both as
+        [mb, seq, vocab + 1] of a shared actor-critic)."""
         positions, mask = positions_and_mask(attention_mask, None)
         masks = layer_masks(self.config, mask, 0)
         if self.is_first:
@@ -105,7 +109,11 @@ class StageModule(nn.Module):
             x = x.full_tensor()
         if self.is_last:
             x = self.model.norm(x)
-            x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
+            if self.both:
+                logits = self.lm_head(x)
+                x = torch.cat([logits, self.score(x).to(logits.dtype)], -1)
+            else:
+                x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
         return x
 
 
@@ -210,7 +218,7 @@ class PipelinedModel:
                              requires_grad=train)
         inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if self.module.is_first \
             else hidden
-        head = () if self.module.values else (cfg.vocab_size,)
+        head = () if self.module.values else (cfg.vocab_size + self.module.both,)
         # under autocast the head's matmul yields the autocast dtype; the residual stream
         # between stages keeps the parameters' (it adds to the fp32 embedding)
         kind = self.device.type

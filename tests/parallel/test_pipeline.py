@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from harness import spawn
 
 from rlloom.models.config import ModelConfig
+from rlloom.models.heads import ActorCritic
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.parallel.mesh import build_mesh
@@ -144,6 +145,40 @@ def _pp_tp_body():
 
 def test_pp2_x_tp2_matches_single_process():
     spawn(_pp_tp_body, 4)
+
+
+def _actor_critic_body():
+    """A shared actor-critic over 2 stages: the last stage appends the value to the logits;
+    a loss on both (next-token cross-entropy + squared value error) and its gradients, the
+    value head's too, equal one process's."""
+    ids, mask, labels = batch()
+    goal = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    n = (labels != -100).sum().item()
+
+    def loss_fn(out, target):
+        logits, values, labels = out[..., :-1], out[..., -1], target[..., 0].long()
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                             reduction="sum")
+        return (ce + ((values - target[..., 1]) ** 2).sum()) / n
+
+    def model():
+        ac = ActorCritic.from_policy(tiny_model())
+        torch.nn.init.normal_(ac.score.weight, std=0.3, generator=torch.Generator().manual_seed(3))
+        return ac
+    ref = model()
+    logits, values = ref.logits_and_values(ids, mask)
+    target = torch.stack([labels.double(), goal], -1)
+    ref_loss = loss_fn(torch.cat([logits, values[..., None]], -1), target)
+    ref_loss.backward()
+    pipe = PipelinedModel(model(), n_microbatches=4)
+    loss = pipe.train_step(ids, mask, target, loss_fn)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    check_grads(pipe.module, ref)
+    assert pipe.is_last == ("score.weight" in dict(pipe.module.named_parameters()))
+
+
+def test_shared_actor_critic_over_2_stages_matches_single_process():
+    spawn(_actor_critic_body, 2)
 
 
 def _tied_pp4_body():

@@ -24,8 +24,9 @@ def test_plan_prints_ranked_plans_without_torch():
 
 def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
     """The executor applies dp (ZeRO 0-3) and tp to every model, to the models that train and
-    the reference cp or pp (each with tp or not), to the models that train ep = dp alone: by default every ranked layout keeps
-    to that; --price-only adds the rest and says the plans do not run yet."""
+    the reference cp or pp (each with tp or not), to the models that train ep = dp alone: by
+    default every ranked layout keeps to that; --price-only adds the rest and says the plans
+    do not run yet."""
     def outside(data):
         bad = set()
         for p in data["ranked"]:

@@ -175,12 +175,15 @@ def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
 @pytest.mark.parametrize("algo, plan", [
     ("ppo", ["plan.actor_critic=shared", "plan.layouts.actor.dp=2",
              "plan.layouts.rollout.tp=2"]),
+    ("ppo", ["plan.actor_critic=shared", "plan.layouts.actor.pp=2",
+             "plan.layouts.rollout.tp=2"]),
     ("dapo", ["plan.placement=disaggregated", "plan.layouts.rollout.tp=2",
               "plan.layouts.rollout.dp=2", "train.prompts_per_step=4", "rollout.stop=['1']"]),
 ])
 def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, single, algo,
                                                                 plan):
-    """PPO with the value head on a data-parallel actor equals one process; DAPO's dynamic
+    """PPO with the value head on a data-parallel actor, and on 2 pipeline stages (the last
+    appending the value to the logits), equals one process; DAPO's dynamic
     sampling with 2 TP x 2 DP generation ranks refills whole-batch rounds on every rank alike
     (its replicas sample their own streams, so it runs, and is not compared), its TP copies
     ending responses at a stop string."""

@@ -1,5 +1,6 @@
 """The passes of a model that trains on a pipeline of stages (`rlloom.parallel.pipeline`):
-the actor's policy loss and log-probs, a separate critic's value loss and values.
+the actor's policy loss and log-probs (plus the value loss and values of a shared
+actor-critic), a separate critic's value loss and values.
 
 Each length-bucketed micro-batch of a mini-batch runs one 1F1B schedule, its rows split into
 `pp` pipeline micro-batches (padded to a multiple of pp with copies of the first row that
@@ -30,7 +31,16 @@ if TYPE_CHECKING:
     from rlloom.runtime.stages.online import Experience
 
 # the per-token inputs of the loss, in the order they are packed into the schedule's target
-FIELDS = ("token", "old_logp", "advantage", "mask", "ref_logp")
+# (a shared actor-critic's value loss adds the old values and the returns)
+FIELDS = ("token", "old_logp", "advantage", "mask", "ref_logp", "old_value", "return")
+
+
+def _split(pipe: PipelinedModel, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The last stage's logits and, for a shared actor-critic, its values (the channel the
+    stage appends to the logits)."""
+    if pipe.module.both:
+        return out[..., :-1], out[..., -1]
+    return out, None
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -59,26 +69,40 @@ def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
     """`online.policy_backward` for a pipelined actor: accumulate the gradient of mini-batch
     `idx`'s loss into this stage's parameters (tied embeddings summed over their two stages)
     and return the statistics on every rank of the pipeline."""
+    a = cfg.algo
     objective = token_loss(exp, norm, kl_coef, cfg)
     sums = objective.sums()
+    if pipe.module.both:
+        sums["value_loss"] = 0.0
     for _, rows, mb, t in micro_rows(exp, idx, micro_batch_tokens, agree=agree):
         ids, mask, span = joined(mb)
         ref = exp.ref_logp[rows, :t] if exp.ref_logp is not None else torch.zeros_like(
             mb.logprobs)
         parts = (mb.response_ids, mb.logprobs, exp.advantages[rows, :t],
                  exp.loss_mask[rows, :t], ref)
+        if pipe.module.both:
+            parts += (exp.old_values[rows, :t], exp.returns[rows, :t])
         dtypes = [p.dtype for p in parts]
         target = torch.stack([p.double() for p in parts], -1)   # [rows, T, fields]
         n, padded = len(rows), _rows_for(pipe, len(rows))
         ids, mask, target = (_padded(x, padded) for x in (ids, mask, target))
         target[n:, :, FIELDS.index("mask")] = 0.0
 
-        def loss_fn(logits: torch.Tensor, target: torch.Tensor, span: slice = span,
+        def loss_fn(out: torch.Tensor, target: torch.Tensor, span: slice = span,
                     dtypes: list[torch.dtype] = dtypes) -> torch.Tensor:
-            token, old, adv, keep, ref = (target[..., i].to(d) for i, d in enumerate(dtypes))
+            token, old, adv, keep, ref, *value_terms = (target[..., i].to(d)
+                                                        for i, d in enumerate(dtypes))
+            logits, values = _split(pipe, out)
             logp, entropy = _logprobs(logits[:, span], token, cfg.rollout.temperature)
-            return objective(logp, entropy, old, adv, keep,
+            loss = objective(logp, entropy, old, adv, keep,
                              ref if exp.ref_logp is not None else None, sums)
+            if values is None:
+                return loss
+            old_values, returns = value_terms
+            vloss = AGGREGATIONS.get(a.loss_agg)(value_loss(
+                values[:, span], old_values, returns, keep, a.value_clip), keep, norm)
+            sums["value_loss"] += vloss.item()
+            return loss + a.vf_coef * vloss
         sums["loss"] += float(pipe.train_step(ids, mask, target, loss_fn))
     pipe.sync_tied_grads()
     keys = sorted(sums)
@@ -131,11 +155,12 @@ def _scored(pipe: PipelinedModel, r: Rollout,
 
 def pipelined_logprobs(pipe: PipelinedModel, r: Rollout, temperature: float) -> torch.Tensor:
     """Response log-probs [n, T] of a pipelined actor (forward only), on every rank."""
-    return _scored(pipe, r, lambda logits, span: _logprobs(logits[:, span], r.response_ids,
-                                                           temperature)[0], torch.float32)
+    return _scored(pipe, r, lambda out, span: _logprobs(
+        _split(pipe, out)[0][:, span], r.response_ids, temperature)[0], torch.float32)
 
 
 def pipelined_values(pipe: PipelinedModel, r: Rollout) -> torch.Tensor:
-    """A pipelined critic's values [n, T] of the state before each response token, on every
-    rank of the pipeline."""
-    return _scored(pipe, r, lambda values, span: values[:, span], pipe.dtype)
+    """A pipelined critic's (or shared actor-critic's) values [n, T] of the state before each
+    response token, on every rank of the pipeline."""
+    return _scored(pipe, r, lambda out, span: (_split(pipe, out)[1] if pipe.module.both
+                                               else out)[:, span], pipe.dtype)
