@@ -44,6 +44,7 @@ from rlloom.parallel.checkpointing import apply_activation_checkpointing
 from rlloom.parallel.context_parallel import apply_context_parallel
 from rlloom.parallel.data_parallel import Zero1AdamW, apply_data_parallel, local_tensor
 from rlloom.parallel.expert_parallel import (
+    ExpertGroups,
     apply_expert_parallel,
     is_expert_parameter,
     scale_expert_grads,
@@ -54,7 +55,8 @@ from rlloom.plan import Layout
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None, *,
-                mixed_precision: bool | None = None) -> nn.Module:
+                mixed_precision: bool | None = None, experts: ExpertGroups | None = None
+                ) -> nn.Module:
     """Apply `layout` to the plain `model` in place (CP -> TP -> EP -> checkpointing ->
     DP/ZeRO).
 
@@ -65,16 +67,19 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
     and methods stay reachable). Call the model itself (or `ActorCritic.logits_and_values`),
     not its submodules, or DP's hooks do not run.
     `mixed_precision=None` uses bf16 compute where the device supports it (see
-    `data_parallel.mixed_precision_policy`); it only applies when dp > 1.
+    `data_parallel.mixed_precision_policy`); it only applies when dp > 1. `experts`: the
+    expert-parallel groups when ep > 1 (made from the mesh when not given); with ep < dp,
+    call `experts.reduce(model)` after each backward.
     """
     if layout.pp > 1:
         raise LayoutError(f"pp={layout.pp}: parallelize applies one model on every rank; "
                           "pipeline stages are `pipeline.PipelinedModel` (set pp=1 here)")
-    if layout.ep > 1 and (layout.ep != layout.dp or layout.tp > 1 or layout.cp > 1
+    if layout.ep > 1 and (layout.dp % layout.ep or layout.tp > 1 or layout.cp > 1
                           or layout.zero == 1):
-        raise LayoutError(f"ep={layout.ep}: experts are spread over the data-parallel ranks, "
-                          f"so use ep = dp (dp={layout.dp}) with tp=1, cp=1 and zero 0, 2 or 3 "
-                          "(ZeRO-1's owner broadcasts would overwrite other ranks' experts)")
+        raise LayoutError(f"ep={layout.ep}: experts are spread over groups of the "
+                          f"data-parallel ranks, so use an ep dividing dp={layout.dp} with "
+                          "tp=1, cp=1 and zero 0, 2 or 3 (ZeRO-1's owner broadcasts would "
+                          "overwrite other ranks' experts)")
     if layout.world_size > 1 and mesh is None:
         mesh = build_mesh(layout)
     # A 1-process layout applies to this process's own copy, whatever else is running.
@@ -83,18 +88,19 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
         apply_context_parallel(model, mesh["cp"].get_group())
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    experts: set[nn.Parameter] = set()
+    expert_params: set[nn.Parameter] = set()
     if layout.ep > 1:
-        apply_expert_parallel(model, mesh["dp"].get_group())
-        experts = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
+        apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
+        expert_params = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
         # Each rank's loss is normalised so that dp's average of the replicas' gradients is
-        # the batch's; an expert's owner sums every rank's tokens instead of averaging them.
+        # the batch's; an expert's owner sums the tokens of its expert group (and
+        # `ExpertGroups.reduce` the groups') instead of averaging them.
         scale_expert_grads(model, 1 / layout.dp)
     if layout.activation_checkpointing:
         apply_activation_checkpointing(model)
     if layout.dp > 1:
         apply_data_parallel(model, mesh["dp"], layout.zero, mixed_precision,
-                            ignored=experts or None)
+                            ignored=expert_params or None)
     return model
 
 

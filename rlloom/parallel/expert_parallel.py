@@ -13,14 +13,21 @@ Gradients: expert parameters are complete on their owner; replicated parameters 
 rank's partial sum and must be all-reduced (sum, with a loss normalised over all ranks' tokens)
 over the ep group -- `all_reduce_replicated_grads` does that, or a data-parallel layer that skips
 `is_expert_parameter` names.
+
+With ep below dp (`ExpertGroups`), the dp ranks split into dp / ep expert groups of ep
+consecutive ranks; each group holds every expert once, so an expert has dp / ep replicas,
+one per group, each holding the gradient of its own group's tokens: summing them over the
+replicas (`ExpertGroups.reduce`) gives the gradient of every rank's tokens.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from rlloom.models.moe import MoEBlock, route, run_experts
 
@@ -88,6 +95,43 @@ class ExpertParallelMoE(nn.Module):
         back = all_to_all(out, send, recv, self.group)                       # [tokens * k, d]
         back = back * weights.reshape(-1)[order, None]
         return torch.zeros_like(flat).index_add(0, token, back).view_as(x)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's process groups for expert parallelism over the dp ranks of a mesh: `ep`,
+    the ranks its experts are spread over; `replicas`, the ranks that own the same experts
+    (None when ep = dp, one owner each)."""
+    ep: dist.ProcessGroup
+    replicas: dist.ProcessGroup | None
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, ep: int) -> "ExpertGroups":
+        """The groups of `ep` consecutive dp ranks (a collective: every rank makes every
+        group, in one order)."""
+        dims = list(mesh.mesh_dim_names)
+        ranks = mesh.mesh.movedim(dims.index("dp"), -1)
+        rows = ranks.reshape(-1, ranks.shape[-1]).tolist()   # one row per dp group
+        me = dist.get_rank()
+        mine: dict[str, Any] = {"ep": None, "replicas": None}
+        for row in rows:
+            for kind, members in [("ep", row[i:i + ep]) for i in range(0, len(row), ep)] + (
+                    [("replicas", row[i::ep]) for i in range(ep)] if ep < len(row) else []):
+                group = dist.new_group(members)
+                if me in members:
+                    mine[kind] = group
+        return cls(mine["ep"], mine["replicas"])
+
+    @torch.no_grad()
+    def reduce(self, model: nn.Module) -> None:
+        """Sum each routed expert's gradient over its replicas (no-op when ep = dp)."""
+        if self.replicas is None:
+            return
+        for name, p in model.named_parameters():
+            if is_expert_parameter(name):
+                if p.grad is None:   # every replica must join every all-reduce
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.replicas)
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None

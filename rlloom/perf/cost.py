@@ -553,15 +553,20 @@ def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int
     all-gather updated parameters; ZeRO-3: per micro-batch, all-gather parameters for forward
     and backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
     change; ZeRO-3 still gathers the frozen weights for forward and backward.
-    `_exposed_dp` takes off what compute hides."""
+    `_exposed_dp` takes off what compute hides. Routed experts under expert parallelism are
+    not ZeRO-sharded: their gradients are all-reduced over the dp / ep ranks owning the same
+    experts (nothing when ep = dp)."""
     dp, span = layout.dp, layout.world_size
-    weights = mem.GRAD_B * mem.params_per_device(shape, layout)
+    experts = mem.GRAD_B * mem.expert_params_per_device(shape, layout)
+    owners = (comm.all_reduce(hw, dp // layout.ep, span, experts)
+              if experts and dp > layout.ep else 0.0)
+    weights = mem.GRAD_B * mem.params_per_device(shape, layout) - experts
     grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
     if layout.zero <= 1:
-        return comm.all_reduce(hw, dp, span, grads)
+        return owners + comm.all_reduce(hw, dp, span, grads)
     if layout.zero == 2:
-        return 2 * comm.gather_or_scatter(hw, dp, span, grads)
+        return owners + 2 * comm.gather_or_scatter(hw, dp, span, grads)
     if lora_rank:
         return micro_batches * (2 * comm.gather_or_scatter(hw, dp, span, weights)
                                 + comm.gather_or_scatter(hw, dp, span, grads))
-    return micro_batches * 3 * comm.gather_or_scatter(hw, dp, span, grads)
+    return owners + micro_batches * 3 * comm.gather_or_scatter(hw, dp, span, grads)

@@ -26,6 +26,16 @@ def params_per_device(shape: ModelShape, layout: Layout) -> float:
     return p
 
 
+def expert_params_per_device(shape: ModelShape, layout: Layout) -> float:
+    """The routed experts' share of `params_per_device` under expert parallelism (0 without):
+    the runtime leaves them out of ZeRO (each is whole on its owners) and sums their
+    gradients over the dp / ep ranks that own the same experts."""
+    if not shape.moe or layout.ep == 1:
+        return 0.0
+    experts = shape.layers * (shape.mlp_params - shape.hidden * shape.n_experts)
+    return experts / (layout.tp * layout.pp * layout.ep)
+
+
 MIXED_ADAM = (PARAM_B, GRAD_B, OPTIM_B)
 # plain fp32 training: fp32 parameters and gradients, two fp32 moments, no master copy
 FP32_ADAM = (4, 4, 8)
@@ -40,13 +50,15 @@ def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
     `lora_rank`, a trained model is its frozen base plus LoRA adapters trained in full (the
     runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device)."""
     p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
+    experts = expert_params_per_device(shape, layout)  # never ZeRO-sharded
     param, grad, optim = precision
     if not trainable:
-        return param * p / (dz if zero == 3 else 1)
+        return param * ((p - experts) / (dz if zero == 3 else 1) + experts)
     if lora_rank:
         return (model_state_bytes(shape, layout, False, precision)
                 + _trained_bytes(shape.lora_params(lora_rank), dz, zero, precision))
-    return _trained_bytes(p, dz, zero, precision)
+    return (_trained_bytes(p - experts, dz, zero, precision)
+            + _trained_bytes(experts, 1, 0, precision))
 
 
 def _trained_bytes(p: float, dz: int, zero: int, precision: tuple[int, int, int]) -> float:

@@ -61,7 +61,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    cp or pp (each with tp or not), or ep = dp alone; the same cp and pp for a frozen role
+    cp or pp (each with tp or not), or an ep dividing dp alone; the same cp and pp for a frozen role
     that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
@@ -78,9 +78,9 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
             eps = _ep_degrees(shape, dp * cp)
-            if runnable:  # experts spread over exactly the dp ranks of a model that trains
-                eps = [1] + ([dp] if trainable and dp > 1 and dp in eps
-                             and tp == pp == cp == 1 else [])
+            if runnable:  # experts spread over groups of the dp ranks of a model that trains
+                eps = [1] + ([e for e in eps if e > 1 and dp % e == 0]
+                             if trainable and tp == pp == cp == 1 else [])
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
                 if runnable and ep > 1 and zero == 1:
                     continue

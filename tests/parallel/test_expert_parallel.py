@@ -1,20 +1,24 @@
-"""Expert parallelism (ep=2) on a Qwen3-MoE model against one process: outputs, loss, and
-gradients of experts, router and replicated weights.
+"""Expert parallelism (ep=2, and ep=2 within dp=4 at ZeRO-2) on a Qwen3-MoE model against one
+process: outputs, loss, and gradients of experts, router and replicated weights.
 
 Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
 import torch
 import torch.distributed as dist
-from harness import loss_of, spawn
+from harness import full, loss_of, spawn
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
+from rlloom.parallel.apply import parallelize
 from rlloom.parallel.expert_parallel import (
+    ExpertGroups,
     ExpertParallelMoE,
     all_reduce_replicated_grads,
     apply_expert_parallel,
     is_expert_parameter,
 )
+from rlloom.parallel.mesh import build_mesh
+from rlloom.plan import Layout
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -106,3 +110,31 @@ def _idle_rank_body():
 
 def test_ep2_rank_that_receives_no_tokens():
     spawn(_idle_rank_body, 2)
+
+
+def _ep_below_dp_body():
+    """dp=4, ep=2, ZeRO-2: ranks {0, 1} and {2, 3} each hold all 4 experts, 2 a rank; each rank
+    trains on its own row; summed over the two replicas, each expert's gradient is the one
+    process's, as are the FSDP-averaged gradients of everything else."""
+    rank = dist.get_rank()
+    ids, mask, labels = batch()
+    n_tokens = (labels != -100).sum()
+    ref = tiny_moe()
+    loss_of(ref(ids, mask), labels, n_tokens).backward()
+    layout = Layout(dp=4, ep=2, zero=2)
+    mesh = build_mesh(layout)
+    experts = ExpertGroups.of(mesh, 2)
+    model = parallelize(tiny_moe(), layout, mesh, mixed_precision=False, experts=experts)
+    assert sorted(model.model.layers[0].mlp.experts) == [str(2 * (rank % 2)),
+                                                         str(2 * (rank % 2) + 1)]
+    rows = slice(rank, rank + 1)
+    loss = loss_of(model(ids[rows], mask[rows]), labels[rows], n_tokens) * layout.dp
+    loss.backward()
+    experts.reduce(model)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.grad), ref_params[name].grad, **TOL, msg=name)
+
+
+def test_ep2_within_dp4_matches_single_process():
+    spawn(_ep_below_dp_body, 4)

@@ -77,11 +77,28 @@ def test_expert_parallel_is_searched_for_moe_models():
     assert {x.ep for x in cands} == {1, 2, 4, 8, 16}
     assert all(moe.n_experts % x.ep == 0 and (x.dp * x.cp) % x.ep == 0 for x in cands)
     assert {x.ep for x in layouts(16, Q7, H100, trainable=True)} == {1}  # dense: no experts
-    res = search(moe, "grpo", LONG, H100, 64, price_only=True)  # EP is priced, not yet run
-    best = res.ranked[0]
-    no_ep = [p for p in res.ranked if p.plan.layout("actor").ep == 1]
-    # EP divides the experts' weights and optimizer state over ep ranks, freeing memory
-    assert best.plan.layout("actor").ep > 1 and best.step_s < min(p.step_s for p in no_ep)
+    ranked = search(moe, "grpo", LONG, H100, 64).ranked
+    assert any(p.plan.layout("actor").ep > 1 for p in ranked)
+
+
+def test_routed_experts_are_priced_as_the_runtime_holds_them():
+    """Under EP the runtime leaves the routed experts out of ZeRO (each whole on its owners)
+    and sums their gradients over the dp / ep owners of the same experts: 16 bytes per
+    expert parameter on each owner beside the ZeRO-sharded rest, and an all-reduce of expert
+    gradients only when ep < dp."""
+    moe = MODELS["qwen3-30b-a3b"]
+    experts = moe.layers * (moe.mlp_params - moe.hidden * moe.n_experts)
+    x = Layout(dp=8, ep=8, zero=3)
+    rest = moe.params - experts
+    assert mem.model_state_bytes(moe, x, True) == pytest.approx(16 * rest / 8 + 16 * experts / 8)
+    # ep=4 within dp=8: two owners per expert; the rest reduce-scattered and gathered (ZeRO-2)
+    owners = cost.comm.all_reduce(H100, 2, 8, mem.GRAD_B * experts / 4)
+    rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=4)) - experts / 4)
+    assert cost._dp_comm(moe, Layout(dp=8, ep=4, zero=2), H100, 1) == pytest.approx(
+        owners + 2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))
+    rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=8)) - experts / 8)
+    assert cost._dp_comm(moe, Layout(dp=8, ep=8, zero=2), H100, 1) == pytest.approx(
+        2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))  # one owner each: no all-reduce
 
 
 def test_context_parallel_is_searched():

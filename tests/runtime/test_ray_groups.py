@@ -78,10 +78,10 @@ def test_disaggregated_zero3_training_and_tp_generation_match_one_process(tmp_pa
     assert single(algo, tiny)[-1]["grad_norm"] > 0  # it really trained
 
 
-@pytest.mark.parametrize("algo, tp", [("grpo", 1), ("ppo", 2)])
+@pytest.mark.parametrize("algo, tp", [("grpo", 2), ("ppo", 1)])
 def test_context_parallel_training_group_matches_one_process(tmp_path, tiny, single, algo, tp):
     """The actor (and PPO's critic) trains on 2 ranks holding half of every sequence each
-    (cp=2), for PPO each of them split over 2 TP ranks (4 ranks); generation and held-out
+    (cp=2), for GRPO each of them split over 2 TP ranks (4 ranks); generation and held-out
     evaluation run on a whole copy resharded after every step."""
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, "plan.placement=disaggregated",
@@ -144,16 +144,17 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
     assert {e["pid"] for e in trace} == {"generation", "actor"}
 
 
-@pytest.mark.parametrize("algo, zero", [("grpo", 3), ("ppo", 2)])
-def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero):
-    """A built-in MoE model (4 routed experts, top 2, in every layer) trains on 2 ranks that
-    each own 2 experts (ep = dp = 2, tokens exchanged by all-to-all in every MoE layer), the
-    rest sharded by ZeRO; PPO's critic is expert-parallel too. Generation, on its own rank,
-    gets every expert by weight sync."""
+@pytest.mark.parametrize("algo, zero, dp", [("grpo", 3, 4), ("ppo", 2, 2)])
+def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero, dp):
+    """A built-in MoE model (4 routed experts, top 2, in every layer) trains on ranks that
+    each own 2 experts (ep = 2, tokens exchanged by all-to-all in every MoE layer), the rest
+    sharded by ZeRO: for GRPO on 4 ranks (two expert groups of 2, each expert's gradient
+    summed over its 2 owners), for PPO on 2 (ep = dp), its critic expert-parallel too.
+    Generation, on its own rank, gets every expert by weight sync."""
     moe = [*tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe"]
     main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
     run = tmp_path / "ray"
-    main(["train", *moe, "plan.placement=disaggregated", "plan.layouts.actor.dp=2",
+    main(["train", *moe, "plan.placement=disaggregated", f"plan.layouts.actor.dp={dp}",
           "plan.layouts.actor.ep=2", f"plan.layouts.actor.zero={zero}",
           "plan.layouts.rollout.dp=1", f"run_dir={run}", "--worker-timeout", "300"])
     _assert_same(_rows(tmp_path / "single"), _rows(run))

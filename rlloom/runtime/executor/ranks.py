@@ -37,7 +37,7 @@ from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.checkpointing import apply_activation_checkpointing
 from rlloom.parallel.context_parallel import apply_context_parallel
 from rlloom.parallel.data_parallel import apply_data_parallel, local_tensor
-from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
+from rlloom.parallel.expert_parallel import ExpertGroups, all_experts, is_expert_parameter
 from rlloom.parallel.grads import clip_grad_norm
 from rlloom.parallel.mesh import build_mesh, validate_layout
 from rlloom.parallel.pipeline import PipelinedModel
@@ -64,7 +64,7 @@ class Share:
     part: int = 0
     leader: bool = True
     context: Any = None  # torch.distributed ProcessGroup of the cp ranks, None without cp
-    experts: Any = None  # ProcessGroup the routed experts are spread over, None without ep
+    experts: ExpertGroups | None = None  # the routed experts' groups, None without ep
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip `model`'s gradients by the whole model's norm; each rank's routed experts are
@@ -74,12 +74,15 @@ class Share:
         named = list(model.named_parameters())
         return clip_grad_norm([p for n, p in named if not is_expert_parameter(n)], max_norm,
                               disjoint=[p for n, p in named if is_expert_parameter(n)],
-                              group=self.experts)
+                              group=self.experts.ep)
 
-    def reduce_context(self, model: nn.Module) -> None:
-        """Average `model`'s gradients over the cp group: each cp rank computed the loss on
-        outputs gathered from every shard (`context_parallel.on_shards`), so its gradients
-        are cp times its shard's part of the whole; the average sums the parts."""
+    def reduce(self, model: nn.Module) -> None:
+        """Finish `model`'s gradients after a backward: sum each routed expert's over its
+        replicas (ep below dp) and average every gradient over the cp group: each cp rank
+        computed the loss on outputs gathered from every shard (`context_parallel.on_shards`),
+        so its gradients are cp times its shard's part of the whole."""
+        if self.experts is not None:
+            self.experts.reduce(model)
         if self.context is None:
             return
         cp = dist.get_world_size(self.context)
@@ -108,6 +111,7 @@ class RankGroup:
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _meshes: dict[tuple, DeviceMesh] = field(default_factory=dict)
+    _experts: dict[tuple, ExpertGroups] = field(default_factory=dict)
 
     @classmethod
     def join(cls, device: torch.device, rank: int = 0, world: int = 1,
@@ -145,7 +149,16 @@ class RankGroup:
         return Share(mesh["dp"].size(), mesh["dp"].get_local_rank(),
                      all(mesh[d].get_local_rank() == 0 for d in ("pp", "cp", "tp")),
                      mesh["cp"].get_group() if layout.cp > 1 else None,
-                     mesh["dp"].get_group() if layout.ep > 1 else None)
+                     self.experts(layout))
+
+    def experts(self, layout: Layout) -> ExpertGroups | None:
+        """The expert-parallel groups of `layout` (None without ep), made once per layout."""
+        if layout.ep == 1 or self.world == 1:
+            return None
+        key = (tuple(getattr(layout, d) for d in ("pp", "dp", "cp", "tp")), layout.ep)
+        if key not in self._experts:
+            self._experts[key] = ExpertGroups.of(self.mesh(layout), layout.ep)
+        return self._experts[key]
 
     # -- collectives (identities for one rank) -------------------------------------------------
     def most(self, n: int) -> int:
@@ -215,7 +228,8 @@ class RankGroup:
         if mesh is not None:
             # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would
             # change the log-probs PPO compares with the sampled ones
-            parallelize(model, layout, mesh, mixed_precision=False)
+            parallelize(model, layout, mesh, mixed_precision=False,
+                        experts=self.experts(layout))
         return model, make_optimizer(model, layout, mesh, lr, **adamw)
 
     def _pipelined(self, model: nn.Module, layout: Layout, mesh: DeviceMesh, lr: float,

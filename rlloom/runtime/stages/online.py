@@ -184,7 +184,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
             else:
                 stats = policy_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                         budget, share_prompts, agree)
-                share.reduce_context(policy)
+                share.reduce(policy)
                 stats["grad_norm"] = share.clip_grad_norm(policy, cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
@@ -197,7 +197,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                 else:
                     stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
                                                           agree)
-                    critic_share.reduce_context(critic)
+                    critic_share.reduce(critic)
                     critic_share.clip_grad_norm(critic, cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
