@@ -353,28 +353,18 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         prompts = simulated * weight
         tokens = prompts * s + resumed_tokens * prompts / max(prompts_total, 1e-9)
         context = tokens / prompts
-        forwards = math.ceil(tokens / PREFILL_TOKENS)
         f = prompts * (context * shape.forward_flops(context, logits=False) + logits)
-        b = forwards * _weight_bytes(shape, layout, wl) * pp
-        c = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
-            _activation_s(shape, layout, wl, hw, tokens)
-            + _tp_comm(hw, layout, shape, tokens, 2)
-            + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
-        for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
+        for k, v in enumerate(_forwards(shape, layout, wl, hw, f, tokens,
+                                        math.ceil(tokens / PREFILL_TOKENS))):
             totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
     # an extend forward appends a tool's result to one parked rollout, about half way through
     # its response: the weights read for a few tokens
     pos = s + wl.response.mean / 2
     for m in sched.extends:
-        tokens = m * weight
         f = weight * (m * shape.forward_flops(2 * pos, logits=False) + logits)
-        b = weight * (_weight_bytes(shape, layout, wl) * pp + pos * kv_tok)
-        c = weight * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
-            _activation_s(shape, layout, wl, hw, tokens)
-            + _tp_comm(hw, layout, shape, tokens, 2)
-            + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
-        for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
+        for k, v in enumerate(_forwards(shape, layout, wl, hw, f, m * weight, weight,
+                                        weight * pos * kv_tok)):
             totals[k] += v
     launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) + hw.decode_step_s
     for steps, simulated, generated in sched.segments:
@@ -388,6 +378,20 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
             totals[k] += steps * v
     return totals
+
+
+def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flops: float,
+              tokens: float, forwards: float, kv_bytes: float = 0.0) -> tuple[float, ...]:
+    """(flops, bytes, compute_s, memory_s, comm_s, seconds) of `forwards` generation-side
+    forwards (prefills, extends) of `tokens` tokens in all, doing `flops`: each reads the
+    weights once per pp stage; `kv_bytes`: the cached keys and values they read too."""
+    flops_s, bw, pp = hw.flops(wl.dtype) * layout.tp, hw.mem_bw * hw.mem_eff, layout.pp
+    b = forwards * _weight_bytes(shape, layout, wl) * pp + kv_bytes
+    c = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
+        _activation_s(shape, layout, wl, hw, tokens)
+        + _tp_comm(hw, layout, shape, tokens, 2)
+        + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
+    return flops, b, flops / flops_s, b / bw, c, max(flops / flops_s, b / bw) + c
 
 
 POOL_POINTS = 1024  # rows a step admits in the partial-rollout replay; beyond, one stands for many

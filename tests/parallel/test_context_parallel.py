@@ -58,13 +58,20 @@ def test_shard_mask_rows_equal_full_mask_rows():
         assert torch.equal(m, full[:, :, start:start + 4])
 
 
-def _cp_body():
+def _reference():
+    """The batch, its token count, and the one process's model, logits and loss (backward
+    done)."""
     ids, mask, labels = batch()
     n_tokens = (labels != -100).sum()
     ref = tiny_model()
     ref_logits = ref(ids, mask)
     ref_loss = loss_of(ref_logits, labels, n_tokens)
     ref_loss.backward()
+    return ids, mask, labels, n_tokens, ref, ref_logits, ref_loss
+
+
+def _cp_body():
+    ids, mask, labels, n_tokens, ref, ref_logits, ref_loss = _reference()
 
     model = apply_context_parallel(tiny_model())
     assert set(model.state_dict()) == set(ref.state_dict())
@@ -88,12 +95,7 @@ def test_cp2_forward_backward_match_single_process():
 def _cp_tp_body():
     """cp=2 x tp=2 as the executor runs it: `on_shards` gathers the logits back whole, the
     loss is computed on every rank, and the gradients are averaged over the cp group."""
-    ids, mask, labels = batch()
-    n_tokens = (labels != -100).sum()
-    ref = tiny_model()
-    ref_logits = ref(ids, mask)
-    ref_loss = loss_of(ref_logits, labels, n_tokens)
-    ref_loss.backward()
+    ids, mask, labels, n_tokens, ref, ref_logits, ref_loss = _reference()
     layout = Layout(cp=2, tp=2)
     mesh = build_mesh(layout)
     model = parallelize(tiny_model(), layout, mesh)

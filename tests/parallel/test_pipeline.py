@@ -121,6 +121,17 @@ def test_dp2_x_pp2_matches_single_process():
     spawn(_dp_pp_body, 4)
 
 
+def _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels):
+    """One pipelined training step of a tied model: its loss and gradients, and its clipped
+    norm (the tied embedding counted once), equal the one process's."""
+    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    pipe.sync_tied_grads()
+    check_grads(pipe.module, ref_model)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e-3)
+    torch.testing.assert_close(pipe.clip_grad_norm(1e-3), ref_norm, **TOL)
+
+
 def _pp_tp_body():
     """pp=2 x tp=2: each stage's layers split over 2 TP ranks (tied embeddings on both ends):
     loss, gradients, the clipped norm and forward-only scoring equal one process's."""
@@ -131,12 +142,7 @@ def _pp_tp_body():
                           tp_mesh=mesh["tp"])
     attn = next(iter(pipe.module.model.layers.values())).self_attn
     assert attn.n_heads == 2 and attn.q_proj.weight.to_local().shape[0] == 16  # half the heads
-    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    pipe.sync_tied_grads()
-    check_grads(pipe.module, ref_model)
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e-3)
-    torch.testing.assert_close(pipe.clip_grad_norm(1e-3), ref_norm, **TOL)
+    _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels)
     logits = pipe.score(ids, mask)
     if pipe.is_last:
         with torch.no_grad():
@@ -189,12 +195,7 @@ def _tied_pp4_body():
     ref_model, ref_loss = reference(ids, mask, labels, tied=True)
     pipe = PipelinedModel(tiny_model(tied=True), n_microbatches=4,
                           tied_group=dist.new_group([0, 3]))
-    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    pipe.sync_tied_grads()
-    check_grads(pipe.module, ref_model)
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e-3)
-    torch.testing.assert_close(pipe.clip_grad_norm(1e-3), ref_norm, **TOL)
+    _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels)
     check_grads(pipe.module, ref_model)                     # clipped alike
     state = pipe.full_state()
     assert state.keys() == ref_model.state_dict().keys()

@@ -11,7 +11,6 @@ from rlloom.perf.hardware import hardware
 from rlloom.perf.shapes import model_shape
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import Layout
-from rlloom.rollout import engine
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.sampling import SamplingParams
 
@@ -33,26 +32,14 @@ def test_engine_schedule_by_hand():
 
 
 @pytest.mark.parametrize("slots", [1, 5, 9, 24])
-def test_engine_schedule_is_what_the_engine_runs(slots, monkeypatch):
+def test_engine_schedule_is_what_the_engine_runs(slots, engine_counts):
     """The engine's decode steps, live rollouts per step and prefill forwards, counted on a
     real sampled run, equal the schedule priced from its response lengths."""
     cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
     model = CausalLM(cfg)
     model.init_weights(seed=3, std=0.3)
-    seen = {"steps": 0, "live": 0, "prefills": 0}
-    decode, prefill = engine._Run._decode_step, engine._Run._prefill
-
-    def counted_decode(run):
-        seen["steps"] += 1
-        seen["live"] += run.live
-        decode(run)
-
-    def counted_prefill(run, groups):
-        seen["prefills"] += 1
-        prefill(run, groups)
-    monkeypatch.setattr(engine._Run, "_decode_step", counted_decode)
-    monkeypatch.setattr(engine._Run, "_prefill", counted_prefill)
+    seen = engine_counts
     prompts = [p for p in BASE for _ in range(K)]
     out = engine_generate(model.eval(), prompts, SamplingParams(max_new_tokens=14,
                                                                 temperature=1.0), 7, 0,

@@ -14,7 +14,6 @@ from rlloom.perf.hardware import hardware
 from rlloom.perf.shapes import MODELS
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import Layout
-from rlloom.rollout import engine
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.multi_turn import Dialogue, Tools
 from rlloom.rollout.sampling import SamplingParams
@@ -38,7 +37,7 @@ def test_schedule_by_hand():
 
 
 @pytest.mark.parametrize("slots", [2, 7, 24])
-def test_the_schedule_is_what_the_engine_runs_with_tools(slots, monkeypatch):
+def test_the_schedule_is_what_the_engine_runs_with_tools(slots, engine_counts):
     """A random model whose token 5 reads as a call's end: every turn with a 5 in it is a
     (malformed) call whose error result comes back at once, so the engine's decode steps,
     live rows, prefills and extends are exact, and equal the schedule priced from the turns
@@ -47,24 +46,7 @@ def test_the_schedule_is_what_the_engine_runs_with_tools(slots, monkeypatch):
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
     model = CausalLM(cfg)
     model.init_weights(seed=3, std=0.3)
-    seen = {"steps": 0, "live": 0, "prefills": 0, "extends": []}
-    decode, prefill, extend = engine._Run._decode_step, engine._Run._prefill, engine._Run._extend
-
-    def counted_decode(run):
-        seen["steps"] += 1
-        seen["live"] += run.live
-        decode(run)
-
-    def counted_prefill(run, groups):
-        seen["prefills"] += 1
-        prefill(run, groups)
-
-    def counted_extend(run, slot, tokens):
-        seen["extends"].append(len(tokens))
-        return extend(run, slot, tokens)
-    monkeypatch.setattr(engine._Run, "_decode_step", counted_decode)
-    monkeypatch.setattr(engine._Run, "_prefill", counted_prefill)
-    monkeypatch.setattr(engine._Run, "_extend", counted_extend)
+    seen = engine_counts
 
     def decode_text(ids):
         return "".join(CALL_END if t == 5 else "x" for t in ids)
