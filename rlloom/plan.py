@@ -232,11 +232,11 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of teacher-forced passes (actor, critic, reference), "
                             "not generation's; set cp=1 here")
-        if layout.pp > 1 and (role not in TRAINABLE + ("reference",) or layout.cp > 1
+        if layout.pp > 1 and (role not in TRAINABLE + ("reference",)
                               or role == "reference" and critic_copy):
             problems.append(f"plan.layouts.{role}.pp={layout.pp}: pipeline stages (with tp "
-                            "or not) run the actor (a shared actor-critic too), a separate "
-                            "critic and the reference, with cp=1 (not a reference beside a "
+                            "and cp or not) run the actor (a shared actor-critic too), a "
+                            "separate critic and the reference (not a reference beside a "
                             "synced critic copy); set pp=1 here")
     rollout = plan.layouts.get("rollout")
     if rollout is not None and rollout.zero:

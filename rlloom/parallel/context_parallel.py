@@ -71,7 +71,7 @@ def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim:
     return x.chunk(cp, dim=dim)[rank]
 
 
-class _KVGather:
+class KVGather:
     """Stands in for the KV cache: attention's keys and values become the whole sequence's."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -125,7 +125,7 @@ class ContextParallelBackbone(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(positions, self.config, x.dtype,
                                   longest=int(full.sum(1).max()))
-        kv = _KVGather(self.group)
+        kv = KVGather(self.group)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, masks[i], kv, i)
         return self.norm(x)

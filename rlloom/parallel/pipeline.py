@@ -28,6 +28,12 @@ With tensor parallelism (`tp_mesh`) each stage's decoder layers are sharded as
 split on the sequence and leaves its last layer gathered whole, so what passes between
 stages, and the embedding, final norm and head, stay plain and replicated over the tp ranks
 (each tp rank of a stage talks to the same tp rank of the next).
+
+With context parallelism (`cp_group`) each cp rank of a stage runs its contiguous shard of
+every sequence (padded to a multiple of cp), attention gathering keys and values along the
+sequence as `context_parallel` does; the last stage gathers its outputs back whole, so the
+loss sees whole sequences on every cp rank and the gradients are cp times their share:
+average them over the cp group (`ranks.Share.reduce`).
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask, rotary_cos_sin
+from rlloom.parallel.context_parallel import KVGather, gather_sequence, shard_positions_and_mask
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.grads import grad_norm, scale_grads
 from rlloom.parallel.tensor_parallel import shard_layer
@@ -68,10 +75,12 @@ class StageModule(nn.Module):
     per-stage state dicts merge into a checkpoint by plain union."""
 
     def __init__(self, model: CausalLM | ValueModel, stage: int, n_stages: int,
-                 tp_mesh: DeviceMesh | None = None) -> None:
+                 tp_mesh: DeviceMesh | None = None, cp_group: dist.ProcessGroup | None = None
+                 ) -> None:
         super().__init__()
         cfg = model.config
-        self.config, self.tp_mesh = cfg, tp_mesh
+        self.config, self.tp_mesh, self.cp_group = cfg, tp_mesh, cp_group
+        self.seq = 0  # the unpadded sequence length of the call (under cp)
         self.values = isinstance(model, ValueModel)
         self.both = isinstance(model, ActorCritic)  # logits and values
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
@@ -95,16 +104,25 @@ class StageModule(nn.Module):
         """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
         stage logits [mb, seq, vocab] (values [mb, seq] of a value model, both as
         [mb, seq, vocab + 1] of a shared actor-critic)."""
-        positions, mask = positions_and_mask(attention_mask, None)
-        masks = layer_masks(self.config, mask, 0)
+        cache, start, longest = None, 0, None
+        if self.cp_group is not None:
+            length = attention_mask.shape[1] // dist.get_world_size(self.cp_group)
+            start = dist.get_rank(self.cp_group) * length
+            positions, mask = shard_positions_and_mask(attention_mask, start, length)
+            cache, longest = KVGather(self.cp_group), int(attention_mask.sum(1).max())
+            if self.is_first:
+                x = x[:, start:start + length]
+        else:
+            positions, mask = positions_and_mask(attention_mask, None)
+        masks = layer_masks(self.config, mask, start)
         if self.is_first:
             x = self.model.embed_tokens(x)
-        cos, sin = rotary_cos_sin(positions, self.config, x.dtype)
+        cos, sin = rotary_cos_sin(positions, self.config, x.dtype, longest)
         if self.tp_mesh is not None:
             x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False
                                    ).redistribute(self.tp_mesh, [Shard(1)])
         for i, layer in self.model.layers.items():
-            x = layer(x, cos, sin, masks[int(i)], None, int(i))
+            x = layer(x, cos, sin, masks[int(i)], cache, int(i))
         if self.tp_mesh is not None:
             x = x.full_tensor()
         if self.is_last:
@@ -114,6 +132,8 @@ class StageModule(nn.Module):
                 x = torch.cat([logits, self.score(x).to(logits.dtype)], -1)
             else:
                 x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
+            if self.cp_group is not None:
+                x = gather_sequence(x.contiguous(), 1, self.cp_group)[:, :self.seq]
         return x
 
 
@@ -135,11 +155,13 @@ class PipelinedModel:
 
     def __init__(self, model: CausalLM | ValueModel, group: dist.ProcessGroup | None = None,
                  n_microbatches: int | None = None, tied_group: dist.ProcessGroup | None = None,
-                 tp_mesh: DeviceMesh | None = None) -> None:
+                 tp_mesh: DeviceMesh | None = None, cp_group: dist.ProcessGroup | None = None
+                 ) -> None:
         """`n_microbatches` (default: one per stage, the fewest 1F1B accepts) must divide
         every batch. `tied_group`: the first and last stage's ranks, for a model with tied
         embeddings over more than 2 stages (with 2, the pipeline group is that pair).
-        `tp_mesh`: the tensor-parallel ranks that share this stage."""
+        `tp_mesh`: the tensor-parallel ranks that share this stage; `cp_group`: the ranks
+        that each run a shard of its sequences."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.n_stages = dist.get_world_size(group)
@@ -147,7 +169,8 @@ class PipelinedModel:
         if self.n_microbatches < self.n_stages:
             raise ValueError(f"1F1B needs at least one microbatch per stage: n_microbatches="
                              f"{self.n_microbatches} < pp={self.n_stages}")
-        self.module = StageModule(model, self.rank, self.n_stages, tp_mesh)
+        self.module = StageModule(model, self.rank, self.n_stages, tp_mesh, cp_group)
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.last_rank = (self.n_stages - 1 if group is None
@@ -208,14 +231,15 @@ class PipelinedModel:
         return self.module.is_last
 
     def _stage(self, batch: int, seq: int, train: bool) -> PipelineStage:
+        """The stage of a call on [batch, seq] inputs (seq padded to a multiple of cp)."""
         if batch % self.n_microbatches:
             raise ValueError(f"batch of {batch} rows does not split into "
                              f"{self.n_microbatches} equal microbatches")
         mb, cfg = batch // self.n_microbatches, self.module.config
         # Static shapes skip the schedule's metadata-inference forward; `requires_grad` on the
         # examples is what tells the stage to receive and send activation gradients.
-        hidden = torch.empty(mb, seq, cfg.hidden_size, dtype=self.dtype, device="meta",
-                             requires_grad=train)
+        hidden = torch.empty(mb, seq // self.cp, cfg.hidden_size, dtype=self.dtype,
+                             device="meta", requires_grad=train)
         inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if self.module.is_first \
             else hidden
         head = () if self.module.values else (cfg.vocab_size + self.module.both,)
@@ -224,10 +248,19 @@ class PipelinedModel:
         kind = self.device.type
         out_dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
                      else self.dtype)
-        outputs = torch.empty(mb, seq, *head, dtype=out_dtype, device="meta",
-                              requires_grad=train) if self.module.is_last else hidden
+        outputs = torch.empty(mb, self.module.seq or seq, *head, dtype=out_dtype,
+                              device="meta", requires_grad=train) if self.module.is_last \
+            else hidden
         return PipelineStage(self.module, self.rank, self.n_stages, self.device,
                              input_args=inputs, output_args=outputs, group=self.group)
+
+    def _padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's inputs right-padded (mask 0) to a multiple of cp; the stage cuts its
+        outputs back to the call's length."""
+        self.module.seq = input_ids.shape[1]
+        pad = (0, -input_ids.shape[1] % self.cp)
+        return F.pad(input_ids, pad), F.pad(attention_mask, pad)
 
     def _args(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (input_ids,) if self.module.is_first else ()
@@ -239,6 +272,7 @@ class PipelinedModel:
         group. `target` [batch, ...] is sliced into microbatches along dim 0 like the inputs;
         pack several per-token tensors into one (e.g. [batch, seq, k]) when the loss needs them.
         """
+        input_ids, attention_mask = self._padded(input_ids, attention_mask)
         schedule = Schedule1F1B(self._stage(*input_ids.shape, train=True), self.n_microbatches,
                                 loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
@@ -257,6 +291,7 @@ class PipelinedModel:
               ) -> torch.Tensor | None:
         """Logits [batch, seq, vocab] (values [batch, seq]) on the last stage (None on the
         others), forward only."""
+        input_ids, attention_mask = self._padded(input_ids, attention_mask)
         schedule = ScheduleGPipe(self._stage(*input_ids.shape, train=False), self.n_microbatches)
         out = schedule.step(*self._args(input_ids), attention_mask=attention_mask)
         return out if self.module.is_last else None

@@ -61,14 +61,13 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    cp or pp (each with tp or not), or an ep dividing dp alone; the same cp and pp for a frozen role
-    that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
+    cp and pp (each with tp or not), or an ep dividing dp alone; the same cp and pp for a
+    frozen role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
     if runnable:
-        splits = ([(1, cp) for cp in CONTEXT_PARALLEL] + [(2, 1), (4, 1)]
-                  if trainable or pipelined else [(1, 1)])
+        splits = splits if trainable or pipelined else [(1, 1)]
     while tp <= min(n, hw.devices_per_node):
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:

@@ -153,6 +153,31 @@ def test_pp2_x_tp2_matches_single_process():
     spawn(_pp_tp_body, 4)
 
 
+def _pp_cp_body():
+    """pp=2 x cp=2 on sequences of 7 (padded to 8, 4 positions a cp rank): loss, gradients
+    (averaged over the cp ranks, which each computed the loss on the gathered logits) and
+    forward-only scoring equal one process's."""
+    ids, mask, labels = batch(seq=7)
+    ref_model, ref_loss = reference(ids, mask, labels)
+    mesh = build_mesh(Layout(pp=2, cp=2))
+    pipe = PipelinedModel(tiny_model(), mesh["pp"].get_group(), n_microbatches=4,
+                          cp_group=mesh["cp"].get_group())
+    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for p in pipe.module.parameters():
+        dist.all_reduce(p.grad, group=mesh["cp"].get_group())
+        p.grad /= 2
+    check_grads(pipe.module, ref_model)
+    logits = pipe.score(ids, mask)
+    if pipe.is_last:
+        with torch.no_grad():
+            torch.testing.assert_close(logits, ref_model(ids, mask), **TOL)
+
+
+def test_pp2_x_cp2_matches_single_process():
+    spawn(_pp_cp_body, 4)
+
+
 def _actor_critic_body():
     """A shared actor-critic over 2 stages: the last stage appends the value to the logits;
     a loss on both (next-token cross-entropy + squared value error) and its gradients, the

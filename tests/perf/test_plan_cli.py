@@ -36,7 +36,7 @@ def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
                                         and x["tp"] * x["cp"] * x["pp"] == 1):
                     bad.add("ep")
                 scored = trained or role == "reference"  # teacher-forced passes
-                if x["pp"] > 1 and not (scored and x["cp"] == 1):
+                if x["pp"] > 1 and not scored:
                     bad.add("pp")
                 if x["cp"] > 1 and not scored:
                     bad.add("cp")

@@ -96,6 +96,8 @@ def test_context_parallel_training_group_matches_one_process(tmp_path, tiny, sin
     ("ppo", ["plan.placement=disaggregated", "plan.layouts.actor.tp=2",
              "plan.layouts.rollout.dp=1"]),
     ("ppo", ["plan.placement=colocated", "plan.layouts.rollout.tp=2"]),
+    ("grpo", ["plan.placement=disaggregated", "plan.layouts.actor.cp=2",
+              "plan.layouts.rollout.dp=1"]),
 ])
 def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, single, algo,
                                                               plan):
@@ -103,7 +105,8 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     ends, 1F1B per micro-batch): for GRPO in 2 data-parallel replicas sharded at ZeRO-3 (4
     ranks); PPO's separate critic is pipelined too, beside the actor, each stage split over
     2 TP ranks (4 ranks), and colocated its stages also score the values, while generation
-    runs on a TP copy of the same 2 ranks.
+    runs on a TP copy of the same 2 ranks; GRPO's stages also each over 2 cp ranks holding
+    half of every sequence (4 ranks).
     (Without a rollout layout each pipeline rank would sample its own prompts as a
     data-parallel replica, with its own stream: valid, but not the one process's samples.)"""
     run = tmp_path / "ray"

@@ -135,11 +135,10 @@ def test_dpo_on_a_ray_group_equals_one_process(tmp_path, tiny):
 
 def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):
-        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.reference.pp=2",
-              "plan.layouts.reference.cp=2",
+        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.rollout.pp=2",
               "plan.layouts.actor.ep=2", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert "plan.layouts.reference.pp=2: pipeline stages (with tp or not) run the actor" in err
+    assert "plan.layouts.rollout.pp=2: pipeline stages (with tp and cp or not) run the" in err
     assert "plan.layouts.actor.ep=2: the executor spreads the experts" in err
     assert "--price-only" in err
     assert not (tmp_path / "run").exists()

@@ -240,7 +240,8 @@ class RankGroup:
         if layout.activation_checkpointing:
             apply_activation_checkpointing(model)
         pipe = PipelinedModel(model, mesh["pp"].get_group(),
-                              tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh))
+                              tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh),
+                              cp_group=_cp(mesh))
         if layout.dp > 1:
             apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
                                 layers=pipe.module.model.layers.values())
@@ -267,7 +268,8 @@ class RankGroup:
         validate_layout(layout, backbone_of(model).config, self.world)
         if layout.pp > 1:
             pipe = PipelinedModel(model, mesh["pp"].get_group(),
-                                  tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh))
+                                  tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh),
+                                  cp_group=_cp(mesh))
             if layout.dp > 1 and layout.zero == 3:
                 apply_data_parallel(pipe.module, mesh["dp"], 3, mixed_precision=False,
                                     layers=pipe.module.model.layers.values())
@@ -304,6 +306,11 @@ def whole_weights(model: nn.Module | PipelinedModel, cpu: bool = False
 def _tp(mesh: DeviceMesh) -> DeviceMesh | None:
     """The tensor-parallel ranks of `mesh`, None when there are none to split over."""
     return mesh["tp"] if mesh["tp"].size() > 1 else None
+
+
+def _cp(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The context-parallel ranks of `mesh`, None when there are none to split over."""
+    return mesh["cp"].get_group() if mesh["cp"].size() > 1 else None
 
 
 def _first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:

@@ -180,6 +180,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
             if isinstance(policy, PipelinedModel):
                 stats = pipelined_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                            budget, agree)
+                share.reduce(policy.module)
                 stats["grad_norm"] = policy.clip_grad_norm(cfg.train.grad_clip).item()
             else:
                 stats = policy_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
@@ -193,6 +194,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                 if isinstance(critic, PipelinedModel):
                     stats["value_loss"] = pipelined_critic_backward(critic, exp, rows, norm, cfg,
                                                                     budget, agree)
+                    critic_share.reduce(critic.module)
                     critic.clip_grad_norm(cfg.train.grad_clip)
                 else:
                     stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
