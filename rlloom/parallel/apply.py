@@ -74,12 +74,10 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
     if layout.pp > 1:
         raise LayoutError(f"pp={layout.pp}: parallelize applies one model on every rank; "
                           "pipeline stages are `pipeline.PipelinedModel` (set pp=1 here)")
-    if layout.ep > 1 and (layout.dp % layout.ep or layout.tp > 1 or layout.cp > 1
-                          or layout.zero == 1):
+    if layout.ep > 1 and (layout.dp % layout.ep or layout.tp > 1 or layout.cp > 1):
         raise LayoutError(f"ep={layout.ep}: experts are spread over groups of the "
                           f"data-parallel ranks, so use an ep dividing dp={layout.dp} with "
-                          "tp=1, cp=1 and zero 0, 2 or 3 (ZeRO-1's owner broadcasts would "
-                          "overwrite other ranks' experts)")
+                          "tp=1 and cp=1")
     if layout.world_size > 1 and mesh is None:
         mesh = build_mesh(layout)
     # A 1-process layout applies to this process's own copy, whatever else is running.
@@ -112,9 +110,12 @@ def make_optimizer(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, lr
     the parameters it owns, steps them, and broadcasts them to the other dp ranks. At
     zero=2/3 FSDP already hands the optimizer 1/dp shards, so a plain AdamW is sharded.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     if layout.zero == 1 and layout.dp > 1:
-        return Zero1AdamW(params, mesh["dp"].get_group(), lr=lr, **adamw)
+        # routed experts differ between the dp ranks: each steps its own
+        experts = [p for n, p in named if is_expert_parameter(n)] if layout.ep > 1 else []
+        return Zero1AdamW(params, mesh["dp"].get_group(), own=experts, lr=lr, **adamw)
     return torch.optim.AdamW(params, lr=lr, **adamw)
 
 

@@ -112,12 +112,14 @@ class Zero1AdamW(torch.optim.AdamW):
     TP a dp group shares one TP coordinate, so the local shards line up). The optimizer's
     `param_groups` and `state_dict()` cover only the owned parameters; DCP sharded
     checkpoints (`rlloom.parallel.apply.save_sharded`) therefore hold each state once, and
-    load into any layout.
+    load into any layout. `own`: parameters that differ between the dp ranks (routed
+    experts under expert parallelism): each rank steps its own and broadcasts none.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], dp_group: dist.ProcessGroup,
-                 **adamw: Any) -> None:
-        params = list(params)
+                 own: Iterable[torch.Tensor] = (), **adamw: Any) -> None:
+        own = list(own)
+        params = [p for p in params if all(p is not q for q in own)]
         world, me = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         if len(params) < world:
             raise ValueError(f"ZeRO-1 over {world} ranks needs at least {world} parameters, "
@@ -128,9 +130,9 @@ class Zero1AdamW(torch.optim.AdamW):
             r = min(range(world), key=load.__getitem__)
             owner[i] = r
             load[r] += local_tensor(params[i]).numel()
-        super().__init__([p for i, p in enumerate(params) if owner[i] == me], **adamw)
-        self.all_params = params
-        self.owners = [owner[i] for i in range(len(params))]
+        super().__init__([p for i, p in enumerate(params) if owner[i] == me] + own, **adamw)
+        self.all_params = params + own
+        self.owners = [owner[i] for i in range(len(params))] + [-1] * len(own)  # -1: no one
         self.dp_group = dp_group
 
     @torch.no_grad()

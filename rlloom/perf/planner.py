@@ -81,8 +81,6 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
                 eps = [1] + ([e for e in eps if e > 1 and dp % e == 0]
                              if trainable and tp == pp == cp == 1 else [])
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
-                if runnable and ep > 1 and zero == 1:
-                    continue
                 for ckpt in (False, True) if trainable else (False,):
                     out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                       activation_checkpointing=ckpt))

@@ -55,6 +55,7 @@ CASES_2 = {
     "tp2 sp qwen2": dict(tp=2, family="qwen2"),
     "tp2 sp ac": dict(tp=2, activation_checkpointing=True),
     "tp2 sp moe": dict(tp=2, family="qwen3_moe"),
+    "dp2 ep2 zero1 moe": dict(dp=2, ep=2, zero=1, family="qwen3_moe"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),

@@ -32,7 +32,7 @@ def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
         for p in data["ranked"]:
             for role, x in p["plan_json"]["layouts"].items():
                 trained = role in ("actor", "critic")
-                if x["ep"] > 1 and not (trained and x["dp"] % x["ep"] == 0 and x["zero"] != 1
+                if x["ep"] > 1 and not (trained and x["dp"] % x["ep"] == 0
                                         and x["tp"] * x["cp"] * x["pp"] == 1):
                     bad.add("ep")
                 scored = trained or role == "reference"  # teacher-forced passes

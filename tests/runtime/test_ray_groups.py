@@ -147,12 +147,13 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
     assert {e["pid"] for e in trace} == {"generation", "actor"}
 
 
-@pytest.mark.parametrize("algo, zero, dp", [("grpo", 3, 4), ("ppo", 2, 2)])
+@pytest.mark.parametrize("algo, zero, dp", [("grpo", 3, 4), ("ppo", 1, 2)])
 def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero, dp):
     """A built-in MoE model (4 routed experts, top 2, in every layer) trains on ranks that
     each own 2 experts (ep = 2, tokens exchanged by all-to-all in every MoE layer), the rest
     sharded by ZeRO: for GRPO on 4 ranks (two expert groups of 2, each expert's gradient
-    summed over its 2 owners), for PPO on 2 (ep = dp), its critic expert-parallel too.
+    summed over its 2 owners), for PPO on 2 (ep = dp) at ZeRO-1 (each rank steps its own
+    experts), its critic expert-parallel too.
     Generation, on its own rank, gets every expert by weight sync."""
     moe = [*tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe"]
     main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
