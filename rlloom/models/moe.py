@@ -10,8 +10,11 @@ policy loss only (as Hugging Face does unless `output_router_logits` is set).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -29,7 +32,43 @@ class Expert(nn.Module):
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        # Under tensor parallelism the weights are DTensor shards (gate/up by output features,
+        # down by input features): each rank computes its part of the output's sum.
+        gate, up, down = (_local(m.weight) for m in (self.gate_proj, self.up_proj,
+                                                      self.down_proj))
+        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class _SumGrads(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over a process group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def split_expert_inputs(flat: torch.Tensor, weights: torch.Tensor,
+                        tp_group: dist.ProcessGroup | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and combine weights the experts of a block use. When tensor parallelism
+    splits every expert's features over `tp_group`, each rank's experts give a part of the
+    output's sum, so the gradients reaching the (replicated) tokens and weights through
+    them are parts too: summed over the group, they are the whole. The router's own
+    path is replicated and is left alone."""
+    if tp_group is None:
+        return flat, weights
+    return _SumGrads.apply(flat, tp_group), _SumGrads.apply(weights, tp_group)
 
 
 def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool
@@ -71,6 +110,7 @@ class MoEBlock(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
+        self.tp_group: dist.ProcessGroup | None = None   # set by tensor parallelism
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
             for _ in range(cfg.n_experts))
@@ -82,6 +122,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])                       # [tokens, d]
         weights, chosen = self.route(flat)
+        flat, weights = split_expert_inputs(flat, weights, self.tp_group)
         # One row per (token, slot) pair, so each expert sees a dense batch of its rows.
         token = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.top_k)
         out = run_experts(enumerate(self.experts), flat[token], chosen.reshape(-1))

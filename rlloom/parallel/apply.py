@@ -8,13 +8,14 @@
     state = full_state_dict(model)               # rank 0: plain tensors for HF export
 
 The order is fixed: context parallel first (it swaps the backbone for a wrapper over
-sequence shards of `cp`, holding the same modules), then tensor parallel (it replaces
-Linear/RMSNorm weights by DTensors sharded over `tp`, and hooks the backbone, the wrapper
-under cp, so its output comes back whole: within a cp shard, TP's sequence-parallel norms
-split the shard again), then expert parallel (each MoE block keeps its
-share of the experts, spread over the dp ranks), then activation checkpointing (it wraps whole
-layers, whatever is inside), then data parallel (FSDP2 shards the already-TP DTensors again
-over `dp` and groups each checkpointed layer; routed experts are left to their owners).
+sequence shards of `cp`, holding the same modules), then expert parallel (each MoE block
+keeps its share of the experts, spread over the dp ranks), then tensor parallel (it
+replaces Linear/RMSNorm weights, the kept experts' too, by DTensors sharded over `tp`, and
+hooks the backbone, the wrapper under cp, so its output comes back whole: within a cp
+shard, TP's sequence-parallel norms split the shard again), then activation checkpointing
+(it wraps whole layers, whatever is inside), then data parallel (FSDP2 shards the
+already-TP DTensors again over `dp` and groups each checkpointed layer; routed experts are
+left to their owners).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ from rlloom.plan import Layout
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None, *,
                 mixed_precision: bool | None = None, experts: ExpertGroups | None = None
                 ) -> nn.Module:
-    """Apply `layout` to the plain `model` in place (CP -> TP -> EP -> checkpointing ->
+    """Apply `layout` to the plain `model` in place (CP -> EP -> TP -> checkpointing ->
     DP/ZeRO).
 
     The model must hold the same weights on every rank, on the mesh's device. `mesh`
@@ -74,21 +75,18 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
     if layout.pp > 1:
         raise LayoutError(f"pp={layout.pp}: parallelize applies one model on every rank; "
                           "pipeline stages are `pipeline.PipelinedModel` (set pp=1 here)")
-    if layout.ep > 1 and (layout.dp % layout.ep or layout.tp > 1 or layout.cp > 1):
-        raise LayoutError(f"ep={layout.ep}: experts are spread over groups of the "
-                          f"data-parallel ranks, so use an ep dividing dp={layout.dp} with "
-                          "tp=1 and cp=1")
     if layout.world_size > 1 and mesh is None:
         mesh = build_mesh(layout)
     # A 1-process layout applies to this process's own copy, whatever else is running.
     validate_layout(layout, backbone_of(model).config, mesh.size() if mesh is not None else 1)
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"].get_group())
-    if layout.tp > 1:
+    if layout.ep > 1:
+        apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
+    if layout.tp > 1:   # after EP: it splits the features of the experts each rank holds
         apply_tensor_parallel(model, mesh["tp"])
     expert_params: set[nn.Parameter] = set()
     if layout.ep > 1:
-        apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
         expert_params = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
         # Each rank's loss is normalised so that dp's average of the replicas' gradients is
         # the batch's; an expert's owner sums the tokens of its expert group (and

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from rlloom.models.moe import MoEBlock, route, run_experts
+from rlloom.models.moe import MoEBlock, route, run_experts, split_expert_inputs
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,12 +73,14 @@ class ExpertParallelMoE(nn.Module):
         self.n_local = block.n_experts // ep
         self.first = rank * self.n_local
         self.gate = block.gate
+        self.tp_group = block.tp_group
         self.experts = nn.ModuleDict({str(e): block.experts[e]
                                       for e in range(self.first, self.first + self.n_local)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])                                   # [tokens, d]
         weights, chosen = route(self.gate(flat), self.top_k, self.norm_topk_prob)
+        flat, weights = split_expert_inputs(flat, weights, self.tp_group)
         # One row per (token, slot), sorted by expert: rows for rank j are then contiguous.
         expert = chosen.reshape(-1)
         order = expert.argsort(stable=True)
@@ -176,13 +179,19 @@ def scale_expert_grads(model: nn.Module, factor: float) -> None:
 
 def all_experts(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every rank's routed experts as plain CPU tensors under the full model's names, on every
-    rank of the ep group (a collective; {} without expert parallelism)."""
+    rank of the ep group (a collective of the ep and tp groups; {} without expert
+    parallelism)."""
     modules = expert_modules(model)
     if not modules:
         return {}
-    own = {f"{name}.experts.{k}": v.detach().to("cpu", copy=True)
+    own = {f"{name}.experts.{k}": whole(v).detach().to("cpu", copy=True)
            for name, m in modules for k, v in m.experts.state_dict().items()}
     group = modules[0][1].group
     got: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(got, own, group=group)
     return {k: v for part in got for k, v in part.items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel expert weight gathered whole (a collective over its tp ranks)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -12,8 +12,8 @@ from rlloom.plan import Layout
 # (rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i), so the chattiest group, tensor
 # parallel (collectives in every layer), stays inside a node; pipeline stages, which only
 # pass activations between neighbours, span the slowest links. Expert parallelism has no
-# dimension of its own: experts are spread over the dp x cp ranks, as the Layout's
-# world_size (which leaves ep out) already says.
+# dimension of its own: experts are spread over groups of dp ranks (at each cp, tp and pp
+# coordinate), as the Layout's world_size (which leaves ep out) already says.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
 
@@ -30,8 +30,12 @@ def layout_problems(layout: Layout, cfg: ModelConfig, world_size: int) -> list[s
             f"the degrees {degrees} multiply to {layout.world_size} processes but the world "
             f"has {world_size}; change the degrees so that pp*dp*cp*tp = {world_size}")
     tp = layout.tp
-    for what, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+    experts = getattr(cfg, "n_experts", 0) or 0
+    split = (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+             ("intermediate_size", cfg.intermediate_size))
+    if experts:   # tensor parallelism splits every expert's features too
+        split += (("moe_intermediate_size", cfg.moe_intermediate_size),)
+    for what, n in split:
         if n % tp:
             fits = [d for d in range(1, n + 1) if n % d == 0]
             problems.append(f"tp={tp} does not divide the model's {what}={n}, which tensor "
@@ -39,7 +43,6 @@ def layout_problems(layout: Layout, cfg: ModelConfig, world_size: int) -> list[s
     if cfg.num_layers % layout.pp:
         problems.append(f"pp={layout.pp} does not divide num_layers={cfg.num_layers}; use a pp "
                         "that divides the number of layers so every stage holds the same count")
-    experts = getattr(cfg, "n_experts", 0) or 0
     if layout.ep > 1:
         if not experts:
             problems.append(f"ep={layout.ep} but the model has no experts (dense {cfg.family}); "
@@ -47,9 +50,9 @@ def layout_problems(layout: Layout, cfg: ModelConfig, world_size: int) -> list[s
         elif experts % layout.ep:
             problems.append(f"ep={layout.ep} does not divide n_experts={experts}; use an ep "
                             "that divides the number of experts")
-        if (layout.dp * layout.cp) % layout.ep:
-            problems.append(f"ep={layout.ep} must divide dp*cp={layout.dp * layout.cp}, the "
-                            "ranks experts are spread over; change ep or dp")
+        if layout.dp % layout.ep:
+            problems.append(f"ep={layout.ep} must divide dp={layout.dp}, the ranks experts "
+                            "are spread over; change ep or dp")
     if layout.zero and layout.dp == 1:
         problems.append(f"zero={layout.zero} shards over data-parallel ranks but dp=1; set "
                         "zero=0 or dp>1")

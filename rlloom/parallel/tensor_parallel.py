@@ -7,10 +7,13 @@ attention and the MLP and one reduce-scatter after them. Between those, the resi
 and the RMSNorms are sharded along the sequence (sequence parallelism), so norms and
 residual adds are not computed `tp` times over.
 
-MoE blocks are replicated across TP ranks (expert parallelism is what splits them). The
-embedding, the final output heads (lm_head, score) and their inputs stay replicated:
-the backbone's output is gathered to a plain full tensor, so every head, loss and sampler
-works unchanged. All TP ranks therefore compute the same loss.
+In an MoE block, each expert's features are split the same way (expert tensor
+parallelism): every rank routes the whole sequence, runs its slice of every expert it
+holds, and the block's output parts are summed and cut to sequence shards in one
+reduce-scatter, as an MLP's are. Expert parallelism, when on, splits the experts
+themselves over the dp ranks. The embedding, the final output heads (lm_head, score) and
+their inputs stay replicated: the backbone's output is gathered to a plain full tensor, so
+every head, loss and sampler works unchanged. All TP ranks therefore compute the same loss.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -102,14 +105,13 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
     else:
-        # An MoE block is not split by TP (expert parallelism splits experts): every TP
-        # rank runs it on the whole sequence, and its output is cut back to this rank's
-        # sequence shard. The backward of that cut all-gathers the gradient, so the
-        # replicated expert weights get the full gradient on every rank.
+        # An MoE block runs on the whole sequence; each rank's expert slices give a part of
+        # its output, summed into this rank's sequence shard by one reduce-scatter.
         plan["mlp"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-            use_local_input=True, output_layouts=(Replicate(),),
+            use_local_input=True, output_layouts=(Partial(),),
             desired_output_layouts=(Shard(1),), use_local_output=False)
+        _shard_experts(layer.mlp, tp_mesh)
     if attn.qk_norm:
         # Per-head norms see only this rank's heads ([b, s, heads/tp, hd], heads on dim
         # 2); a Replicate weight over a head-sharded input makes DTensor sum the weight's
@@ -118,6 +120,18 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     parallelize_module(layer, tp_mesh, plan)
     _localise_heads(attn, tp_mesh.size())
+
+
+def _shard_experts(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split every expert of an MoE block (a whole one, or this rank's share under expert
+    parallelism) by features over `tp_mesh`, as an MLP is: gate and up by output rows, down
+    by input columns."""
+    for expert in block.experts.values() if isinstance(block.experts, nn.ModuleDict) \
+            else block.experts:
+        for linear, dim in ((expert.gate_proj, 0), (expert.up_proj, 0), (expert.down_proj, 1)):
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, tp_mesh,
+                                                           [Shard(dim)]))
+    block.tp_group = tp_mesh.get_group()
 
 
 def _localise_heads(attn: Attention, tp: int) -> None:

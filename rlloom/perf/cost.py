@@ -517,7 +517,10 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
     memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
                 / (hw.mem_bw * hw.mem_eff))
-    per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
+    # Under TP an MoE block's backward also sums the gradient its experts' feature slices
+    # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
+    tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
+    per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, tp_per_layer)
               + _cp_comm(hw, layout, shape, mb_tokens, passes))
     per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,

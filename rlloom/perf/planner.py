@@ -61,7 +61,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    cp and pp (each with tp or not), or an ep dividing dp alone; the same cp and pp for a
+    cp and pp (each with tp or not), and an ep dividing dp without pp; the same cp and pp for a
     frozen role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
@@ -76,10 +76,9 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
-            eps = _ep_degrees(shape, dp * cp)
-            if runnable:  # experts spread over groups of the dp ranks of a model that trains
-                eps = [1] + ([e for e in eps if e > 1 and dp % e == 0]
-                             if trainable and tp == pp == cp == 1 else [])
+            eps = _ep_degrees(shape, dp)
+            if runnable and not (trainable and pp == 1):  # experts of a model that trains
+                eps = [1]
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
                 for ckpt in (False, True) if trainable else (False,):
                     out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
@@ -89,7 +88,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
 
 
 def _ep_degrees(shape: ModelShape, ranks: int) -> list[int]:
-    """Powers of two dividing both the expert count and the dp x cp ranks experts spread over."""
+    """Powers of two dividing both the expert count and the dp ranks experts spread over."""
     if not shape.moe:
         return [1]
     return [e for e in (1, 2, 4, 8, 16, 32, 64) if shape.n_experts % e == 0 and ranks % e == 0]
@@ -153,8 +152,9 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
 
 
 def _tp_applies(tp: int, shape: ModelShape) -> bool:
-    """TP also shards the KV heads and the MLP (parallel/mesh.layout_problems)."""
-    return shape.kv_heads % tp == 0 and shape.ffn % tp == 0
+    """TP also shards the KV heads, the MLP and every expert's features
+    (parallel/mesh.layout_problems)."""
+    return shape.kv_heads % tp == 0 and shape.ffn % tp == 0 and shape.moe_ffn % tp == 0
 
 
 def _degrees(x: Layout) -> tuple[int, ...]:

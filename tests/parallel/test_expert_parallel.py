@@ -1,5 +1,6 @@
-"""Expert parallelism (ep=2, and ep=2 within dp=4 at ZeRO-2) on a Qwen3-MoE model against one
-process: outputs, loss, and gradients of experts, router and replicated weights.
+"""Expert parallelism (ep=2, ep=2 within dp=4 at ZeRO-2, and ep=2 over dp=2 x cp=2) on a
+Qwen3-MoE model against one process: outputs, loss, and gradients of experts, router and
+replicated weights. (ep x tp is in test_parallel_equivalence.)
 
 Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
@@ -10,6 +11,8 @@ from harness import full, loss_of, spawn
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.apply import parallelize
+from rlloom.parallel.context_parallel import on_shards
+from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.expert_parallel import (
     ExpertGroups,
     ExpertParallelMoE,
@@ -138,3 +141,30 @@ def _ep_below_dp_body():
 
 def test_ep2_within_dp4_matches_single_process():
     spawn(_ep_below_dp_body, 4)
+
+
+def _ep_cp_body():
+    """dp=2 x cp=2, ep=2, as the executor runs it: each dp replica's rows on sequence shards
+    of its cp ranks, experts spread over the dp ranks at each cp coordinate (each expert's
+    owners in the two cp ranks route different tokens to it), logits gathered back whole,
+    gradients averaged over the cp group."""
+    ids, mask, labels = batch()
+    n_tokens = (labels != -100).sum()
+    ref = tiny_moe()
+    loss_of(ref(ids, mask), labels, n_tokens).backward()
+    layout = Layout(dp=2, cp=2, ep=2)
+    mesh = build_mesh(layout)
+    model = parallelize(tiny_moe(), layout, mesh, mixed_precision=False)
+    rows = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+    loss = loss_of(on_shards(model, model, ids[rows], mask[rows]), labels[rows], n_tokens)
+    (loss * layout.dp).backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = local_tensor(p.grad)
+        dist.all_reduce(grad, group=mesh["cp"].get_group())
+        grad.div_(layout.cp)
+        torch.testing.assert_close(full(p.grad), ref_params[name].grad, **TOL, msg=name)
+
+
+def test_ep2_over_dp2_x_cp2_matches_single_process():
+    spawn(_ep_cp_body, 4)

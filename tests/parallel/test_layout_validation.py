@@ -51,12 +51,16 @@ def test_experts_must_split_evenly():
     assert layout_problems(Layout(dp=3, ep=3), moe, 3) == []
     [problem] = layout_problems(Layout(dp=4, ep=4), moe, 4)
     assert "ep=4 does not divide n_experts=6" in problem
+    [problem] = layout_problems(Layout(dp=4, ep=3), moe, 4)
+    assert "ep=3 must divide dp=4" in problem
+    # tensor parallelism splits each expert's features as well as the MLP's
+    odd = dataclasses.replace(moe, moe_intermediate_size=9)
+    [problem] = layout_problems(Layout(tp=2), odd, 2)
+    assert "tp=2 does not divide the model's moe_intermediate_size=9" in problem
 
 
 def test_parallelize_refuses_what_is_not_implemented():
     with pytest.raises(LayoutError, match="pipeline stages are `pipeline.PipelinedModel`"):
         parallelize(tiny_model(), Layout(pp=2))
-    with pytest.raises(LayoutError, match="use an ep dividing dp=4 with tp=1 and cp=1"):
-        parallelize(tiny_model(), Layout(dp=4, ep=3))
     with pytest.raises(LayoutError, match="needs torch.distributed initialised"):
         parallelize(tiny_model(), Layout(dp=2))

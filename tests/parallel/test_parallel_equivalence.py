@@ -62,6 +62,9 @@ CASES_4 = {
     "dp2 x tp2 zero1": dict(dp=2, tp=2, zero=1),
     "dp2 x tp2 zero2": dict(dp=2, tp=2, zero=2),
     "dp2 x tp2 zero3 ac": dict(dp=2, tp=2, zero=3, activation_checkpointing=True),
+    "dp2 x tp2 ep2 zero2 moe": dict(dp=2, tp=2, ep=2, zero=2, family="qwen3_moe"),
+    "dp2 x tp2 ep2 zero1 moe": dict(dp=2, tp=2, ep=2, zero=1, family="qwen3_moe"),
+    "dp2 x tp2 zero2 moe": dict(dp=2, tp=2, zero=2, family="qwen3_moe"),
 }
 
 
@@ -107,6 +110,14 @@ def assert_sharded(model: torch.nn.Module, optim: torch.optim.Optimizer, layout:
     dp_split = layout.dp if layout.zero >= 2 else 1
     assert local_rows * layout.tp * dp_split == cfg.num_heads * cfg.head_dim
     assert attn.n_heads == cfg.num_heads // layout.tp
+    moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    if moe:   # each rank holds its ep share of the experts, each split by tp (and ZeRO)
+        experts = list(moe[0].experts.values()) if layout.ep > 1 else list(moe[0].experts)
+        assert len(experts) == cfg.n_experts // layout.ep
+        w = experts[0].gate_proj.weight
+        rows = w.to_local().shape[0] if hasattr(w, "to_local") else w.shape[0]
+        zero_split = dp_split if layout.ep == 1 else 1   # routed experts stay out of ZeRO
+        assert rows * layout.tp * zero_split == cfg.moe_intermediate_size
     n_params = len(list(model.parameters()))
     owned = sum(len(g["params"]) for g in optim.param_groups)
     if layout.zero == 1:
@@ -213,18 +224,20 @@ def greedy(model: torch.nn.Module, use_cache: bool) -> list[list[int]]:
 
 # Two kv heads per TP rank: a KV cache left at the global four would not fit them.
 GEN_MODEL = dict(seed=3, std=0.3, heads=8, kv_heads=4)
+GEN_FAMILIES = ("qwen3", "qwen3_moe")   # MoE: decode through experts split by features
 
 
-def tp_generation() -> dict[str, list[list[int]]]:
+def tp_generation(family: str) -> dict[str, list[list[int]]]:
     layout = Layout(tp=2)
-    model = parallelize(tiny_model(**GEN_MODEL), layout, build_mesh(layout)).eval()
+    model = parallelize(tiny_model(**GEN_MODEL, family=family), layout,
+                        build_mesh(layout)).eval()
     return {"cache": greedy(model, True), "no cache": greedy(model, False)}
 
 
 def run_cases(cases: dict[str, dict], checkpoints: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {name: one_step(**kw) for name, kw in cases.items()}
     if dist.get_world_size() == 2:
-        out["generation"] = tp_generation()
+        out["generation"] = {f: tp_generation(f) for f in GEN_FAMILIES}
         out["actor critic zero3"] = actor_critic_errors()
         for name, path in checkpoints.items():
             out[name] = save_then_reload(path, SAVED[name])
@@ -271,13 +284,15 @@ def test_four_process_layout_matches_single_process(world4, case):
     check(world4, case)
 
 
-def test_tp_greedy_generation_matches_single_process(world2):
-    plain = tiny_model(**GEN_MODEL).eval()
+@pytest.mark.parametrize("family", GEN_FAMILIES)
+def test_tp_greedy_generation_matches_single_process(world2, family):
+    plain = tiny_model(**GEN_MODEL, family=family).eval()
     expected = greedy(plain, True)
     assert len({tuple(r) for r in expected}) > 1
     for rank, res in enumerate(world2):
-        assert res["generation"]["cache"] == expected, f"rank {rank} with KV cache"
-        assert res["generation"]["no cache"] == expected, f"rank {rank} without KV cache"
+        got = res["generation"][family]
+        assert got["cache"] == expected, f"rank {rank} with KV cache"
+        assert got["no cache"] == expected, f"rank {rank} without KV cache"
 
 
 def test_activation_checkpointing_single_process():

@@ -147,20 +147,24 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
     assert {e["pid"] for e in trace} == {"generation", "actor"}
 
 
-@pytest.mark.parametrize("algo, zero, dp", [("grpo", 3, 4), ("ppo", 1, 2)])
-def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero, dp):
+@pytest.mark.parametrize("algo, zero, dp, split", [("grpo", 3, 4, "tp=1"), ("ppo", 1, 2, "cp=2"),
+                                                  ("grpo", 2, 2, "tp=2")])
+def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero, dp,
+                                                            split):
     """A built-in MoE model (4 routed experts, top 2, in every layer) trains on ranks that
     each own 2 experts (ep = 2, tokens exchanged by all-to-all in every MoE layer), the rest
     sharded by ZeRO: for GRPO on 4 ranks (two expert groups of 2, each expert's gradient
-    summed over its 2 owners), for PPO on 2 (ep = dp) at ZeRO-1 (each rank steps its own
-    experts), its critic expert-parallel too.
+    summed over its 2 owners); for PPO on dp2 x cp2 at ZeRO-1 (each rank steps its own
+    experts, which route the tokens of its sequence shard), its critic expert-parallel too;
+    for GRPO on dp2 x tp2, each expert's features split over the tp ranks of its owner.
     Generation, on its own rank, gets every expert by weight sync."""
     moe = [*tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe"]
     main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
     run = tmp_path / "ray"
     main(["train", *moe, "plan.placement=disaggregated", f"plan.layouts.actor.dp={dp}",
-          "plan.layouts.actor.ep=2", f"plan.layouts.actor.zero={zero}",
-          "plan.layouts.rollout.dp=1", f"run_dir={run}", "--worker-timeout", "300"])
+          f"plan.layouts.actor.{split}", "plan.layouts.actor.ep=2",
+          f"plan.layouts.actor.zero={zero}", "plan.layouts.rollout.dp=1", f"run_dir={run}",
+          "--worker-timeout", "300"])
     _assert_same(_rows(tmp_path / "single"), _rows(run))
 
 
