@@ -221,13 +221,12 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
                    and plan.placement != "colocated"
                    and plan.reference == "apart")  # scored beside the reference
     for role, layout in plan.layouts.items():
-        if layout.ep > 1 and (role not in TRAINABLE or layout.dp % layout.ep
-                              or layout.pp > 1):
+        if layout.ep > 1 and (role not in TRAINABLE or layout.dp % layout.ep):
             problems.append(f"plan.layouts.{role}.ep={layout.ep}: the executor spreads the "
                             "experts of a model that trains (actor, critic) over groups of its "
-                            "dp ranks (with tp and cp or not): an ep dividing dp, with pp 1; "
-                            "change it (`rlloom plan --price-only` prices such plans without "
-                            "running them)")
+                            "dp ranks (with tp, cp and pp or not): an ep dividing dp; change it "
+                            "(`rlloom plan --price-only` prices such plans without running "
+                            "them)")
         if layout.cp > 1 and role not in TRAINABLE + ("reference",):
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of teacher-forced passes (actor, critic, reference), "

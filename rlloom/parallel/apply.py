@@ -51,6 +51,12 @@ from rlloom.parallel.expert_parallel import (
     scale_expert_grads,
 )
 from rlloom.parallel.mesh import LayoutError, build_mesh, validate_layout
+from rlloom.parallel.pipeline import (
+    PipelinedModel,
+    cp_ranks,
+    first_and_last_stages,
+    tp_ranks,
+)
 from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
 from rlloom.plan import Layout
 
@@ -85,19 +91,47 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
         apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
     if layout.tp > 1:   # after EP: it splits the features of the experts each rank holds
         apply_tensor_parallel(model, mesh["tp"])
-    expert_params: set[nn.Parameter] = set()
-    if layout.ep > 1:
-        expert_params = {p for n, p in model.named_parameters() if is_expert_parameter(n)}
-        # Each rank's loss is normalised so that dp's average of the replicas' gradients is
-        # the batch's; an expert's owner sums the tokens of its expert group (and
-        # `ExpertGroups.reduce` the groups') instead of averaging them.
-        scale_expert_grads(model, 1 / layout.dp)
+    expert_params = _expert_grads(model, layout)
     if layout.activation_checkpointing:
         apply_activation_checkpointing(model)
     if layout.dp > 1:
         apply_data_parallel(model, mesh["dp"], layout.zero, mixed_precision,
                             ignored=expert_params or None)
     return model
+
+
+def parallelize_pipeline(model: nn.Module, layout: Layout, mesh: DeviceMesh, *,
+                         experts: ExpertGroups | None = None, trains: bool = True
+                         ) -> PipelinedModel:
+    """This rank's pipeline stage of the plain `model` at `layout` (pp > 1): EP ->
+    checkpointing -> the stage (TP and CP inside it) -> DP over the stage's dp replicas. A
+    model that does not train (`trains=False`) is wrapped by DP only at ZeRO-3, to shard it;
+    whole copies need no wrapper."""
+    validate_layout(layout, backbone_of(model).config, mesh.size())
+    if layout.ep > 1:
+        apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
+    if layout.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    pipe = PipelinedModel(model, mesh["pp"].get_group(), tied_group=first_and_last_stages(mesh),
+                          tp_mesh=tp_ranks(mesh), cp_group=cp_ranks(mesh))
+    expert_params = _expert_grads(pipe.module, layout)
+    if layout.dp > 1 and (trains or layout.zero == 3):
+        apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
+                            layers=pipe.module.model.layers.values(),
+                            ignored=expert_params or None)
+    return pipe
+
+
+def _expert_grads(model: nn.Module, layout: Layout) -> set[nn.Parameter]:
+    """The routed experts' parameters (left out of data parallelism: they differ between the
+    dp ranks), their gradients scaled by 1/dp as computed: each rank's loss is normalised
+    so that dp's average of the replicas' gradients is the batch's, and an expert's owner
+    sums the tokens of its expert group (and `ExpertGroups.reduce` the groups') instead of
+    averaging them."""
+    if layout.ep == 1:
+        return set()
+    scale_expert_grads(model, 1 / layout.dp)
+    return {p for n, p in model.named_parameters() if is_expert_parameter(n)}
 
 
 def make_optimizer(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, lr: float,

@@ -53,6 +53,7 @@ from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask, rotary_cos_sin
 from rlloom.parallel.context_parallel import KVGather, gather_sequence, shard_positions_and_mask
 from rlloom.parallel.data_parallel import local_tensor
+from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
 from rlloom.parallel.grads import grad_norm, scale_grads
 from rlloom.parallel.tensor_parallel import shard_layer
 
@@ -205,12 +206,20 @@ class PipelinedModel:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(local_tensor(weight.grad), group=self.tied_group)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, experts: dist.ProcessGroup | None = None
+                       ) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's (the tied embedding
-        counted once); a collective of the pipeline group. Returns that norm."""
+        counted once); a collective of the pipeline group (and of `experts`, the ranks over
+        which expert parallelism spreads the stage's routed experts, whose squares are summed
+        there). Returns that norm."""
         duplicate = self._tied_weight() if self.module.is_last else None
-        counted = [p for p in self.parameters() if p is not duplicate]
-        own = grad_norm(counted) ** 2
+        named = [(n, p) for n, p in self.module.named_parameters() if p is not duplicate]
+        own = grad_norm(p for n, p in named if experts is None or not is_expert_parameter(n))
+        own = own ** 2
+        if experts is not None:
+            theirs = grad_norm(p for n, p in named if is_expert_parameter(n)) ** 2
+            dist.all_reduce(theirs, group=experts)
+            own = own + theirs
         dist.all_reduce(own, group=self.group)
         total = own.sqrt()
         scale_grads(list(self.parameters()), total, max_norm)
@@ -222,6 +231,7 @@ class PipelinedModel:
         # not cpu_offload: that leaves the state on global rank 0 only, not on each stage
         own = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         own = {k: v.detach().to("cpu", copy=True) for k, v in own.items()}
+        own.update(all_experts(self.module))  # the stage's experts held by other ep ranks
         stages: list[Any] = [None] * self.n_stages
         dist.all_gather_object(stages, own, group=self.group)
         return {k: v for stage in stages for k, v in stage.items()}
@@ -295,3 +305,28 @@ class PipelinedModel:
         schedule = ScheduleGPipe(self._stage(*input_ids.shape, train=False), self.n_microbatches)
         out = schedule.step(*self._args(input_ids), attention_mask=attention_mask)
         return out if self.module.is_last else None
+
+
+def tp_ranks(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The tensor-parallel ranks of `mesh`, None when there are none to split over."""
+    return mesh["tp"] if mesh["tp"].size() > 1 else None
+
+
+def cp_ranks(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The context-parallel ranks of `mesh`, None when there are none to split over."""
+    return mesh["cp"].get_group() if mesh["cp"].size() > 1 else None
+
+
+def first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of this rank's pipeline's first and last stage, for tied embeddings
+    (made by every rank, one per pipeline, in the same order; None on middle stages). With 2
+    stages the pipeline group is that pair already."""
+    pp = mesh["pp"].size()
+    if pp <= 2:
+        return None
+    mine = None
+    for ranks in mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist():  # one row per pipeline
+        group = dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in (ranks[0], ranks[-1]):
+            mine = group
+    return mine

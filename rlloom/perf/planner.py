@@ -61,7 +61,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             runnable: bool = False, pipelined: bool = False) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
-    cp and pp (each with tp or not), and an ep dividing dp without pp; the same cp and pp for a
+    cp and pp (each with tp or not), and an ep dividing dp; the same cp and pp for a
     frozen role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
     out = []
     tp = 1
@@ -77,7 +77,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
             eps = _ep_degrees(shape, dp)
-            if runnable and not (trainable and pp == 1):  # experts of a model that trains
+            if runnable and not trainable:  # the executor spreads experts of models that train
                 eps = [1]
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
                 for ckpt in (False, True) if trainable else (False,):

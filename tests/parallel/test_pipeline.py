@@ -11,7 +11,8 @@ from harness import spawn
 from rlloom.models.config import ModelConfig
 from rlloom.models.heads import ActorCritic
 from rlloom.models.transformer import CausalLM
-from rlloom.parallel.apply import load_sharded, save_sharded
+from rlloom.parallel.apply import load_sharded, parallelize_pipeline, save_sharded
+from rlloom.parallel.expert_parallel import ExpertGroups
 from rlloom.parallel.mesh import build_mesh
 from rlloom.parallel.pipeline import PipelinedModel, next_token_loss, stage_layers
 from rlloom.plan import Layout
@@ -119,6 +120,54 @@ def _dp_pp_body():
 
 def test_dp2_x_pp2_matches_single_process():
     spawn(_dp_pp_body, 4)
+
+
+def _pp_ep_body():
+    """pp2 x dp2, ep2, ZeRO-2, as the executor builds it (`parallelize_pipeline`): each
+    stage's experts spread over its 2 dp ranks, the rest sharded; loss, gradients, the
+    clipped norm (experts' squares summed over the ep ranks) and the gathered weights equal
+    the one process's."""
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                      n_experts=4, experts_per_token=2, moe_intermediate_size=16,
+                      norm_topk_prob=True, mlp_only_layers=(1,))
+
+    def moe() -> CausalLM:
+        model = CausalLM(cfg).double()
+        model.init_weights(seed=0, std=0.2)
+        return model
+
+    ids, mask, labels = batch()
+    ref_model = moe()
+    n_tokens = (labels != -100).sum()
+    ref_loss = F.cross_entropy(ref_model(ids, mask).flatten(0, 1), labels.flatten(),
+                               ignore_index=-100, reduction="sum") / n_tokens
+    ref_loss.backward()
+    layout = Layout(pp=2, dp=2, ep=2, zero=2)
+    mesh = build_mesh(layout)
+    experts = ExpertGroups.of(mesh, 2)
+    pipe = parallelize_pipeline(moe(), layout, mesh, experts=experts)
+    dp_i = mesh["dp"].get_local_rank()
+    held = {int(n.split(".experts.")[1].split(".")[0]) for n, _ in pipe.module.named_parameters()
+            if ".experts." in n}
+    assert held == {2 * dp_i, 2 * dp_i + 1}          # this rank's half of the stage's experts
+    rows = slice(4 * dp_i, 4 * dp_i + 4)
+    # dp averages the replicas' gradients: each replica's loss is dp times its share
+    loss = pipe.train_step(ids[rows], mask[rows], labels[rows],
+                           next_token_loss(n_tokens.item() / layout.dp))
+    dist.all_reduce(loss, group=mesh["dp"].get_group())
+    torch.testing.assert_close(loss / layout.dp, ref_loss.detach(), **TOL)
+    check_grads(pipe.module, ref_model)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e-3)
+    torch.testing.assert_close(pipe.clip_grad_norm(1e-3, experts.ep), ref_norm, **TOL)
+    state = pipe.full_state()
+    assert set(state) == set(ref_model.state_dict())
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[name], value, **TOL, msg=name)
+
+
+def test_pp2_x_dp2_with_ep2_matches_single_process():
+    spawn(_pp_ep_body, 4)
 
 
 def _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels):

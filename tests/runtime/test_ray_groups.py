@@ -148,7 +148,7 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
 
 
 @pytest.mark.parametrize("algo, zero, dp, split", [("grpo", 3, 4, "tp=1"), ("ppo", 1, 2, "cp=2"),
-                                                  ("grpo", 2, 2, "tp=2")])
+                                                  ("grpo", 2, 2, "tp=2"), ("ppo", 2, 2, "pp=2")])
 def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero, dp,
                                                             split):
     """A built-in MoE model (4 routed experts, top 2, in every layer) trains on ranks that
@@ -156,7 +156,8 @@ def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo
     sharded by ZeRO: for GRPO on 4 ranks (two expert groups of 2, each expert's gradient
     summed over its 2 owners); for PPO on dp2 x cp2 at ZeRO-1 (each rank steps its own
     experts, which route the tokens of its sequence shard), its critic expert-parallel too;
-    for GRPO on dp2 x tp2, each expert's features split over the tp ranks of its owner.
+    for GRPO on dp2 x tp2, each expert's features split over the tp ranks of its owner; for
+    PPO in 2 pipeline stages of dp2, each stage's experts spread over its dp ranks.
     Generation, on its own rank, gets every expert by weight sync."""
     moe = [*tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe"]
     main(["train", *moe, f"run_dir={tmp_path / 'single'}"])

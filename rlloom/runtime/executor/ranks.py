@@ -33,8 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlloom.parallel.apply import make_optimizer, parallelize
-from rlloom.parallel.checkpointing import apply_activation_checkpointing
+from rlloom.parallel.apply import make_optimizer, parallelize, parallelize_pipeline
 from rlloom.parallel.context_parallel import apply_context_parallel
 from rlloom.parallel.data_parallel import apply_data_parallel, local_tensor
 from rlloom.parallel.expert_parallel import ExpertGroups, all_experts, is_expert_parameter
@@ -66,9 +65,13 @@ class Share:
     context: Any = None  # torch.distributed ProcessGroup of the cp ranks, None without cp
     experts: ExpertGroups | None = None  # the routed experts' groups, None without ep
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip `model`'s gradients by the whole model's norm; each rank's routed experts are
-        its own, so their squares are summed over the ep group."""
+    def clip_grad_norm(self, model: nn.Module | PipelinedModel, max_norm: float
+                       ) -> torch.Tensor:
+        """Clip `model`'s gradients by the whole model's norm (a pipeline's: every stage's);
+        each rank's routed experts are its own, so their squares are summed over the ep
+        group."""
+        if isinstance(model, PipelinedModel):
+            return model.clip_grad_norm(max_norm, self.experts.ep if self.experts else None)
         if self.experts is None:
             return clip_grad_norm(model.parameters(), max_norm)
         named = list(model.named_parameters())
@@ -224,28 +227,14 @@ class RankGroup:
         layout says so)."""
         mesh = self.mesh(layout)
         if layout.pp > 1:
-            return self._pipelined(model, layout, mesh, lr, **adamw)
+            pipe = parallelize_pipeline(model, layout, mesh, experts=self.experts(layout))
+            return pipe, make_optimizer(pipe.module, layout, mesh, lr, **adamw)
         if mesh is not None:
             # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would
             # change the log-probs PPO compares with the sampled ones
             parallelize(model, layout, mesh, mixed_precision=False,
                         experts=self.experts(layout))
         return model, make_optimizer(model, layout, mesh, lr, **adamw)
-
-    def _pipelined(self, model: nn.Module, layout: Layout, mesh: DeviceMesh, lr: float,
-                   **adamw: Any) -> tuple[PipelinedModel, torch.optim.Optimizer]:
-        """This rank's stage of `model` (activation checkpointing inside it, data parallel
-        over the stage's dp replicas) and the optimizer of the stage's parameters."""
-        validate_layout(layout, backbone_of(model).config, self.world)
-        if layout.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        pipe = PipelinedModel(model, mesh["pp"].get_group(),
-                              tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh),
-                              cp_group=_cp(mesh))
-        if layout.dp > 1:
-            apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
-                                layers=pipe.module.model.layers.values())
-        return pipe, make_optimizer(pipe.module, layout, mesh, lr, **adamw)
 
     def generating(self, model: nn.Module, layout: Layout) -> nn.Module:
         """A model that only generates, in `layout`: TP shards it; each data-parallel replica
@@ -267,13 +256,7 @@ class RankGroup:
             return model
         validate_layout(layout, backbone_of(model).config, self.world)
         if layout.pp > 1:
-            pipe = PipelinedModel(model, mesh["pp"].get_group(),
-                                  tied_group=_first_and_last_stages(mesh), tp_mesh=_tp(mesh),
-                                  cp_group=_cp(mesh))
-            if layout.dp > 1 and layout.zero == 3:
-                apply_data_parallel(pipe.module, mesh["dp"], 3, mixed_precision=False,
-                                    layers=pipe.module.model.layers.values())
-            return pipe
+            return parallelize_pipeline(model, layout, mesh, trains=False)
         if layout.cp > 1:
             apply_context_parallel(model, mesh["cp"].get_group())
         if layout.tp > 1:
@@ -301,31 +284,6 @@ def whole_weights(model: nn.Module | PipelinedModel, cpu: bool = False
                                                                  cpu_offload=cpu))
     experts = all_experts(model)  # each rank holds its own; cpu_offload leaves {} off rank 0
     return {**state, **experts} if state else state
-
-
-def _tp(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The tensor-parallel ranks of `mesh`, None when there are none to split over."""
-    return mesh["tp"] if mesh["tp"].size() > 1 else None
-
-
-def _cp(mesh: DeviceMesh) -> dist.ProcessGroup | None:
-    """The context-parallel ranks of `mesh`, None when there are none to split over."""
-    return mesh["cp"].get_group() if mesh["cp"].size() > 1 else None
-
-
-def _first_and_last_stages(mesh: DeviceMesh) -> dist.ProcessGroup | None:
-    """The process group of this rank's pipeline's first and last stage, for tied embeddings
-    (made by every rank, one per pipeline, in the same order; None on middle stages). With 2
-    stages the pipeline group is that pair already."""
-    pp = mesh["pp"].size()
-    if pp <= 2:
-        return None
-    mine = None
-    for ranks in mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist():  # one row per pipeline
-        group = dist.new_group([ranks[0], ranks[-1]])
-        if dist.get_rank() in (ranks[0], ranks[-1]):
-            mine = group
-    return mine
 
 
 def leave_world() -> None:

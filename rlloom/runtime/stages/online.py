@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from rlloom.algos.advantages import ADVANTAGES, AdvantageInputs
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
@@ -180,13 +181,11 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
             if isinstance(policy, PipelinedModel):
                 stats = pipelined_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                            budget, agree)
-                share.reduce(policy.module)
-                stats["grad_norm"] = policy.clip_grad_norm(cfg.train.grad_clip).item()
             else:
                 stats = policy_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                         budget, share_prompts, agree)
-                share.reduce(policy)
-                stats["grad_norm"] = share.clip_grad_norm(policy, cfg.train.grad_clip).item()
+            share.reduce(_module(policy))
+            stats["grad_norm"] = share.clip_grad_norm(policy, cfg.train.grad_clip).item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
@@ -194,13 +193,11 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                 if isinstance(critic, PipelinedModel):
                     stats["value_loss"] = pipelined_critic_backward(critic, exp, rows, norm, cfg,
                                                                     budget, agree)
-                    critic_share.reduce(critic.module)
-                    critic.clip_grad_norm(cfg.train.grad_clip)
                 else:
                     stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
                                                           agree)
-                    critic_share.reduce(critic)
-                    critic_share.clip_grad_norm(critic, cfg.train.grad_clip)
+                critic_share.reduce(_module(critic))
+                critic_share.clip_grad_norm(critic, cfg.train.grad_clip)
                 critic_optimizer.step()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -277,3 +274,8 @@ def behaviour_kl(exp: Experience) -> float:
     if exp.ref_logp is None:
         return 0.0
     return _mean(exp.samples.rollout.logprobs - exp.ref_logp, exp.samples.rollout.action_mask)
+
+
+def _module(model: nn.Module | PipelinedModel) -> nn.Module:
+    """What holds the parameters: the model, or this rank's stage of a pipeline."""
+    return model.module if isinstance(model, PipelinedModel) else model
