@@ -217,9 +217,6 @@ def lora_problems(layouts: dict[str, Layout]) -> list[str]:
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)
-    critic_copy = ("critic" in models and plan.actor_critic == "separate"
-                   and plan.placement != "colocated"
-                   and plan.reference == "apart")  # scored beside the reference
     for role, layout in plan.layouts.items():
         if layout.ep > 1 and (role not in TRAINABLE or layout.dp % layout.ep):
             problems.append(f"plan.layouts.{role}.ep={layout.ep}: the executor spreads the "
@@ -231,12 +228,11 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
             problems.append(f"plan.layouts.{role}.cp={layout.cp}: context parallelism shards "
                             "the sequences of teacher-forced passes (actor, critic, reference), "
                             "not generation's; set cp=1 here")
-        if layout.pp > 1 and (role not in TRAINABLE + ("reference",)
-                              or role == "reference" and critic_copy):
+        if layout.pp > 1 and role not in TRAINABLE + ("reference",):
             problems.append(f"plan.layouts.{role}.pp={layout.pp}: pipeline stages (with tp "
                             "and cp or not) run the actor (a shared actor-critic too), a "
-                            "separate critic and the reference (not a reference beside a "
-                            "synced critic copy); set pp=1 here")
+                            "separate critic and the reference (with a critic copy beside "
+                            "it); set pp=1 here")
     rollout = plan.layouts.get("rollout")
     if rollout is not None and rollout.zero:
         problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "

@@ -221,10 +221,8 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
 
     def top(role: str, n: int, with_gen: bool = False, rollout: bool = False) -> list[Layout]:
         shape = models[role] if role in models and models[role] else actor
-        # a pipelined reference, unless a synced critic copy is scored beside it
-        pipelined = role == "reference" and "critic" not in active
         return _top(role, shape, n, wl, hw, with_gen, rollout, cache, runnable=result.runnable,
-                    pipelined=pipelined)
+                    pipelined=role == "reference")
 
     def add(plan_kw: dict, choice: dict[str, list[Layout]], gen: list[Layout] | None) -> None:
         names = list(choice)

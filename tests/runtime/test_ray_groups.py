@@ -115,21 +115,23 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     _assert_same(single(algo, tiny), _rows(run))
 
 
-@pytest.mark.parametrize("plan", [
-    ["plan.placement=disaggregated", "plan.layouts.reference.pp=2"],
-    ["plan.placement=disaggregated", "plan.layouts.reference.cp=2"],
-    ["plan.placement=colocated", "plan.layouts.actor.dp=2", "plan.layouts.reference.pp=2",
-     "plan.layouts.rollout.tp=2"],
+@pytest.mark.parametrize("algo, plan", [
+    ("ppo", ["plan.placement=disaggregated", "plan.layouts.reference.pp=2"]),
+    ("ppo", ["plan.placement=disaggregated", "plan.layouts.reference.cp=2"]),
+    ("grpo", ["plan.placement=colocated", "plan.layouts.actor.dp=2",
+              "plan.layouts.reference.pp=2", "plan.layouts.rollout.tp=2"]),
 ])
-def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, plan):
+def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, algo, plan):
     """The frozen reference scores on 2 pipeline stages (a forward-only schedule, one layer
-    each, log-probs broadcast from the last stage to both): on a group of its own, and
-    colocated on the 2 ranks where the actor trains at dp2 and generates on a tp2 copy; or
-    on 2 ranks holding half of every sequence each (cp=2)."""
+    each, log-probs broadcast from the last stage to both): on a group of its own, beside
+    PPO's critic copy in the same 2 stages (each stage takes its layers from the whole
+    weights weight sync sends after every step), and colocated on the 2 ranks where the
+    actor trains at dp2 and generates on a tp2 copy; or on 2 ranks holding half of every
+    sequence each (cp=2), the critic copy too."""
     run = tmp_path / "ray"
-    main(["train", *tiny, "algo=grpo", *EXACT, *plan, f"run_dir={run}",
+    main(["train", *tiny, f"algo={algo}", *EXACT, *plan, f"run_dir={run}",
           "--worker-timeout", "300"])
-    _assert_same(single("grpo", tiny), _rows(run))
+    _assert_same(single(algo, tiny), _rows(run))
 
 
 def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(tmp_path,

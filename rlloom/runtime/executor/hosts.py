@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +36,7 @@ from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
 from rlloom.runtime.executor.policy import build_policy
 from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
-from rlloom.runtime.executor.weight_sync import ShadowModel
+from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import eval_problems, greedy_accuracy
@@ -110,10 +110,11 @@ class LiveModel:
             yield t.version, t.generator
 
 
-def _shadow(build: Callable[[], torch.nn.Module], ranks: RankGroup) -> ShadowModel:
+def _shadow(build: Callable[[], torch.nn.Module | PipelinedModel], ranks: RankGroup,
+            whole: Mapping[str, torch.Tensor] | None = None) -> ShadowModel:
     """A double-buffered copy; a sharded one is built twice (a deep copy of a sharded model
-    would share its meshes' state)."""
-    return ShadowModel(build(), twin=build() if ranks.world > 1 else None)
+    would share its meshes' state). `whole`: see `ShadowModel`."""
+    return ShadowModel(build(), twin=build() if ranks.world > 1 else None, whole=whole)
 
 
 class TrainingHost:
@@ -309,13 +310,16 @@ class AssessmentHost:
             else:  # a copy of the trainer's critic, refreshed by weight sync after each step
                 layout = model_layout(plan, group, "critic")
                 self.critic_share = ranks.share(layout)
+                whole: dict[str, torch.Tensor] = {}   # what the trainer sends: every tensor
 
-                def build() -> torch.nn.Module:
+                def build() -> torch.nn.Module | PipelinedModel:
                     policy = build_policy(cfg, model_path)
                     critic = (policy if isinstance(policy, ActorCritic)
                               else ValueModel.from_policy(policy))
+                    whole.update({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                                  for k, v in synced_state(critic).items()})
                     return ranks.frozen(critic.to(ranks.device), layout)
-                self.critic = _shadow(build, ranks)
+                self.critic = _shadow(build, ranks, whole)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         # step -> chunk -> (batch, ref_logp, values) of a fused schedule's assessed chunks
         self._chunks: dict[int, dict[int, tuple[Batch, torch.Tensor | None,

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlloom.models.lora import has_lora, trained_state
+from rlloom.parallel.pipeline import PipelinedModel
 
 
 class SyncTimeout(TimeoutError):
@@ -132,29 +133,35 @@ def synced_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class ShadowModel:
     """Two copies of a model behind a DoubleBuffer; `read()` lends the newest complete one.
     `twin` is the second copy when it cannot be deep-copied from the first (a sharded model
-    is built twice instead)."""
+    is built twice instead). A copy may be this rank's pipeline stage of the model: its
+    slots hold the stage's tensors, and `whole` names (with shapes and dtypes) every tensor
+    of the model a publish is taken from."""
 
-    def __init__(self, model: torch.nn.Module, version: int = 0,
-                 twin: torch.nn.Module | None = None) -> None:
+    def __init__(self, model: torch.nn.Module | PipelinedModel, version: int = 0,
+                 twin: torch.nn.Module | PipelinedModel | None = None,
+                 whole: Mapping[str, torch.Tensor] | None = None) -> None:
         self.models = (model, twin if twin is not None else copy.deepcopy(model))
-        for m in self.models:
+        held = [m.module if isinstance(m, PipelinedModel) else m for m in self.models]
+        for m in held:
             m.eval().requires_grad_(False)
         # state_dict() tensors share storage with the parameters and buffers; a LoRA model's
         # slots hold only its adapters (the base weights never change)
-        self.buffer = DoubleBuffer(tuple(synced_state(m) for m in self.models), version)
+        self.buffer = DoubleBuffer(tuple(synced_state(m) for m in held), version)
         self._index = {id(sd): i for i, sd in enumerate(self.buffer._slots)}
+        self._whole = whole
 
     @property
     def version(self) -> int:
         return self.buffer.version
 
     @property
-    def synced(self) -> dict[str, torch.Tensor]:
-        """The tensors a publish writes (names, shapes and dtypes of what to receive)."""
-        return self.buffer._slots[0]
+    def synced(self) -> Mapping[str, torch.Tensor]:
+        """The tensors a publish is taken from (names, shapes and dtypes of what to
+        receive)."""
+        return self._whole if self._whole is not None else self.buffer._slots[0]
 
     @contextmanager
-    def read(self) -> Iterator[tuple[int, torch.nn.Module]]:
+    def read(self) -> Iterator[tuple[int, torch.nn.Module | PipelinedModel]]:
         with self.buffer.read() as (version, slot):
             yield version, self.models[self._index[id(slot)]]
 
