@@ -3,16 +3,18 @@
 What each `Layout.zero` level maps to (over the `dp` mesh dimension):
 
 - zero=0: FSDP2's `replicate` (the DTensor-based DDP): full parameters, gradients and
-  optimizer state on every rank; gradients are all-reduced (averaged) during backward,
-  layer by layer.
+  optimizer state on every rank; gradients are all-reduced (averaged) during the step's
+  last backward, layer by layer (`before_backward`: earlier micro-batches accumulate
+  locally).
 - zero=1: the same `replicate` for parameters and gradients, plus `Zero1AdamW`, whose Adam
   moments are partitioned parameter-by-parameter across dp ranks: each rank steps the
   parameters it owns and broadcasts them (the scheme of torch's `ZeroRedundancyOptimizer`,
   which cannot broadcast the DTensor parameters that `replicate` and TP produce).
 - zero=2: `fully_shard(reshard_after_forward=False)` (FSDP's SHARD_GRAD_OP): gradients are
-  reduce-scattered and the optimizer steps a 1/dp shard. Parameters are all-gathered once
-  per step and kept unsharded from forward through backward (no re-gather in backward);
-  between steps they rest sharded, so at rest this saves as much memory as ZeRO-3.
+  reduce-scattered in every backward (they stay sharded) and the optimizer steps a 1/dp
+  shard. Parameters are all-gathered once per step and kept unsharded from the first
+  forward through the last backward (`before_backward`); between steps they rest sharded,
+  so at rest this saves as much memory as ZeRO-3.
 - zero=3: `fully_shard(reshard_after_forward=True)` (FULL_SHARD): parameters are freed after
   each layer's forward and all-gathered again for its backward.
 
@@ -26,15 +28,17 @@ collectives of one layer overlap the computation of the next.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
+    FSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
     register_fsdp_forward_method,
@@ -46,6 +50,8 @@ from rlloom.parallel.tensor_parallel import backbone_of
 # Calling submodules directly (e.g. `critic.score(critic.model(x))`) bypasses the root's hooks
 # and is wrong under data parallelism: call the model itself or one of these.
 FORWARD_METHODS = ("logits_and_values", "values")
+# the ZeRO stage each data-parallel root was wrapped at (`before_backward` reads it)
+_ZERO: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def mixed_precision_policy(device_type: str, enabled: bool | None = None
@@ -94,7 +100,24 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero: int,
     for method in FORWARD_METHODS:
         if callable(getattr(model, method, None)):
             register_fsdp_forward_method(model, method)
+    _ZERO[model] = zero
     return model
+
+
+def before_backward(model: nn.Module, last: bool) -> None:
+    """Call before each backward of an optimizer step that runs several (one per
+    micro-batch); `last` for the step's final one. Replicas (ZeRO 0/1) then all-reduce
+    gradients once a step, in the last backward, accumulating locally before; ZeRO-2 keeps
+    its gathered parameters until the last backward, so they are gathered once a step
+    (its gradients are reduce-scattered in every backward, to stay sharded). ZeRO-3
+    gathers and frees per pass, as it shards to save memory. A no-op without dp."""
+    zero = _ZERO.get(model)
+    if zero is None:
+        return
+    if zero <= 1 and isinstance(model, ReplicateModule):
+        model.set_requires_gradient_sync(last)
+    elif zero == 2 and isinstance(model, FSDPModule):
+        model.set_reshard_after_backward(last)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

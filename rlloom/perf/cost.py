@@ -556,9 +556,11 @@ def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:
 
 def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int,
              lora_rank: int = 0) -> float:
-    """Per optimizer step. ZeRO-0/1: all-reduce bf16 gradients; ZeRO-2: reduce-scatter them and
-    all-gather updated parameters; ZeRO-3: per micro-batch, all-gather parameters for forward
-    and backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
+    """Per optimizer step, as the runtime's `data_parallel.before_backward` runs it. ZeRO-0/1:
+    all-reduce bf16 gradients once, in the last micro-batch's backward; ZeRO-2: all-gather
+    the parameters once and reduce-scatter the gradients in every micro-batch's backward
+    (they stay sharded); ZeRO-3: per micro-batch, all-gather parameters for forward and
+    backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
     change; ZeRO-3 still gathers the frozen weights for forward and backward.
     `_exposed_dp` takes off what compute hides. Routed experts under expert parallelism are
     not ZeRO-sharded: their gradients are all-reduced over the dp / ep ranks owning the same
@@ -571,8 +573,9 @@ def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int
     grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
     if layout.zero <= 1:
         return owners + comm.all_reduce(hw, dp, span, grads)
-    if layout.zero == 2:
-        return owners + 2 * comm.gather_or_scatter(hw, dp, span, grads)
+    if layout.zero == 2:  # gathered once a step, kept to the last micro-batch's backward
+        return (owners + comm.gather_or_scatter(hw, dp, span, weights)
+                + micro_batches * comm.gather_or_scatter(hw, dp, span, grads))
     if lora_rank:
         return micro_batches * (2 * comm.gather_or_scatter(hw, dp, span, weights)
                                 + comm.gather_or_scatter(hw, dp, span, grads))

@@ -75,7 +75,7 @@ def test_expert_parallel_is_searched_for_moe_models():
     moe = MODELS["qwen3-30b-a3b"]
     cands = layouts(16, moe, H100, trainable=True)
     assert {x.ep for x in cands} == {1, 2, 4, 8, 16}
-    assert all(moe.n_experts % x.ep == 0 and (x.dp * x.cp) % x.ep == 0 for x in cands)
+    assert all(moe.n_experts % x.ep == 0 and x.dp % x.ep == 0 for x in cands)
     assert {x.ep for x in layouts(16, Q7, H100, trainable=True)} == {1}  # dense: no experts
     ranked = search(moe, "grpo", LONG, H100, 64).ranked
     assert any(p.plan.layout("actor").ep > 1 for p in ranked)
@@ -99,6 +99,19 @@ def test_routed_experts_are_priced_as_the_runtime_holds_them():
     rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=8)) - experts / 8)
     assert cost._dp_comm(moe, Layout(dp=8, ep=8, zero=2), H100, 1) == pytest.approx(
         2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))  # one owner each: no all-reduce
+
+
+def test_data_parallel_collectives_per_step_are_those_the_runtime_issues():
+    """`data_parallel.before_backward`: over 4 micro-batches ZeRO-0/1 all-reduce the
+    gradients once; ZeRO-2 gathers the parameters once and reduce-scatters the gradients in
+    each of the 4 backwards; ZeRO-3 gathers twice and scatters once per micro-batch."""
+    grads = mem.GRAD_B * mem.params_per_device(Q7, Layout(dp=8))
+    gs = cost.comm.gather_or_scatter(H100, 8, 8, grads)
+    for zero in (0, 1):
+        assert cost._dp_comm(Q7, Layout(dp=8, zero=zero), H100, 4) == pytest.approx(
+            cost.comm.all_reduce(H100, 8, 8, grads))
+    assert cost._dp_comm(Q7, Layout(dp=8, zero=2), H100, 4) == pytest.approx(5 * gs)
+    assert cost._dp_comm(Q7, Layout(dp=8, zero=3), H100, 4) == pytest.approx(12 * gs)
 
 
 def test_context_parallel_is_searched():

@@ -25,7 +25,7 @@ def test_the_planners_64_gpu_plan_passes_the_executors_checks(tmp_path, capsys):
           "--hardware", "h100"])
     out = capsys.readouterr().out
     assert "runs on Ray: all (64 ranks)" in out
-    assert "actor pp=1 dp=32 cp=2 tp=1 ep=1 zero=2" in out and "generation pp=1 dp=16" in out
+    assert "actor pp=1 dp=32 cp=1 tp=2 ep=1 zero=1" in out and "generation pp=1 dp=16" in out
     assert "resources: 64 ranks, 64 CPUs" in out and "memory per device on h100" in out
     assert "dry run: every check passed" in out
     assert not (tmp_path / "run").exists()

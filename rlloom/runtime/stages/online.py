@@ -17,6 +17,7 @@ from rlloom.algos.value import value_loss
 from rlloom.config import RunConfig
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
+from rlloom.parallel.data_parallel import before_backward
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.executor.ranks import RankGroup, Share
@@ -227,10 +228,11 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     # chunk's responses are done
     chunks = (prompt_chunks(r.select(idx), micro_batch_tokens) if share_prompts
               else [torch.arange(len(idx), device=idx.device)])
-    for chunk in chunks:
+    for c, chunk in enumerate(chunks):
         sub = idx[chunk]
         prompts = SharedPrompts(policy, r.select(sub), train=True) if share_prompts else None
-        for part, rows, mb, t in micro_rows(exp, sub, micro_batch_tokens, share_prompts, agree):
+        parts = list(micro_rows(exp, sub, micro_batch_tokens, share_prompts, agree))
+        for j, (part, rows, mb, t) in enumerate(parts):
             mask = exp.loss_mask[rows, :t]
             logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
                                                       with_entropy=True, prompts=prompts, rows=part)
@@ -242,9 +244,12 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
                                a.value_clip), mask, norm)
                 loss = loss + a.vf_coef * vloss
                 sums["value_loss"] += vloss.item()
+            before_backward(policy, last=prompts is None and c == len(chunks) - 1
+                            and j == len(parts) - 1)
             loss.backward()
             sums["loss"] += loss.item()
         if prompts is not None:
+            before_backward(policy, last=c == len(chunks) - 1)
             prompts.backward()
     return objective.means(sums)
 
@@ -255,11 +260,13 @@ def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm
     """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
     aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
     total = 0.0
-    for _, rows, mb, t in micro_rows(exp, idx, micro_batch_tokens, agree=agree):
+    parts = list(micro_rows(exp, idx, micro_batch_tokens, agree=agree))
+    for j, (_, rows, mb, t) in enumerate(parts):
         mask = exp.loss_mask[rows, :t]
         vloss = aggregate(value_loss(response_values(critic, mb), exp.old_values[rows, :t],
                                      exp.returns[rows, :t], mask, cfg.algo.value_clip),
                           mask, norm)
+        before_backward(critic, last=j == len(parts) - 1)
         vloss.backward()
         total += vloss.item()
     return total
