@@ -8,7 +8,6 @@ same run with the deferral and with a reduction in every backward.
 from collections import Counter
 
 import pytest
-import torch
 import torch.distributed as dist
 from harness import batch, full, loss_sum, n_tokens, reference_step, spawn, tiny_model
 
