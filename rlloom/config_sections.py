@@ -137,10 +137,15 @@ class RolloutSection(Strict):
                                 "next step and continued under its weights (its tokens keep "
                                 "their own log-probs and versions); must divide "
                                 "max_new_tokens; 0 = off")
-    engine: Literal["rlloom", "plain"] = Field(
+    engine: Literal["rlloom", "plain", "vllm"] = Field(
         "rlloom", description="sampler: rlloom's engine (prefix sharing, continuous batching; "
-        "unsharded models) or plain (one batched decode loop, what a tensor-parallel "
-        "generation layout runs; the one-process twin of such a layout)")
+        "unsharded models), plain (one batched decode loop, what a tensor-parallel "
+        "generation layout runs; the one-process twin of such a layout) or vllm (a vLLM "
+        "server in its own environment, fed the policy's weights after every step; "
+        "docs/vllm.md)")
+    vllm_python: str = Field("", description="rollout.engine=vllm: the Python of the "
+                             "environment vLLM is installed in (empty: RLLOOM_VLLM_PYTHON, "
+                             "else what `rlloom setup vllm` installed, else this one)")
     tools: list[str] = Field([], description="tools the policy may call in a multi-turn "
                              "rollout: calculator, python (run in the sandbox), or "
                              "module.path:function / file.py:function taking the call's "

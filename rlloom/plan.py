@@ -214,6 +214,17 @@ def lora_problems(layouts: dict[str, Layout]) -> list[str]:
             "(with any ZeRO stage) and cp there"]
 
 
+def engine_problems(engine: str, plan: Plan) -> list[str]:
+    """Why `rollout.engine` cannot generate in the plan's generation layout (empty when it
+    can): vLLM's server holds a whole copy of the policy per generation replica. The
+    runtime and the planner both ask."""
+    if engine == "vllm" and generation_layout(plan).tp > 1:
+        return ["rollout.engine=vllm runs whole copies of the policy; a tensor-parallel "
+                "generation layout runs on rlloom's engine: set the rollout (or actor) "
+                "layout's tp=1, or rollout.engine=rlloom"]
+    return []
+
+
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
     """Why the executor cannot run this plan's placement and layouts (empty when it can)."""
     problems = placement_problems(plan, models)

@@ -20,6 +20,7 @@ from rlloom.perf.workload import Workload
 from rlloom.plan import Layout
 
 ENGINE_POINTS = 2048  # rollouts simulated one by one per replica; beyond, each stands for several
+VLLM_MAX_SEQS = 256  # vLLM's default max_num_seqs (what rollout.engine=vllm starts it with)
 PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (rollout.engine.EngineConfig)
 # Operators dispatched by rlloom's runtime, per decoder layer and per call (counted with a
 # TorchDispatchMode on rlloom's own model; tests/perf/test_validate.py recounts them). They
@@ -134,14 +135,23 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
                kv_budget: float, role: str = "actor") -> StageCost:
     """Generation as rlloom's engine runs it (rollout/engine.py): continuous batching over
     KV slots sized at the longest context, as many per replica as `kv_budget` bytes per
-    device hold (capped by `wl.max_batch`); a finished slot takes the next rollout before the
+    device hold (capped by `wl.max_batch`; on vLLM, `wl.engine`, at the mean context,
+    paged, and at most VLLM_MAX_SEQS); a finished slot takes the next rollout before the
     next decode step, and a prompt is prefilled once for its K samples when its first sample
     is admitted (`engine_schedule`). Each decode step is bound by compute or by reading
     weights + live KV, plus communication and operator dispatch."""
     per_replica = math.ceil(wl.rollouts / layout.dp)
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
-    concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one),
-                     wl.max_batch or per_replica)
+    cap = wl.max_batch or per_replica
+    if wl.engine == "vllm":
+        # paged: a rollout holds the blocks it has filled, on average its mean context, and
+        # the longest one must fit alone (vLLM preempts and recomputes the rest meanwhile;
+        # not priced)
+        if kv_one > max(kv_budget, 0):
+            return _infeasible("generation", role, kv_one)
+        kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.mean_context)
+        cap = min(cap, VLLM_MAX_SEQS)
+    concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one), cap)
     if concurrent < 1:
         return _infeasible("generation", role, kv_one)
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over

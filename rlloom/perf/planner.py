@@ -25,7 +25,7 @@ from rlloom.perf.compose import TRAINABLE, Priced, price, role_models
 from rlloom.perf.hardware import Hardware
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
-from rlloom.plan import Layout, Plan, lora_problems, runnable_problems
+from rlloom.plan import Layout, Plan, engine_problems, lora_problems, runnable_problems
 
 TOP_K = 4
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -47,9 +47,11 @@ class Search:
         if self.runnable:
             models = tuple(r for r in p.plan.layouts if r != "rollout")
             problems += runnable_problems(p.plan, models)
+            gen = {"rollout": p.gen_layout} if p.gen_layout is not None else {}
             if p.workload.lora_rank:
-                gen = {"rollout": p.gen_layout} if p.gen_layout is not None else {}
                 problems += lora_problems({**p.plan.layouts, **gen})
+            problems += engine_problems(p.workload.engine, p.plan.model_copy(
+                update={"layouts": {**p.plan.layouts, **gen}}))
         if not problems:
             self.ranked.append(p)
         else:

@@ -69,6 +69,7 @@ class Request:
     turns: int = 1  # model turns per rollout, each but the last calling a tool
     tool_latency: tuple[float, float] = (0.0, 0.0)  # a tool call's p50 and p99 seconds
     tool_result: int = 0  # tokens a tool's result inserts into the response
+    engine: str = "rlloom"  # rollout.engine: rlloom or vllm
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -84,7 +85,7 @@ class Request:
                         policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"),
                         partial_tokens=self.partial_rollout, lora_rank=self.lora,
                         turns=self.turns, tool_latency=_latency(*self.tool_latency),
-                        tool_result_len=self.tool_result)
+                        tool_result_len=self.tool_result, engine=self.engine)
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
@@ -122,6 +123,8 @@ def plan_file(p: Priced, title: str) -> str:
         chunk = wl.partial_tokens
         config["rollout"] = {"partial_tokens": chunk,
                              "max_new_tokens": math.ceil(wl.response.max / chunk) * chunk}
+    if wl.engine == "vllm":
+        config.setdefault("rollout", {})["engine"] = "vllm"
     if wl.lora_rank:
         config["model"] = {"lora": {"rank": wl.lora_rank}}
     body = yaml.safe_dump(config, sort_keys=False)

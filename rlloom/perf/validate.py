@@ -69,6 +69,7 @@ def step_workload(row: dict, cfg: RunConfig) -> Workload:
                     dtype=run_dtype(cfg),
                     micro_batch_tokens=cfg.train.micro_batch_tokens,
                     max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
+                    engine="vllm" if cfg.rollout.engine == "vllm" else "rlloom",
                     partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank)
 
 

@@ -122,6 +122,10 @@ class Workload:
     # the engine's KV slots per generation replica (`rollout.max_batch`); 0: as many as the
     # memory left after the model state holds
     max_batch: int = 0
+    # the generation engine (`rollout.engine`): rlloom's holds a slot of the longest context
+    # per rollout; vLLM's paged cache holds the blocks a rollout has filled, up to
+    # VLLM_MAX_SEQS rollouts at once
+    engine: Literal["rlloom", "vllm"] = "rlloom"
     policy_loss: str = "ppo"  # the algorithm's loss (stale samples of ppo losses are corrected)
     # partial rollouts (`rollout.partial_tokens`): tokens a response generates per step before
     # it is carried to the next; 0 = off

@@ -146,3 +146,24 @@ def test_epochs_and_minibatches_reach_the_workload():
                            zero_dp, "actor").comm_s for n in (1, 2)}
     both = cost.training(Q7, Layout(dp=64, zero=1), wl, zero_dp, "actor").comm_s
     assert both == pytest.approx(8 * ar[1]) and ar[2] == pytest.approx(2 * ar[1])
+
+
+def test_vllm_generation_is_priced_paged_and_searched_on_whole_copies():
+    """rollout.engine=vllm: a rollout holds the KV blocks it has filled (on average its mean
+    context; the longest must fit alone), at most VLLM_MAX_SEQS at once, where rlloom's
+    engine reserves a slot of the longest context; and the planner ranks only generation
+    layouts without tp, which the vLLM server runs (plan.engine_problems)."""
+    wl = Workload(64, 8, 512, Lengths("lognormal", 2048, 16384))
+    on_vllm = replace(wl, engine="vllm")
+    x, budget = Layout(), 40 * 2**30
+    slot = mem.kv_bytes_per_rollout(Q7, x, wl.max_context)
+    paged = mem.kv_bytes_per_rollout(Q7, x, wl.mean_context)
+    assert int(budget // slot) < int(budget // paged) < 512
+    assert cost.generation(Q7, x, wl, H100, budget).note.startswith(
+        f"{int(budget // slot)} of 512 rollouts")
+    assert cost.generation(Q7, x, on_vllm, H100, budget).note.startswith(
+        f"{min(cost.VLLM_MAX_SEQS, int(budget // paged))} of 512 rollouts")
+    assert cost.generation(Q7, x, on_vllm, H100, slot / 2).seconds == float("inf")
+    found = search(Q7, "grpo", replace(LONG, engine="vllm"), H100, 8)
+    assert found.ranked
+    assert all((p.gen_layout or p.plan.layout("actor")).tp == 1 for p in found.ranked)

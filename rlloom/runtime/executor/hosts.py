@@ -40,7 +40,13 @@ from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import eval_problems, greedy_accuracy
-from rlloom.runtime.stages.generation import Rewarder, Samples, generate_group, greedy_baseline
+from rlloom.runtime.stages.generation import (
+    Rewarder,
+    Samples,
+    engine_syncs,
+    generate_group,
+    greedy_baseline,
+)
 from rlloom.runtime.stages.offline import preference_step
 from rlloom.runtime.stages.online import Experience, assess_from, behaviour_kl, optimise, scores
 from rlloom.runtime.stages.pipelined import pipelined_logprobs
@@ -266,7 +272,9 @@ class GenerationHost:
                             if self.greedy else None)
         batch = Batch(samples.to("cpu"), None if baseline is None else baseline.cpu(), version)
         tokens = samples.rollout.response_lengths.sum().item()
+        sync_s, sync_bytes = engine_syncs()  # a vLLM server's reloads of new weights
         return batch, {
+            "engine_sync_s": sync_s, "engine_sync_bytes": sync_bytes,
             "version": version, "gen_s": span["seconds"] - samples.score_s,
             "score_s": samples.score_s, "rollouts": len(samples.scores), "tokens": tokens,
             "token_version": version if samples.version_sum is None

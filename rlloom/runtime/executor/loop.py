@@ -297,6 +297,8 @@ class StepLoop:
         ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
         stats = self._get(stats, "training", step, train)
         sync_s, sync_bytes = self._sync(step)
+        sync_s += sum(i["engine_sync_s"] for i in infos)
+        sync_bytes += sum(i["engine_sync_bytes"] for i in infos)
         lags: dict[str, int] = {}
         for info in infos:
             lag = str(step - 1 - info["version"])

@@ -4,6 +4,7 @@ and the sampling of a step's groups on a generation group's ranks, with dynamic 
 partial rollouts and ReMax's greedy baseline."""
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,6 +31,8 @@ from rlloom.rollout.partial import PartialPool
 from rlloom.rollout.partial_rule import partial_step
 from rlloom.rollout.sampling import SamplingParams, StopMatcher
 from rlloom.rollout.tools import CALL_END
+from rlloom.rollout.vllm_engine import VLLMEngine
+from rlloom.rollout.vllm_env import resolve_python
 from rlloom.runtime.device import kv_budget_bytes, model_device
 from rlloom.runtime.executor.ranks import RankGroup, Share
 from rlloom.runtime.stages.batch import (
@@ -189,6 +192,15 @@ def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list
              n_samples: int, dialogue: Dialogue | None = None) -> Rollout:
     r = cfg.rollout
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if r.engine == "vllm":
+        engine = vllm_engine(policy, tokenizer, cfg)
+
+        def on_vllm(rows: list[list[int]], room: int) -> Rollout:
+            return engine.generate(rows, replace(params, max_new_tokens=room), eos, pad,
+                                   generator)
+        if dialogue is not None:
+            return dialogue.converse(on_vllm, prompts, pad)
+        return on_vllm(prompts, params.max_new_tokens)
     if r.engine == "plain":
         def turn(rows: list[list[int]], room: int) -> Rollout:
             return generate(policy, rows, replace(params, max_new_tokens=room), eos, pad,
@@ -201,6 +213,31 @@ def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list
                           kv_budget_bytes=kv_budget_bytes(model_device(policy)))
     return engine_generate(policy, prompts, params, eos, pad, generator, engine,
                            tokenizer.decode, dialogue)
+
+
+_VLLM: list[VLLMEngine] = []   # this process's vLLM server, once started
+
+
+def vllm_engine(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, cfg: RunConfig
+                ) -> VLLMEngine:
+    """This process's vLLM server (started on first use, closed at exit), generating with
+    `policy`'s weights: the model a call passes, whichever copy of the weights it is."""
+    if not _VLLM:
+        r = cfg.rollout
+        engine = VLLMEngine(policy, tokenizer, resolve_python(r.vllm_python), r.temperature,
+                            max_model_len=policy.config.max_position_embeddings,
+                            max_num_seqs=r.max_batch or 256, seed=cfg.seed)
+        atexit.register(engine.close)
+        _VLLM.append(engine)
+    _VLLM[0].policy = policy
+    return _VLLM[0]
+
+
+def engine_syncs() -> tuple[float, int]:
+    """Seconds and bytes of the weight reloads this process's vLLM server took since the
+    last call (zeros without vLLM)."""
+    records = _VLLM[0].take_syncs() if _VLLM else []
+    return sum(r.seconds for r in records), sum(r.bytes for r in records)
 
 
 def respond(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],

