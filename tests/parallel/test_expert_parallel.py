@@ -115,15 +115,21 @@ def test_ep2_rank_that_receives_no_tokens():
     spawn(_idle_rank_body, 2)
 
 
+def _reference():
+    """The batch, its token count and the one process's model, its backward done."""
+    ids, mask, labels = batch()
+    n_tokens = (labels != -100).sum()
+    ref = tiny_moe()
+    loss_of(ref(ids, mask), labels, n_tokens).backward()
+    return ids, mask, labels, n_tokens, ref
+
+
 def _ep_below_dp_body():
     """dp=4, ep=2, ZeRO-2: ranks {0, 1} and {2, 3} each hold all 4 experts, 2 a rank; each rank
     trains on its own row; summed over the two replicas, each expert's gradient is the one
     process's, as are the FSDP-averaged gradients of everything else."""
     rank = dist.get_rank()
-    ids, mask, labels = batch()
-    n_tokens = (labels != -100).sum()
-    ref = tiny_moe()
-    loss_of(ref(ids, mask), labels, n_tokens).backward()
+    ids, mask, labels, n_tokens, ref = _reference()
     layout = Layout(dp=4, ep=2, zero=2)
     mesh = build_mesh(layout)
     experts = ExpertGroups.of(mesh, 2)
@@ -148,10 +154,7 @@ def _ep_cp_body():
     of its cp ranks, experts spread over the dp ranks at each cp coordinate (each expert's
     owners in the two cp ranks route different tokens to it), logits gathered back whole,
     gradients averaged over the cp group."""
-    ids, mask, labels = batch()
-    n_tokens = (labels != -100).sum()
-    ref = tiny_moe()
-    loss_of(ref(ids, mask), labels, n_tokens).backward()
+    ids, mask, labels, n_tokens, ref = _reference()
     layout = Layout(dp=2, cp=2, ep=2)
     mesh = build_mesh(layout)
     model = parallelize(tiny_moe(), layout, mesh, mixed_precision=False)
