@@ -581,8 +581,9 @@ def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int
               if experts and dp > layout.ep else 0.0)
     weights = mem.GRAD_B * mem.params_per_device(shape, layout) - experts
     grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
-    if layout.zero <= 1:
-        return owners + comm.all_reduce(hw, dp, span, grads)
+    if layout.zero <= 1:  # replicate all-reduces each wrapped module's gradients
+        wrapped = (shape.layers / layout.pp + 1) if dp > 1 else 0
+        return owners + max(comm.all_reduce(hw, dp, span, grads), hw.reduce_s * wrapped)
     if layout.zero == 2:  # gathered once a step, kept to the last micro-batch's backward
         return (owners + comm.gather_or_scatter(hw, dp, span, weights)
                 + micro_batches * comm.gather_or_scatter(hw, dp, span, grads))

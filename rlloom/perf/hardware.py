@@ -43,6 +43,11 @@ class Hardware:
     # one wrapped module (a decoder layer, the root) per forward and backward of a micro-batch.
     sharded_launch_s: float = 0.0
     wrapped_pass_s: float = 0.0
+    # `reduce_s`: one wrapped module's gradient all-reduce (ZeRO 0/1) as replicate issues it
+    # from its backward hook while the other ranks compute too; a floor under the link
+    # model's price of it. On a 2-core CPU, gloo's all-reduce of a layer's gradients there
+    # takes milliseconds where idle ranks take 0.1 ms. 0 in the catalogue.
+    reduce_s: float = 0.0
     # Share of the data-parallel collectives (FSDP2's parameter all-gathers and gradient
     # reduce-scatters, replicate's all-reduce) that runs under the layers' compute. FSDP2
     # prefetches the next layer's gather and reduces a layer's gradients while the backward

@@ -137,6 +137,49 @@ def wrapper_seconds() -> tuple[float, float]:
         return out["wrapped_pass_s"], out["sharded_launch_s"]
 
 
+def _reduce_worker(rank: int, port: int, out: dict) -> None:
+    """Two gloo processes training `_dispatch_model` under replicate, both at once: the
+    added time of a backward that all-reduces the gradients over one that does not, per
+    wrapped module."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model, ids, _ = _dispatch_model()
+        modules = [*model.model.layers, model]
+        mesh = init_device_mesh("cpu", (2,))
+        for module in modules:
+            replicate(module, mesh=mesh)
+
+        def pass_() -> None:
+            model(ids).float().sum().backward()
+        timed = []
+        for sync in (True, False):
+            model.set_requires_gradient_sync(sync)
+            pass_()
+            dist.barrier()
+            timed.append(_best_seconds(pass_, min_time=0.2))
+        if rank == 0:
+            out["reduce_s"] = max(timed[0] - timed[1], 0.0) / len(modules)
+    finally:
+        dist.destroy_process_group()
+
+
+def reduce_seconds() -> float:
+    """Seconds of one wrapped module's gradient all-reduce under replicate, two ranks busy
+    (see `_reduce_worker`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_reduce_worker, args=(port, out), nprocs=2)
+        return out["reduce_s"]
+
+
 def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -176,6 +219,8 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     progress("gloo all-reduce between 2 processes ...")
     small, large = 4, 16 * 2**20
     times = all_reduce_times([small, large])
+    progress("gradient all-reduce from replicate's hooks, 2 ranks busy ...")
+    reduce = reduce_seconds()
     # A 2-process ring all-reduce sends n/2 bytes twice: alpha from the tiny message, the
     # bandwidth from the large one net of that latency.
     alpha = times[small] / 2
@@ -185,7 +230,7 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
                     intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
                     intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
                     mem_eff=1.0, comm_eff=1.0, launch_s=launch, sharded_launch_s=sharded,
-                    wrapped_pass_s=wrapped,
+                    wrapped_pass_s=wrapped, reduce_s=reduce,
                     extra={"threads": float(torch.get_num_threads()),
                            "cpus": float(os.cpu_count() or 1)})
 
@@ -198,7 +243,8 @@ def bench_hw(out: Path | None = None) -> str:
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
             f"operator dispatch {hw.launch_s * 1e6:.1f} us, FSDP2 wrappers "
             f"{hw.wrapped_pass_s * 1e6:.0f} us per module per forward + backward and "
-            f"+{hw.sharded_launch_s * 1e6:.1f} us per optimizer operator, gloo all-reduce "
+            f"+{hw.sharded_launch_s * 1e6:.1f} us per optimizer operator, "
+            f"{hw.reduce_s * 1e6:.0f} us per module's gradient all-reduce, gloo all-reduce "
             "latency "
             f"{hw.intra_node_latency * 1e6:.0f} us and {hw.intra_node_bw / 1e9:.2f} GB/s\n"
             f"saved {path} (use it as --gpus NxLOCAL or `rlloom perf validate`); its "

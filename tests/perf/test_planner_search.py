@@ -112,6 +112,13 @@ def test_data_parallel_collectives_per_step_are_those_the_runtime_issues():
             cost.comm.all_reduce(H100, 8, 8, grads))
     assert cost._dp_comm(Q7, Layout(dp=8, zero=2), H100, 4) == pytest.approx(5 * gs)
     assert cost._dp_comm(Q7, Layout(dp=8, zero=3), H100, 4) == pytest.approx(12 * gs)
+    # a machine whose replicate all-reduce costs 50 ms a wrapped module under load
+    # (`Hardware.reduce_s`, measured by `rlloom bench hw`): the floor over 28 layers + root
+    slow = replace(H100, reduce_s=0.05)
+    assert cost._dp_comm(Q7, Layout(dp=8), slow, 4) == pytest.approx(0.05 * 29)
+    assert cost._dp_comm(Q7, Layout(dp=8), replace(H100, reduce_s=1e-9), 4) == pytest.approx(
+        cost.comm.all_reduce(H100, 8, 8, grads))       # the link model when it is larger
+    assert cost._dp_comm(Q7, Layout(), slow, 4) == 0.0   # one rank reduces nothing
 
 
 def test_context_parallel_is_searched():
