@@ -6,7 +6,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -128,13 +128,8 @@ def _wrapper_worker(rank: int, port: int, out: dict) -> None:
 def wrapper_seconds() -> tuple[float, float]:
     """(seconds per wrapped module per forward + backward, added seconds per optimizer-step
     operator) of FSDP2's data-parallel wrappers (see `_wrapper_worker`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_wrapper_worker, args=(port, out), nprocs=1)
-        return out["wrapped_pass_s"], out["sharded_launch_s"]
+    out = _spawned(_wrapper_worker, 1)
+    return out["wrapped_pass_s"], out["sharded_launch_s"]
 
 
 def _reduce_worker(rank: int, port: int, out: dict) -> None:
@@ -171,13 +166,7 @@ def _reduce_worker(rank: int, port: int, out: dict) -> None:
 def reduce_seconds() -> float:
     """Seconds of one wrapped module's gradient all-reduce under replicate, two ranks busy
     (see `_reduce_worker`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_reduce_worker, args=(port, out), nprocs=2)
-        return out["reduce_s"]
+    return _spawned(_reduce_worker, 2)["reduce_s"]
 
 
 def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> None:
@@ -196,12 +185,18 @@ def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> Non
 
 def all_reduce_times(sizes: list[int]) -> dict[int, float]:
     """Seconds per gloo all-reduce between two local processes, by message bytes."""
+    return _spawned(_all_reduce_worker, 2, sizes)
+
+
+def _spawned(worker: Callable[..., None], nprocs: int, *args: Any) -> dict:
+    """What `worker(rank, port, *args, out)` put in `out`, run in `nprocs` processes that
+    meet at a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_all_reduce_worker, args=(port, sizes, out), nprocs=2)
+        mp.spawn(worker, args=(port, *args, out), nprocs=nprocs)
         return dict(out)
 
 
