@@ -21,7 +21,7 @@ import torch
 from rlloom.config import load_config
 from rlloom.data.synthetic import generate
 from rlloom.models.hf_io import load_model, load_tokenizer
-from rlloom.perf import cost
+from rlloom.perf import cost, engine_schedule
 from rlloom.perf.hardware import hardware
 from rlloom.perf.shapes import model_shape
 from rlloom.perf.workload import Lengths, Workload
@@ -74,7 +74,7 @@ def main() -> None:
         wl = Workload(a.prompts, a.samples, round(sum(map(len, prompts)) / len(prompts)),
                       Lengths.empirical(lengths), dtype="fp32", max_batch=slots)
         priced = cost.generation(shape, Layout(), wl, hw, hw.mem_bytes)  # KV fits: a CPU
-        sched = cost.engine_schedule(cost._queue_lengths(wl, len(prompts)),
+        sched = engine_schedule.engine_schedule(engine_schedule.queue_lengths(wl, len(prompts)),
                                      slots or len(prompts), a.samples)
         rows.append((slots or len(prompts), steps["n"], best, sched.decode_steps,
                      priced.seconds))

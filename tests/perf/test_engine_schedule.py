@@ -1,12 +1,12 @@
 """Generation is priced as the engine runs it: continuous batching over KV slots, prefills at
-admission (`cost.engine_schedule`), checked against the engine's own decode steps, and the
+admission (`perf.engine_schedule`), checked against the engine's own decode steps, and the
 long tail kept at any concurrency."""
 import pytest
 import torch
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.perf import cost
+from rlloom.perf import cost, engine_schedule
 from rlloom.perf.hardware import hardware
 from rlloom.perf.shapes import model_shape
 from rlloom.perf.workload import Lengths, Workload
@@ -25,7 +25,7 @@ def test_engine_schedule_by_hand():
     prefill round; one step ends 2 and 3 takes its slot (its prompt is prefilled already);
     one more step ends 0; 3 decodes alone for 2 steps. Decode steps make the 10 - 4 tokens
     the prefills did not."""
-    s = cost.engine_schedule([3, 1, 2, 4], slots=2, samples=2)
+    s = engine_schedule.engine_schedule([3, 1, 2, 4], slots=2, samples=2)
     assert s.segments == ((1, 2, 2), (1, 2, 3), (2, 1, 2))
     assert s.prefills == (1, 1)
     assert s.decode_steps == 4 and s.rollout_steps == 6
@@ -47,7 +47,7 @@ def test_engine_schedule_is_what_the_engine_runs(slots, engine_counts):
                           EngineConfig(max_batch=slots, n_samples=K))
     lengths = out.response_lengths.tolist()
     assert len(set(lengths)) > 3, "the test needs varied lengths"
-    priced = cost.engine_schedule(lengths, slots, K)
+    priced = engine_schedule.engine_schedule(lengths, slots, K)
     assert seen["steps"] == priced.decode_steps
     assert seen["live"] == priced.rollout_steps == sum(lengths) - len(lengths)
     assert seen["prefills"] == len(priced.prefills)
@@ -63,7 +63,7 @@ def test_the_tail_is_paid_whatever_the_concurrency():
     longest = max(round(x) for x in wl.response.spread(64))
     steps = []
     for slots in (1, 8, 16, 64):
-        s = cost.engine_schedule(cost._queue_lengths(wl, 64), slots, 4)
+        s = engine_schedule.engine_schedule(engine_schedule.queue_lengths(wl, 64), slots, 4)
         assert s.decode_steps >= longest - 1
         steps.append(s.decode_steps)
     assert steps == sorted(steps, reverse=True)

@@ -9,7 +9,7 @@ import torch
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.perf import cost
+from rlloom.perf import cost, engine_schedule
 from rlloom.perf.hardware import hardware
 from rlloom.perf.shapes import MODELS
 from rlloom.perf.workload import Lengths, Workload
@@ -31,7 +31,7 @@ def test_schedule_by_hand():
     B ends; A holds 2 tokens. Step 2: A's first turn ends (3 tokens) and parks. Steps 2-4:
     nothing live, idle. Step 4: A extends 1 + 4 tokens (the extend's logits give its next
     turn's first token: 3 + 4 + 1 = 8 past the prompt) and its 2-token turn takes 1 step."""
-    s = cost.engine_schedule([], 2, 1, turns=[[(3, 4, 2), (2, 0, 0)], [(2, 0, 0)]])
+    s = engine_schedule.engine_schedule([], 2, 1, turns=[[(3, 4, 2), (2, 0, 0)], [(2, 0, 0)]])
     assert s.segments == ((1, 2, 2), (1, 1, 2), (1, 1, 8))
     assert s.prefills == (2,) and s.extends == (5,) and s.idle_steps == 2
 
@@ -76,7 +76,7 @@ def test_the_schedule_is_what_the_engine_runs_with_tools(slots, engine_counts):
                 sampled += 1
         turns.append(plan + [(sampled, 0, 0)])
     assert sum(len(t) > 1 for t in turns) >= 6, "the test needs conversations with calls"
-    priced = cost.engine_schedule([], slots, K, turns=turns)
+    priced = engine_schedule.engine_schedule([], slots, K, turns=turns)
     assert seen["steps"] == priced.decode_steps
     assert seen["live"] == priced.rollout_steps
     assert seen["prefills"] == len(priced.prefills)

@@ -1,0 +1,135 @@
+"""The generation engine's schedule for one replica (`rollout/engine.py` replayed on lengths):
+continuous batching over KV slots, prefix-shared admission per prompt group, and tool calls
+that park a slot. `cost.generation` prices what it returns; tests check it against the
+engine's own counts."""
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+
+from rlloom.perf.workload import Workload
+
+
+@dataclass(frozen=True)
+class EngineSchedule:
+    """What the engine runs for one replica: `segments` of (decode steps, live rollouts,
+    their generated tokens summed at the segment's start), the prompts each prefill forward
+    of an admission takes, the tokens of each extend forward (a tool call's last token and
+    its result, appended to a parked rollout), and the steps' worth of time the replica
+    spends idle, every held slot waiting on a tool."""
+    segments: tuple[tuple[int, int, int], ...]
+    prefills: tuple[int, ...]
+    extends: tuple[int, ...] = ()
+    idle_steps: int = 0
+
+    @property
+    def decode_steps(self) -> int:
+        return sum(steps for steps, _, _ in self.segments)
+
+    @property
+    def rollout_steps(self) -> int:
+        """Live rollouts summed over the decode steps."""
+        return sum(steps * live for steps, live, _ in self.segments)
+
+
+# a turn of a rollout: (tokens it samples, tokens its tool call's result inserts, steps' worth
+# of time the call takes); a single-turn rollout is one (length, 0, 0)
+Turn = tuple[int, int, int]
+
+
+def engine_schedule(lengths: list[int], slots: int, samples: int,
+                    groups: list[int] | None = None, done: list[int] | None = None,
+                    turns: list[list[Turn]] | None = None) -> EngineSchedule:
+    """The decode steps and prefills of rollouts with response `lengths` (tokens, in queue
+    order; each run of `samples` shares a prompt, or rows of equal `groups` entries do) over
+    `slots` KV slots with continuous batching, as the engine runs them: admitted rollouts take
+    their first token from the prefill's logits; one decode step gives every live rollout a
+    token; the slots freed by rollouts that end are refilled before the next step, a rollout
+    of one token freeing its slot at once (another prefill forward). `done`: tokens a
+    (partial) rollout already holds in its context before this call. `turns` (multi-turn
+    rollouts, overriding `lengths`): a turn but the last ends in a tool call; its rollout
+    stays in its slot, parked, not decoding, until the call returns; then one extend forward
+    appends the result and gives the next turn's first token."""
+    plans = turns or [[(length, 0, 0)] for length in lengths]
+    n = len(plans)
+    group = groups or [i // samples for i in range(n)]
+    held = done or [0] * n
+    step = waiting = generated = live = idle = 0
+    free = slots
+    # (step, kind, rollout, turn, context growth then): a turn's end in a decode step (0), a
+    # tool call's return (1); at one step the engine retires and parks the ended turns,
+    # admits, and then extends the returned calls
+    events: list[tuple[int, int, int, int, int]] = []
+    prefilled: set[int] = set()
+    segments: list[tuple[int, int, int]] = []
+    prefills: list[int] = []
+    extends: list[int] = []
+
+    def begin(i: int, j: int, growth: int) -> None:
+        """Turn j of rollout i starts, its first token sampled (from a prefill's or an
+        extend's logits): `growth` tokens past the prompt in its context."""
+        nonlocal generated, live
+        sampled = max(1, plans[i][j][0])
+        if sampled == 1:  # ended on that token, before any decode step
+            end(i, j, growth, at_once=True)
+            return
+        live += 1
+        generated += growth
+        heapq.heappush(events, (step + sampled - 1, 0, i, j, growth + sampled - 1))
+
+    def end(i: int, j: int, growth: int, at_once: bool) -> None:
+        """Turn j ends: the rollout frees its slot, or parks until its call returns (a call
+        that has returned already is extended at once when its turn ended at once)."""
+        nonlocal free
+        if j + 1 == len(plans[i]):
+            free += 1
+        elif at_once and plans[i][j][2] == 0:
+            resume(i, j, growth)
+        else:
+            heapq.heappush(events, (step + plans[i][j][2], 1, i, j, growth))
+
+    def resume(i: int, j: int, growth: int) -> None:
+        result = plans[i][j][1]
+        extends.append(1 + result)
+        begin(i, j + 1, growth + result + 1)
+
+    while True:
+        while events and events[0][:2] <= (step, 0):
+            _, _, i, j, growth = heapq.heappop(events)
+            live -= 1
+            generated -= growth
+            end(i, j, growth, at_once=False)
+        while free and waiting < n:  # admission: one prefill forward per round
+            new = range(waiting, min(n, waiting + free))
+            waiting, free = new.stop, free - len(new)
+            fresh = {group[i] for i in new} - prefilled
+            if fresh:
+                prefills.append(len(fresh))
+                prefilled |= fresh
+            for i in new:
+                begin(i, 0, 1 + held[i])
+        resumed = False
+        while events and events[0][0] <= step:
+            _, _, i, j, growth = heapq.heappop(events)
+            resume(i, j, growth)
+            resumed = True
+        if resumed and free and waiting < n:
+            continue  # a resumed rollout ended at once: its slot is refilled first
+        if not events:
+            return EngineSchedule(tuple(segments), tuple(prefills), tuple(extends), idle)
+        steps = events[0][0] - step
+        if live:
+            segments.append((steps, live, generated))
+            generated += steps * live
+        else:
+            idle += steps
+        step += steps
+
+
+def queue_lengths(wl: Workload, n: int) -> list[int]:
+    """A replica's `n` response lengths at spread quantiles (the tail kept whatever `n`), in a
+    fixed shuffled queue order: lengths do not follow the order prompts arrive in."""
+    lengths = [max(1, round(x)) for x in wl.response.spread(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
