@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlloom.models.lora import LoRALinear
-from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks, rotary_cos_sin
+from rlloom.models.transformer import CausalLM, apply_rotary, layer_masks, rotary_cos_sin
+from rlloom.rollout.engine_forward import Capture, FusedWeights, Prefilled, SlotWrite
 from rlloom.rollout.generate import Rollout, generate, left_pad
 from rlloom.rollout.multi_turn import Dialogue
 from rlloom.rollout.sampling import (
@@ -83,74 +83,6 @@ class Forwarded:
     prefill: int = 0
     extend: int = 0
     decode: int = 0
-
-
-class _Capture:
-    """The cache a prefill forward runs with: keeps each layer's keys and values aside (to be
-    copied into slots) and attends over them unchanged."""
-
-    def __init__(self) -> None:
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kv.append((k, v))
-        return k, v
-
-
-class _SlotWrite:
-    """The cache an extend forward runs with: writes the new keys/values [1, kv, m, hd] into
-    one slot from position `start` and attends over the slot's keys up to them."""
-
-    def __init__(self, cache: SlotKVCache, slot: int, start: int) -> None:
-        self.cache, self.slot, self.start = cache, slot, start
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.start + k.shape[2]
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[self.slot, :, self.start:end] = k[0].to(kc.dtype)
-        vc[self.slot, :, self.start:end] = v[0].to(vc.dtype)
-        return kc[self.slot:self.slot + 1, :, :end], vc[self.slot:self.slot + 1, :, :end]
-
-
-@dataclass
-class _Fused:
-    """One decoder layer's decode-time weights: q/k/v (and gate/up) stacked into one matmul
-    each. Built per call, since training changes the weights between calls."""
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    split: tuple[int, int, int]   # q, k, v output widths
-    gate_up_w: torch.Tensor | None  # None: call the layer's own MLP (e.g. an MoE block)
-    gate_up_b: torch.Tensor | None
-
-    @classmethod
-    def of(cls, layer: nn.Module) -> "_Fused":
-        a = layer.self_attn
-        projs = (a.q_proj, a.k_proj, a.v_proj)
-        qkv_b = (torch.cat([p.bias for p in projs]) if a.q_proj.bias is not None else None)
-        split = tuple(p.weight.shape[0] for p in projs)
-        gate_up_w = gate_up_b = None
-        if isinstance(layer.mlp, MLP):
-            m = layer.mlp
-            gate_up_w = torch.cat([_weight(m.gate_proj), _weight(m.up_proj)])
-            if m.gate_proj.bias is not None:
-                gate_up_b = torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        return cls(torch.cat([_weight(p) for p in projs]), qkv_b, split, gate_up_w, gate_up_b)
-
-
-def _weight(proj: nn.Linear) -> torch.Tensor:
-    """What the projection multiplies by: a LoRA layer's merged weight (the fused copy is
-    made per call anyway, so merging costs no extra memory that lasts)."""
-    return proj.merged_weight() if isinstance(proj, LoRALinear) else proj.weight
-
-
-@dataclass
-class _Prefilled:
-    """One prefill forward: keys/values per layer [g, kv_heads, width, hd], last logits [g, V]."""
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    logits: torch.Tensor
 
 
 def prompt_groups(prompts: list[list[int]], n_samples: int = 0) -> list[int]:
@@ -244,7 +176,7 @@ class _Run:
         for i, g in enumerate(groups):
             self.group_prompt.setdefault(g, prompts[i])
             self.group_left[g] = self.group_left.get(g, 0) + 1
-        self.prefilled: dict[int, tuple[_Prefilled, int]] = {}
+        self.prefilled: dict[int, tuple[Prefilled, int]] = {}
         self.prompt_len = torch.tensor([len(q) for q in prompts], device=dev)
 
         # A sequence feeds back at most prompt + t - 1 tokens; a finished one keeps length
@@ -259,7 +191,7 @@ class _Run:
             slots = min(slots, cfg.kv_budget_bytes // per_slot)
         self.slots = slots
         self.cache = SlotKVCache(model, slots, max_len, cfg.kv_chunk)
-        self.fused = [_Fused.of(layer) for layer in model.model.layers]
+        self.fused = [FusedWeights.of(layer) for layer in model.model.layers]
         c = model.config
         cos, sin = rotary_cos_sin(torch.arange(max_len, device=dev)[None], c, p.dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]                   # [max_len, head_dim]
@@ -316,7 +248,7 @@ class _Run:
             seqs = list(range(self.waiting, self.waiting + m))
             self.waiting += m
             self._prefill_missing([self.group_of[s] for s in seqs])
-            by_batch: dict[int, tuple[_Prefilled, list[int], list[int], list[int]]] = {}
+            by_batch: dict[int, tuple[Prefilled, list[int], list[int], list[int]]] = {}
             for slot, s in zip(slots, seqs):
                 g = self.group_of[s]
                 batch, row = self.prefilled[g]
@@ -378,13 +310,13 @@ class _Run:
         cos = self.cos[:width].view(1, 1, width, -1)
         sin = self.sin[:width].view(1, 1, width, -1)
         backbone = self.model.model
-        capture = _Capture()
+        capture = Capture()
         x = backbone.embed_tokens(ids)
         for i, layer in enumerate(backbone.layers):
             x = layer(x, cos, sin, masks[i], capture, i)
         last = x[torch.arange(b, device=self.device), plen - 1]
         logits = self.model.lm_head(backbone.norm(last))
-        batch = _Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv], logits)
+        batch = Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv], logits)
         self.forwarded.prefill += int(plen.sum())
         for row, g in enumerate(groups):
             self.prefilled[g] = (batch, row)
@@ -428,7 +360,7 @@ class _Run:
         bias.masked_fill_(hidden.view(rows, 1, 1, cap), float("-inf"))
         return bias.expand(rows, kv, 1, cap).reshape(rows * kv, 1, cap)
 
-    def _layer(self, i: int, layer: nn.Module, w: _Fused, x: torch.Tensor, cos: torch.Tensor,
+    def _layer(self, i: int, layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """One decoder layer for one new token per row, x [rows, hidden]: the model's math
         (its norms, rotary, GQA head order, MLP) with fused projections and the slot cache."""
@@ -560,7 +492,7 @@ class _Run:
         cos = self.cos[start:end].view(1, 1, m, -1)
         sin = self.sin[start:end].view(1, 1, m, -1)
         backbone = self.model.model
-        cache = _SlotWrite(self.cache, slot, start)
+        cache = SlotWrite(self.cache, slot, start)
         x = backbone.embed_tokens(ids)
         for i, layer in enumerate(backbone.layers):
             x = layer(x, cos, sin, masks[i], cache, i)
