@@ -39,11 +39,20 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     total norm. `disjoint`: parameters of which each rank of process group `group` holds
     different ones (routed experts): their squared norms are summed over the group."""
     params, disjoint = list(params), list(disjoint)
+    total = squared_norm(params, disjoint, group).sqrt()
+    scale_grads(params + disjoint, total, max_norm)
+    return total
+
+
+def squared_norm(params: Iterable[torch.Tensor], disjoint: Iterable[torch.Tensor] = (),
+                 group: Any = None) -> torch.Tensor:
+    """The squared 2-norm of the gradients of `params` and of `disjoint`, parameters of which
+    each rank of process group `group` holds different ones (their squares summed over it;
+    a collective when any are given)."""
     squares = grad_norm(params) ** 2
+    disjoint = list(disjoint)
     if disjoint:
         theirs = grad_norm(disjoint) ** 2
         dist.all_reduce(theirs, group=group)
         squares = squares + theirs
-    total = squares.sqrt()
-    scale_grads(params + disjoint, total, max_norm)
-    return total
+    return squares

@@ -54,7 +54,7 @@ from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask,
 from rlloom.parallel.context_parallel import KVGather, gather_sequence, shard_positions_and_mask
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
-from rlloom.parallel.grads import grad_norm, scale_grads
+from rlloom.parallel.grads import scale_grads, squared_norm
 from rlloom.parallel.tensor_parallel import shard_layer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -214,12 +214,9 @@ class PipelinedModel:
         there). Returns that norm."""
         duplicate = self._tied_weight() if self.module.is_last else None
         named = [(n, p) for n, p in self.module.named_parameters() if p is not duplicate]
-        own = grad_norm(p for n, p in named if experts is None or not is_expert_parameter(n))
-        own = own ** 2
-        if experts is not None:
-            theirs = grad_norm(p for n, p in named if is_expert_parameter(n)) ** 2
-            dist.all_reduce(theirs, group=experts)
-            own = own + theirs
+        routed = experts is not None
+        own = squared_norm([p for n, p in named if not (routed and is_expert_parameter(n))],
+                           [p for n, p in named if routed and is_expert_parameter(n)], experts)
         dist.all_reduce(own, group=self.group)
         total = own.sqrt()
         scale_grads(list(self.parameters()), total, max_norm)
