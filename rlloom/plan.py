@@ -27,6 +27,18 @@ class Layout(Strict):
     ep: int = Field(1, ge=1, description="expert-parallel degree")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage of data-parallel sharding")
     activation_checkpointing: bool = Field(False, description="recompute layer activations")
+    offload: bool = Field(False, description="ZeRO-3's shards (parameters, gradients, "
+                          "optimizer state) rest in host memory and the optimizer steps on "
+                          "the CPU; each layer's shard is copied in as it is gathered (FSDP2's "
+                          "CPUOffloadPolicy)")
+
+    @model_validator(mode="after")
+    def _offload_shards(self) -> "Layout":
+        if self.offload and (self.zero != 3 or self.dp < 2):
+            raise ValueError(f"offload: true with dp={self.dp} zero={self.zero}: offload moves "
+                             "the shards of ZeRO-3 over dp ranks to host memory; set zero: 3 "
+                             "and dp of at least 2, or offload: false")
+        return self
 
     @property
     def world_size(self) -> int:

@@ -96,7 +96,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
         apply_activation_checkpointing(model)
     if layout.dp > 1:
         apply_data_parallel(model, mesh["dp"], layout.zero, mixed_precision,
-                            ignored=expert_params or None)
+                            ignored=expert_params or None, offload=layout.offload)
     return model
 
 
@@ -118,7 +118,7 @@ def parallelize_pipeline(model: nn.Module, layout: Layout, mesh: DeviceMesh, *,
     if layout.dp > 1 and (trains or layout.zero == 3):
         apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
                             layers=pipe.module.model.layers.values(),
-                            ignored=expert_params or None)
+                            ignored=expert_params or None, offload=layout.offload)
     return pipe
 
 

@@ -16,7 +16,10 @@ What each `Layout.zero` level maps to (over the `dp` mesh dimension):
   forward through the last backward (`before_backward`); between steps they rest sharded,
   so at rest this saves as much memory as ZeRO-3.
 - zero=3: `fully_shard(reshard_after_forward=True)` (FULL_SHARD): parameters are freed after
-  each layer's forward and all-gathered again for its backward.
+  each layer's forward and all-gathered again for its backward. With `offload` the shards
+  (parameters, gradients, hence the optimizer state and step) live in host memory; each
+  layer's shard is copied to the device for its gather and its gradient shard copied back
+  (FSDP2's `CPUOffloadPolicy`).
 
 Every level averages gradients over dp ranks, as DDP does: if each rank's loss is the mean
 over its own shard of a batch split evenly, the gradient is that of the global mean. For
@@ -38,8 +41,10 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
+    OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
@@ -73,17 +78,25 @@ def mixed_precision_policy(device_type: str, enabled: bool | None = None
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero: int,
                         mixed_precision: bool | None = None,
                         layers: Iterable[nn.Module] | None = None,
-                        ignored: set[nn.Parameter] | None = None) -> nn.Module:
+                        ignored: set[nn.Parameter] | None = None, offload: bool = False
+                        ) -> nn.Module:
     """Make `model` data parallel over the 1-D `dp_mesh` at ZeRO stage `zero`, in place.
 
     Apply after tensor parallelism and activation checkpointing. ZeRO-1 also needs the
     optimizer from `rlloom.parallel.apply.make_optimizer`. `layers`: the decoder layers to
     wrap one by one (default: the backbone's; a pipeline stage passes its own). `ignored`:
     parameters left whole and unreduced (routed experts, which differ between ranks).
+    `offload`: ZeRO-3's shards rest in host memory (see the module's docstring).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
+    if offload and zero != 3:
+        raise ValueError(f"offload needs zero=3 (its shards are what moves to host memory), "
+                         f"not zero={zero}")
     mp_policy = mixed_precision_policy(dp_mesh.device_type, mixed_precision)
+    # pinned host memory makes the copies asynchronous; it needs an accelerator
+    policy = (CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if offload
+              else OffloadPolicy())
     if zero <= 1:
         def wrap(module: nn.Module, last: bool) -> None:
             replicate(module, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
@@ -91,7 +104,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero: int,
         def wrap(module: nn.Module, last: bool) -> None:
             # The root stays unsharded after forward in any case: its backward comes first.
             fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy,
-                        reshard_after_forward=zero == 3 and not last, ignored_params=ignored)
+                        reshard_after_forward=zero == 3 and not last, ignored_params=ignored,
+                        offload_policy=policy)
     for layer in layers if layers is not None else backbone_of(model).layers:
         wrap(layer, last=False)
     wrap(model, last=True)

@@ -17,10 +17,18 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     for p in params:
         if p.grad is not None:
             n = torch.linalg.vector_norm(p.grad, 2.0)
-            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+            if isinstance(n, DTensor):
+                if n.device.type != n.device_mesh.device_type:
+                    # an offloaded shard's gradient is in host memory; NCCL reduces device
+                    # tensors only
+                    n = DTensor.from_local(n.to_local().to(n.device_mesh.device_type),
+                                           n.device_mesh, n.placements)
+                n = n.full_tensor()
+            norms.append(n)
     if not norms:
         return torch.tensor(0.0)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
 
 
 @torch.no_grad()

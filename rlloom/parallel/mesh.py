@@ -70,7 +70,8 @@ def validate_layout(layout: Layout, cfg: ModelConfig, world_size: int) -> None:
 def layout_summary(layout: Layout) -> str:
     return (" ".join(f"{d}={getattr(layout, d)}" for d in MESH_DIMS)
             + f" ep={layout.ep} zero={layout.zero}"
-            + (" ac" if layout.activation_checkpointing else ""))
+            + (" ac" if layout.activation_checkpointing else "")
+            + (" offload" if layout.offload else ""))
 
 
 def default_device_type() -> str:

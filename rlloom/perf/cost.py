@@ -14,6 +14,7 @@ from rlloom.perf import comm
 from rlloom.perf import memory as mem
 from rlloom.perf.engine_schedule import EngineSchedule, Turn, engine_schedule, queue_lengths
 from rlloom.perf.hardware import Hardware
+from rlloom.perf.model_state import offload_copy_s, optimizer_s
 from rlloom.perf.partial_pool import pool_steps
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
@@ -373,6 +374,7 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     dp_s = m * comm.gather_or_scatter(hw, layout.dp, layout.world_size, mem.PARAM_B
                                       * mem.params_per_device(shape, layout)) \
         if layout.zero == 3 else 0.0
+    dp_s += offload_copy_s(shape, layout, hw, m, trained=False)
     seconds = work + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
     comm_s += dp_s
     memory_s += act_s
@@ -384,8 +386,9 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
 
 def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
              logits: bool = True, prompts_once: bool = False) -> StageCost:
-    """ppo_epochs passes of forward + backward (3 C_f, +1 C_f with checkpointing) and the
-    DP gradient collectives of each optimizer step. A LoRA actor (`wl.lora_rank`) skips the
+    """ppo_epochs passes of forward + backward (3 C_f, +1 C_f with checkpointing), the
+    DP gradient collectives and the AdamW update of each optimizer step (with an offloaded
+    layout's copies and host-side update, `model_state`). A LoRA actor (`wl.lora_rank`) skips the
     frozen weights' gradients: backward is the activation gradients alone (2 C_f in all, the
     adapters' own r/d-small work aside), and only the adapters' gradients are reduced."""
     ckpt = layout.activation_checkpointing
@@ -411,7 +414,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,
                                                    2 * m * pieces)
-    dp_s = steps * _dp_comm(shape, layout, hw, m, lora)
+    dp_s = steps * (_dp_comm(shape, layout, hw, m, lora)
+                    + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
     optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
@@ -422,9 +426,11 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
         shape, layout, wl, hw, tokens / layout.cp)
     work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
-    seconds = work + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
+    # the update runs after the last backward: nothing overlaps it
+    update_s = steps * optimizer_s(shape, layout, hw, lora)
+    seconds = work + update_s + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
     comm_s += dp_s
-    memory_s += act_s
+    memory_s += act_s + update_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)

@@ -59,6 +59,14 @@ class Hardware:
     # batch, it sets the floor under a long response's tail. 0 in the catalogue (vLLM-style
     # engines with CUDA graphs); `calibrate` fits it.
     decode_step_s: float = 0.0
+    # Host side, for offloaded ZeRO-3 state (`Layout.offload`), per device: bytes/s between
+    # device and host memory (its PCIe link; 0: the device is the host, nothing is copied),
+    # host memory in GiB, and the bytes/s of host memory the CPU optimizer step streams.
+    # Catalogue GPUs: an 8-GPU server with 2 TB of host memory and two sockets of DDR5
+    # (about 600 GB/s), shared by its 8 GPUs.
+    host_link_bw: float = 0.0
+    host_mem_gib: float = 0.0
+    host_mem_bw: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -121,19 +129,22 @@ def local_hardware_path() -> Path:
 
 
 def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, hbm_tbs: float,
-         link_gbs: float, price: float) -> Hardware:
+         link_gbs: float, price: float, pcie_gbs: float = 50) -> Hardware:
     return Hardware(name, {"bf16": bf16_tflops * TB, "fp32": fp32_tflops * TB},
                     mem_gib=mem_gb, mem_bw=hbm_tbs * TB, intra_node_bw=link_gbs * GB,
-                    inter_node_bw=IB_400G, price_per_hour=price, dp_overlap=1.0)
+                    inter_node_bw=IB_400G, price_per_hour=price, dp_overlap=1.0,
+                    host_link_bw=pcie_gbs * GB, host_mem_gib=256, host_mem_bw=75 * GB)
 
 
 # Vendor datasheets (dense, not the "with sparsity" numbers); NVLink / IF per direction is half
-# the bidirectional figure the datasheets print. mem_gib takes the marketed GB figure: the usable
-# capacity after driver reservations is close to it. Prices: indicative on-demand cloud rates.
+# the bidirectional figure the datasheets print. Host links: PCIe 5.0 x16 moves about
+# 50 GB/s each way in practice, PCIe 4.0 x16 (A100) about 25. mem_gib takes the marketed GB
+# figure: the usable capacity after driver reservations is close to it. Prices: indicative
+# on-demand cloud rates.
 HARDWARE: dict[str, Hardware] = {h.name: h for h in [
     # A100 SXM datasheet: 312 TF bf16, 19.5 TF fp32, 1.555 / 2.039 TB/s, NVLink3 600 GB/s bidir.
-    _gpu("a100-40gb", 312, 19.5, 40, 1.555, 300, 1.3),
-    _gpu("a100-80gb", 312, 19.5, 80, 2.039, 300, 1.8),
+    _gpu("a100-40gb", 312, 19.5, 40, 1.555, 300, 1.3, pcie_gbs=25),
+    _gpu("a100-80gb", 312, 19.5, 80, 2.039, 300, 1.8, pcie_gbs=25),
     # H100 SXM5: 989 TF bf16 dense, 67 TF fp32, 80 GB at 3.35 TB/s, NVLink4 900 GB/s bidir.
     _gpu("h100", 989, 67, 80, 3.35, 450, 2.5),
     # H200 SXM: H100 compute, 141 GB at 4.8 TB/s.

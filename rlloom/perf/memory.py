@@ -42,23 +42,40 @@ FP32_ADAM = (4, 4, 8)
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
-                      precision: tuple[int, int, int] = MIXED_ADAM, lora_rank: int = 0
-                      ) -> float:
+                      precision: tuple[int, int, int] = MIXED_ADAM, lora_rank: int = 0,
+                      offloaded: bool = False) -> float:
     """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (PERF_MODEL.md's
     4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz in elements, here in bytes with the precisions above).
     `precision` is bytes per parameter of (parameters, gradients, optimizer state). With
     `lora_rank`, a trained model is its frozen base plus LoRA adapters trained in full (the
-    runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device)."""
+    runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device).
+    `offloaded` (`model_state.offloads`): the ZeRO-3 shards are in host memory
+    (`host_state_bytes`); the device keeps the routed experts, which are outside ZeRO."""
+    sharded, experts = _state_parts(shape, layout, trainable, precision, lora_rank)
+    return experts if offloaded else sharded + experts
+
+
+def host_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
+                     lora_rank: int = 0) -> float:
+    """Bytes an offloaded layout keeps in host memory per device: its ZeRO-3 shards."""
+    return _state_parts(shape, layout, trainable, MIXED_ADAM, lora_rank)[0] \
+        if layout.offload else 0.0
+
+
+def _state_parts(shape: ModelShape, layout: Layout, trainable: bool,
+                 precision: tuple[int, int, int], lora_rank: int) -> tuple[float, float]:
+    """(the ZeRO-sharded state, the routed experts' state) per device."""
     p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
     experts = expert_params_per_device(shape, layout)  # never ZeRO-sharded
-    param, grad, optim = precision
+    param = precision[0]
     if not trainable:
-        return param * ((p - experts) / (dz if zero == 3 else 1) + experts)
+        return param * (p - experts) / (dz if zero == 3 else 1), param * experts
     if lora_rank:
-        return (model_state_bytes(shape, layout, False, precision)
-                + _trained_bytes(shape.lora_params(lora_rank), dz, zero, precision))
-    return (_trained_bytes(p - experts, dz, zero, precision)
-            + _trained_bytes(experts, 1, 0, precision))
+        base = _state_parts(shape, layout, False, precision, 0)
+        return base[0] + _trained_bytes(shape.lora_params(lora_rank), dz, zero,
+                                        precision), base[1]
+    return _trained_bytes(p - experts, dz, zero, precision), _trained_bytes(experts, 1, 0,
+                                                                           precision)
 
 
 def _trained_bytes(p: float, dz: int, zero: int, precision: tuple[int, int, int]) -> float:

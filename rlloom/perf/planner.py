@@ -22,7 +22,8 @@ from rlloom.algos.presets import PRESETS
 from rlloom.perf import cost
 from rlloom.perf import memory as mem
 from rlloom.perf.compose import TRAINABLE, Priced, price, role_models
-from rlloom.perf.hardware import Hardware
+from rlloom.perf.hardware import GIB, Hardware
+from rlloom.perf.model_state import offloads
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
 from rlloom.plan import Layout, Plan, engine_problems, lora_problems, runnable_problems
@@ -36,11 +37,13 @@ INF = float("inf")
 @dataclass
 class Search:
     """Feasible plans fastest first, and (description, reason) for the rejected ones.
-    `runnable`: rank only plans the executor runs (`plan.runnable_problems`)."""
+    `runnable`: rank only plans the executor runs (`plan.runnable_problems`); `offload`:
+    ZeRO-3 layouts were also tried with their shards in host memory."""
     ranked: list[Priced]
     rejected: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     runnable: bool = True
+    offload: bool = False
 
     def add(self, p: Priced) -> None:
         problems = list(p.problems)
@@ -60,11 +63,13 @@ class Search:
 
 
 def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
-            runnable: bool = False, pipelined: bool = False) -> list[Layout]:
+            runnable: bool = False, pipelined: bool = False, offload: bool = False
+            ) -> list[Layout]:
     """Candidate layouts on n devices; `runnable`: only those the executor applies (dp with
     ZeRO 0-3 x tp, whose TP shards the KV heads and the MLP too, and for trainable roles
     cp and pp (each with tp or not), and an ep dividing dp; the same cp and pp for a
-    frozen role that may be `pipelined`, the reference; see `plan.runnable_problems`)."""
+    frozen role that may be `pipelined`, the reference; see `plan.runnable_problems`).
+    `offload`: each ZeRO-3 layout also with its shards in host memory."""
     out = []
     tp = 1
     splits = list(itertools.product((1, 2, 4), CONTEXT_PARALLEL))
@@ -82,9 +87,11 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
             if runnable and not trainable:  # the executor spreads experts of models that train
                 eps = [1]
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
-                for ckpt in (False, True) if trainable else (False,):
+                offloads = (False, True) if offload and zero == 3 else (False,)
+                for ckpt, off in itertools.product(
+                        (False, True) if trainable else (False,), offloads):
                     out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                      activation_checkpointing=ckpt))
+                                      activation_checkpointing=ckpt, offload=off))
         tp *= 2
     return out
 
@@ -101,7 +108,7 @@ def describe(p: Plan, gen: Layout | None, micro_batch: int) -> str:
         s = f"dp{x.dp}xtp{x.tp}xpp{x.pp}"
         s += (f"xcp{x.cp}" if x.cp > 1 else "") + (f"-ep{x.ep}" if x.ep > 1 else "")
         ckpt = "-ckpt" if x.activation_checkpointing else ""
-        return s + (f"-z{x.zero}" if x.zero else "") + ckpt
+        return s + (f"-z{x.zero}" if x.zero else "") + ckpt + ("-offload" if x.offload else "")
     roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items() if r != "rollout")
     gen = gen or p.layouts.get("rollout")
     rollout = f", rollout={short(gen)}" if gen else ""
@@ -118,7 +125,10 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
         return cost.generation(shape, x, wl, hw, usable - 2 * mem.PARAM_B *
                                mem.params_per_device(shape, x)).seconds
     trainable = role in TRAINABLE
-    state = mem.model_state_bytes(shape, x, trainable)
+    state = mem.model_state_bytes(shape, x, trainable, offloaded=offloads(x, hw))
+    if mem.host_state_bytes(shape, x, trainable) > hw.host_mem_gib * GIB * mem.USABLE \
+            and offloads(x, hw):
+        return INF
     total = 0.0
     if role != "actor":
         f = cost.forward(shape, x, wl, hw, role, role == "reference")
@@ -137,16 +147,17 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
 
 
 def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_gen: bool,
-         rollout_only: bool, cache: dict, runnable: bool = False, pipelined: bool = False
-         ) -> list[Layout]:
+         rollout_only: bool, cache: dict, runnable: bool = False, pipelined: bool = False,
+         offload: bool = False) -> list[Layout]:
     """The TOP_K fastest layouts of a role alone on n devices that fit; `runnable`: only those
-    the executor applies; `pipelined`: a frozen role may take pp stages or cp shards."""
-    key = (role, n, with_gen, rollout_only, runnable, pipelined)
+    the executor applies; `pipelined`: a frozen role may take pp stages or cp shards;
+    `offload`: ZeRO-3 layouts may offload."""
+    key = (role, n, with_gen, rollout_only, runnable, pipelined, offload)
     if key not in cache:
         trainable = role in TRAINABLE and not rollout_only
         # a generation-only layout holds no optimizer state: ZeRO would only add gathers
-        candidates = [x for x in layouts(n, shape, hw, trainable, runnable, pipelined)
-                      if not (rollout_only and x.zero)]
+        candidates = [x for x in layouts(n, shape, hw, trainable, runnable, pipelined,
+                                         offload) if not (rollout_only and x.zero)]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
                   for i, x in enumerate(candidates)]
         cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]
@@ -169,7 +180,8 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
            reward: ModelShape | None = None, objective: str = "time",
-           runtime: str = "any", price_only: bool = False, staleness: int = 1) -> Search:
+           runtime: str = "any", price_only: bool = False, staleness: int = 1,
+           offload: bool = False) -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
@@ -177,9 +189,10 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     world runs as one group (`runtime/executor/distributed.py`). By default only plans the
     executor runs are searched and ranked; `price_only` widens the search to the pipeline,
     context and expert layouts the model prices but the executor does not run yet. Async
-    plans are searched at bound `staleness`."""
+    plans are searched at bound `staleness`. `offload`: also try each ZeRO-3 layout with its
+    shards in host memory (`Layout.offload`), which trades memory for host traffic."""
     start = time.perf_counter()
-    result = Search([], runnable=not price_only)
+    result = Search([], runnable=not price_only, offload=offload)
     if objective == "cost" and hw.price_per_hour <= 0:
         raise ValueError(f"hardware {hw.name} has no price per device-hour; use --objective "
                          "time or a hardware file with price_per_hour")
@@ -224,7 +237,7 @@ def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices
     def top(role: str, n: int, with_gen: bool = False, rollout: bool = False) -> list[Layout]:
         shape = models[role] if role in models and models[role] else actor
         return _top(role, shape, n, wl, hw, with_gen, rollout, cache, runnable=result.runnable,
-                    pipelined=role == "reference")
+                    pipelined=role == "reference", offload=result.offload)
 
     def add(plan_kw: dict, choice: dict[str, list[Layout]], gen: list[Layout] | None) -> None:
         names = list(choice)

@@ -70,6 +70,7 @@ class Request:
     tool_latency: tuple[float, float] = (0.0, 0.0)  # a tool call's p50 and p99 seconds
     tool_result: int = 0  # tokens a tool's result inserts into the response
     engine: str = "rlloom"  # rollout.engine: rlloom or vllm
+    offload: bool = False  # also try ZeRO-3 layouts with their shards in host memory
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -90,7 +91,7 @@ class Request:
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
                       runtime=self.runtime, price_only=self.price_only,
-                      staleness=self.staleness)
+                      staleness=self.staleness, offload=self.offload)
 
     def cluster(self) -> tuple[int, Hardware]:
         if self.hardware_file is not None:

@@ -64,3 +64,9 @@ def test_parallelize_refuses_what_is_not_implemented():
         parallelize(tiny_model(), Layout(pp=2))
     with pytest.raises(LayoutError, match="needs torch.distributed initialised"):
         parallelize(tiny_model(), Layout(dp=2))
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2, zero=2), dict(dp=1, zero=3)])
+def test_offload_needs_zero3_over_dp(kw):
+    with pytest.raises(ValueError, match="offload moves the shards of ZeRO-3 over dp ranks"):
+        Layout(offload=True, **kw)

@@ -29,6 +29,7 @@ from harness import (
 )
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from rlloom.models.heads import ActorCritic
 from rlloom.parallel.apply import (
@@ -51,6 +52,7 @@ CASES_2 = {
     "dp2 zero2": dict(dp=2, zero=2),
     "dp2 zero3": dict(dp=2, zero=3),
     "dp2 zero3 ac": dict(dp=2, zero=3, activation_checkpointing=True),
+    "dp2 zero3 offload": dict(dp=2, zero=3, offload=True),
     "tp2 sp": dict(tp=2),
     "tp2 sp qwen2": dict(tp=2, family="qwen2"),
     "tp2 sp ac": dict(tp=2, activation_checkpointing=True),
@@ -118,6 +120,9 @@ def assert_sharded(model: torch.nn.Module, optim: torch.optim.Optimizer, layout:
         rows = w.to_local().shape[0] if hasattr(w, "to_local") else w.shape[0]
         zero_split = dp_split if layout.ep == 1 else 1   # routed experts stay out of ZeRO
         assert rows * layout.tp * zero_split == cfg.moe_intermediate_size
+    if layout.zero >= 2:   # FSDP2 was told where the shards live
+        group = model.model.layers[0]._get_fsdp_state()._fsdp_param_group
+        assert isinstance(group.offload_policy, CPUOffloadPolicy) == layout.offload
     n_params = len(list(model.parameters()))
     owned = sum(len(g["params"]) for g in optim.param_groups)
     if layout.zero == 1:

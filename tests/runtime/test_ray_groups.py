@@ -61,14 +61,15 @@ def single(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo, offload", [("grpo", "false"), ("ppo", "true")])
 def test_disaggregated_zero3_training_and_tp_generation_match_one_process(tmp_path, tiny,
-                                                                         single, algo):
-    """Training on 2 ranks at ZeRO-3 (PPO's critic too), generation on 2 TP ranks fed by weight
-    sync, the reference on its own rank: 5 processes."""
+                                                                         single, algo, offload):
+    """Training on 2 ranks at ZeRO-3 (PPO's critic too; PPO's with their shards and optimizer
+    step in host memory, `offload`), generation on 2 TP ranks fed by weight sync, the
+    reference on its own rank: 5 processes."""
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, *DISAGGREGATED, f"run_dir={run}",
-          "--worker-timeout", "300"])
+          f"plan.layouts.actor.offload={offload}", "--worker-timeout", "300"])
     _assert_same(single(algo, tiny), _rows(run))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # every step the whole policy reaches each TP rank's half (the tied embedding whole)

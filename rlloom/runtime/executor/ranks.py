@@ -262,7 +262,8 @@ class RankGroup:
         if layout.tp > 1:
             apply_tensor_parallel(model, mesh["tp"])
         if layout.dp > 1 and layout.zero == 3:
-            apply_data_parallel(model, mesh["dp"], 3, mixed_precision=False)
+            apply_data_parallel(model, mesh["dp"], 3, mixed_precision=False,
+                                offload=layout.offload)
         return model
 
     def full_state(self, model: nn.Module | PipelinedModel) -> dict[str, torch.Tensor]:
