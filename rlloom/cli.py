@@ -129,7 +129,8 @@ def _request(args: argparse.Namespace) -> "Request":
                    getattr(args, "price_only", False),
                    Path(args.hardware) if args.hardware else None, args.max_response,
                    args.staleness, args.partial_rollout, args.lora, args.turns,
-                   args.tool_latency, args.tool_result, args.engine, args.offload)
+                   args.tool_latency, args.tool_result, args.engine, args.offload,
+                   args.critic or "")
 
 
 def _latency_pair(text: str) -> tuple[float, float]:
@@ -232,6 +233,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=["any", "torchrun"], default="any", help="torchrun: "
                    "only the colocated plans, which `torchrun ... rlloom train "
                    "PLAN_FILE` runs in one world")
+    p.add_argument("--critic", metavar="MODEL", help="PPO: the separate critic's model, a "
+                   "preset or a checkpoint directory / config.json (model.critic_path; "
+                   "default: the actor's)")
     p.add_argument("--offload", action="store_true", help="also try each ZeRO-3 layout with "
                    "its shards (weights, gradients, optimizer state) in host memory and the "
                    "optimizer step on the CPU (layout offload: true): less device memory for "

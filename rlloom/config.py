@@ -268,6 +268,12 @@ class RunConfig(Strict):
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")
+        if self.model.critic_path and ("critic" not in PRESETS[self.algo.name].roles
+                                       or self.plan.actor_critic == "shared"):
+            raise ValueError(f"model.critic_path is set but algo={self.algo.name} with "
+                             f"plan.actor_critic={self.plan.actor_critic} has no separate "
+                             "critic to start from it; use algo=ppo with "
+                             "plan.actor_critic=separate, or drop model.critic_path")
         r = self.rollout
         if r.engine == "vllm":
             problems = vllm_problems(r.temperature, r.top_p, r.top_k, r.min_p)

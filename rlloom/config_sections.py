@@ -56,6 +56,11 @@ class ModelSection(Strict):
                                                         "each token is routed to")
     lora: LoRASection | None = Field(None, description="train LoRA adapters instead of every "
                                      "weight, e.g. {rank: 16, alpha: 32}; null = full training")
+    critic_path: FilePath = Field(None, description="a separate critic's starting checkpoint: "
+                                  "a causal LM (its backbone, a zero value head) or a one-label "
+                                  "*ForSequenceClassification reward model (OpenRLHF's "
+                                  "critic_pretrain), of any size, with the policy's tokenizer; "
+                                  "null = the policy's backbone")
 
 
 class DataSection(Strict):

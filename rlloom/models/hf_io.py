@@ -134,6 +134,23 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str = "auto"
     return tokenizer
 
 
+def require_policy_tokenizer(path: str | os.PathLike, rows: int,
+                             tokenizer: PreTrainedTokenizerBase, what: str) -> None:
+    """A model that reads the policy's token ids (a reward model, a critic) must share its
+    tokenizer: the checkpoint's own tokenizer, when it has one, maps the same strings to the
+    same ids and its embedding (`rows`) covers them; without one, its embedding must have
+    exactly the policy tokenizer's size, the only evidence there is."""
+    has_own = any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    theirs = load_tokenizer(path).get_vocab() if has_own else None
+    ours = tokenizer.get_vocab()
+    if theirs == ours and rows >= len(tokenizer) or theirs is None and rows == len(tokenizer):
+        return
+    raise CheckpointError(f"{what} {path} has a vocabulary of {rows} rows"
+                          + (" and another tokenizer" if theirs not in (None, ours) else "")
+                          + f", the policy's tokenizer {len(tokenizer)}; they must share the "
+                          "tokenizer (start it from a model of the policy's family)")
+
+
 def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
                     path: str | os.PathLike) -> None:
     """Write config.json, model.safetensors and tokenizer files atomically."""

@@ -58,14 +58,13 @@ class Priced:
         return self.workload.micro_batch
 
 
-def role_models(actor: ModelShape, roles: tuple[str, ...],
-                reward: ModelShape | None = None) -> dict[str, ModelShape | None]:
-    """Reference and critic share the actor's shape; the reward is a model or, when None, a
-    rule verifier whose cost the model leaves out (it runs on CPUs)."""
-    models: dict[str, ModelShape | None] = {}
-    for role in roles:
-        models[role] = reward if role == "reward" else actor
-    return models
+def role_models(actor: ModelShape, roles: tuple[str, ...], reward: ModelShape | None = None,
+                critic: ModelShape | None = None) -> dict[str, ModelShape | None]:
+    """The reference shares the actor's shape; the critic too unless it is a model of its own
+    (`model.critic_path`); the reward is a model or, when None, a rule verifier whose cost
+    the model leaves out (it runs on CPUs)."""
+    given = {"reward": reward, "critic": critic or actor}
+    return {role: given.get(role, actor) for role in roles}
 
 
 def reshard_seconds(shape: ModelShape, train: Layout, gen: Layout, hw: Hardware) -> float:

@@ -71,6 +71,10 @@ class Request:
     tool_result: int = 0  # tokens a tool's result inserts into the response
     engine: str = "rlloom"  # rollout.engine: rlloom or vllm
     offload: bool = False  # also try ZeRO-3 layouts with their shards in host memory
+    critic: str = ""  # the critic's model (preset or checkpoint); "": the actor's
+
+    def critic_shape(self) -> ModelShape | None:
+        return model_shape(self.critic) if self.critic else None
 
     def workload(self) -> Workload:
         if self.lengths_from is not None:
@@ -91,7 +95,8 @@ class Request:
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,
                       runtime=self.runtime, price_only=self.price_only,
-                      staleness=self.staleness, offload=self.offload)
+                      staleness=self.staleness, offload=self.offload,
+                      critic=self.critic_shape())
 
     def cluster(self) -> tuple[int, Hardware]:
         if self.hardware_file is not None:
@@ -109,17 +114,23 @@ def _latency(p50: float, p99: float) -> Lengths:
     return Lengths("lognormal", p50, p99) if p99 > p50 > 0 else Lengths("fixed", p50)
 
 
-def plan_file(p: Priced, title: str) -> str:
+def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str | None = None
+              ) -> str:
     """A config file holding `plan:` and the micro-batch as `train.micro_batch_tokens`, which
     `rlloom train` accepts (other settings keep their defaults); the generation group, when
     separate, is the "rollout" layout. The token budget is the priced micro-batch at the
-    longest context, so no micro-batch the runtime cuts holds more padded tokens."""
+    longest context, so no micro-batch the runtime cuts holds more padded tokens.
+    `algo`: the algorithm priced (`algo.name`); `critic_path`: the checkpoint the priced
+    critic starts from (`model.critic_path`)."""
     plan = p.plan.model_copy(deep=True)
     if p.gen_layout is not None:
         plan.layouts["rollout"] = p.gen_layout
     wl = p.workload
     budget = math.ceil(p.micro_batch * wl.max_context)
-    config = {"plan": plan.model_dump(mode="json"), "train": {"micro_batch_tokens": budget}}
+    config: dict = {"plan": plan.model_dump(mode="json"),
+                    "train": {"micro_batch_tokens": budget}}
+    if algo:
+        config["algo"] = {"name": algo}
     if wl.partial_tokens:  # whole chunks up to the priced longest response
         chunk = wl.partial_tokens
         config["rollout"] = {"partial_tokens": chunk,
@@ -128,6 +139,8 @@ def plan_file(p: Priced, title: str) -> str:
         config.setdefault("rollout", {})["engine"] = "vllm"
     if wl.lora_rank:
         config["model"] = {"lora": {"rank": wl.lora_rank}}
+    if critic_path:
+        config.setdefault("model", {})["critic_path"] = str(Path(critic_path).resolve())
     body = yaml.safe_dump(config, sort_keys=False)
     return f"# {title}\n{body}"
 
@@ -138,11 +151,12 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
         raise ValueError(f"{req.algo} generates nothing: there is no timeline to simulate")
     devices, hw = req.cluster()
     shape, wl = model_shape(req.model), req.workload()
-    chosen = naive(shape, req.algo, wl, hw, devices) if which == "naive" else \
-        (req.search(shape, wl, hw, devices).ranked or [None])[0]
+    chosen = naive(shape, req.algo, wl, hw, devices, critic=req.critic_shape()) \
+        if which == "naive" else (req.search(shape, wl, hw, devices).ranked or [None])[0]
     if chosen is None:
         raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
-    sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles), chosen.workload,
+    sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles,
+                                            critic=req.critic_shape()), chosen.workload,
                    hw, steps, seed, chosen.gen_layout)
     out.mkdir(parents=True, exist_ok=True)
     sim.chrome_trace(out / "trace.json")
@@ -158,11 +172,13 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     devices, hw = req.cluster()
     shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
     found = req.search(shape, wl, hw, devices)
-    base = naive(shape, algo, wl, hw, devices)
+    base = naive(shape, algo, wl, hw, devices, critic=req.critic_shape())
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
+        critic_dir = req.critic if req.critic and Path(req.critic).is_dir() else None
         write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {best.devices} x "
-                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step"))
+                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step",
+                                        algo, critic_dir))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
                            "objective": req.objective,

@@ -52,6 +52,14 @@ def run_shape(run_dir: Path, cfg: RunConfig) -> ModelShape:
                      "validate a finished run")
 
 
+def critic_shape(cfg: RunConfig) -> ModelShape | None:
+    """The critic's shape when it starts from a checkpoint of its own (`model.critic_path`)."""
+    if cfg.model.critic_path is None:
+        return None
+    return ModelShape.from_hf_config(json.loads(
+        (Path(cfg.model.critic_path) / "config.json").read_text()), "critic")
+
+
 def run_dtype(cfg: RunConfig) -> str:
     """The dtype a run computes in: bf16 weights, or bf16 autocast (`train.compute_dtype`,
     whose `auto` is bf16 on a CUDA `train.device`; `train.device=auto` is priced as fp32)."""
@@ -111,7 +119,8 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
                              "support, run it again")
         steps.append((row["step"], step_workload(row, cfg),
                       {stage: row[key] for stage, key in STAGES}))
-    return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg)), cfg.plan, steps)
+    return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg), critic=critic_shape(cfg)),
+                     cfg.plan, steps)
 
 
 def price_run(run: LoadedRun, hw: Hardware) -> list[StagePoint]:

@@ -174,3 +174,38 @@ def test_vllm_generation_is_priced_paged_and_searched_on_whole_copies():
     found = search(Q7, "grpo", replace(LONG, engine="vllm"), H100, 8)
     assert found.ranked
     assert all((p.gen_layout or p.plan.layout("actor")).tp == 1 for p in found.ranked)
+
+
+def test_a_smaller_critic_is_priced_at_its_own_shape(tmp_path, capsys):
+    """`--critic`: the critic's training and values pass cost its own FLOPs, its state its own
+    bytes, and the plan file starts it from the checkpoint."""
+    from rlloom.cli import main
+    from rlloom.config import load_config
+    from rlloom.perf.compose import price, role_models
+    from rlloom.plan import Plan
+
+    small = MODELS["qwen2.5-1.5b"]
+    wl = Workload(64, 8, 512, Lengths("fixed", 1024))
+    x = Layout(dp=8, zero=3)
+    plan = Plan(layouts={"actor": x, "critic": x, "reference": Layout(dp=8)})
+    own = price(plan, role_models(Q7, ("actor", "critic", "reference"), critic=small), wl, H100)
+    critic = {s.stage: s for s in own.stages if s.role == "critic"}
+    assert critic["training"].flops == cost.training(small, x, wl, H100, "critic", False).flops
+    assert critic["assessment"].flops < 0.3 * [s for s in own.stages if s.role == "reference"][
+        0].flops
+    same = price(plan, role_models(Q7, ("actor", "critic", "reference")), wl, H100)
+    assert same.mem_gib["all"] - own.mem_gib["all"] == pytest.approx(
+        16 * (Q7.params - small.params) / 8 / 2**30, rel=1e-6)
+    assert search(Q7, "ppo", wl, H100, 4, critic=small).ranked[0].step_s < \
+        search(Q7, "ppo", wl, H100, 4).ranked[0].step_s
+    ckpt = tmp_path / "critic"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 1536, '
+                                      '"intermediate_size": 8960, "num_hidden_layers": 28, '
+                                      '"num_attention_heads": 12, "num_key_value_heads": 2, '
+                                      '"vocab_size": 151936, "tie_word_embeddings": true}')
+    main(["plan", "--model", "qwen2.5-7b", "--algo", "ppo", "--gpus", "4xH100", "--prompts",
+          "64", "--p50", "1024", "--p99", "1024", "--critic", str(ckpt), "--write-plan",
+          str(tmp_path / "plan.yaml")])
+    capsys.readouterr()
+    assert load_config(tmp_path / "plan.yaml").model.critic_path == str(ckpt.resolve())

@@ -12,7 +12,7 @@ from rlloom.parallel.mesh import layout_summary
 from rlloom.perf.compose import price, role_models
 from rlloom.perf.hardware import hardware
 from rlloom.perf.shapes import ModelShape
-from rlloom.perf.validate import run_roles
+from rlloom.perf.validate import critic_shape, run_roles
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import generation_layout, model_layout
 from rlloom.runtime.default_model import tiny_model_config
@@ -73,7 +73,8 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None =
                   max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
                   partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank,
                   turns=cfg.rollout.max_turns)
-    priced = price(cfg.plan, role_models(shape, run_roles(cfg)), wl, hw)
+    priced = price(cfg.plan, role_models(shape, run_roles(cfg), critic=critic_shape(cfg)), wl,
+                   hw)
     lines.append(f"memory per device on {hw.name} ({hw.mem_gib:g} GiB): "
                  + ", ".join(f"{g} {gib:.2f} GiB" for g, gib in sorted(priced.mem_gib.items()))
                  + f"; predicted step {priced.step_s:.3g} s")

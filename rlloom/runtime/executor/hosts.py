@@ -34,7 +34,7 @@ from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
-from rlloom.runtime.executor.policy import build_policy
+from rlloom.runtime.executor.policy import build_critic, build_policy
 from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
@@ -135,7 +135,7 @@ class TrainingHost:
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if "critic" in PRESETS[a.name].roles and plan.actor_critic != "shared":
-            self.critic = ValueModel.from_policy(self.policy)
+            self.critic = build_critic(self.cfg, model_path, self.policy).to(ranks.device)
         # generation beside training (and held-out evaluation) reads the policy itself, or a
         # copy in its own layout: always when the actor trains data-parallel (see
         # ranks.RankGroup.generating), on sequence shards, which a KV cache cannot decode, or
@@ -323,7 +323,7 @@ class AssessmentHost:
                 def build() -> torch.nn.Module | PipelinedModel:
                     policy = build_policy(cfg, model_path)
                     critic = (policy if isinstance(policy, ActorCritic)
-                              else ValueModel.from_policy(policy))
+                              else build_critic(cfg, model_path, policy))
                     whole.update({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
                                   for k, v in synced_state(critic).items()})
                     return ranks.frozen(critic.to(ranks.device), layout)

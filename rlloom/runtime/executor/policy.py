@@ -2,14 +2,24 @@
 checkpoint it writes when it ends."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
-from rlloom.models.heads import ActorCritic
-from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer, save_adapter, save_checkpoint
+from rlloom.models.heads import ActorCritic, ValueModel
+from rlloom.models.hf_io import (
+    DTYPES,
+    load_model,
+    load_tokenizer,
+    load_value_model,
+    read_model_config,
+    require_policy_tokenizer,
+    save_adapter,
+    save_checkpoint,
+)
 from rlloom.models.lora import apply_lora, merged_state, peft_config
 
 
@@ -26,6 +36,24 @@ def build_policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
         if isinstance(policy, ActorCritic):
             policy.score.requires_grad_(True)
     return policy
+
+
+def build_critic(cfg: RunConfig, model_path: Path, policy: torch.nn.Module) -> ValueModel:
+    """A separate critic: from `model.critic_path` when given (a reward model's trained head,
+    or a causal LM's backbone with a zero head), else from the policy's backbone. It reads
+    the policy's token ids, so its tokenizer must be the policy's."""
+    path = cfg.model.critic_path
+    if path is None:
+        return ValueModel.from_policy(policy)
+    dtype = DTYPES[cfg.model.dtype]
+    read_model_config(Path(path))  # a clear error when it is no checkpoint
+    architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+    critic = (load_value_model(path, dtype)
+              if any(a.endswith("ForSequenceClassification") for a in architectures or ())
+              else ValueModel.from_policy(load_model(path, dtype)))
+    require_policy_tokenizer(path, critic.config.vocab_size, load_tokenizer(model_path),
+                             "model.critic_path")
+    return critic
 
 
 def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor], path: Path

@@ -19,7 +19,7 @@ from rlloom.data.chat import is_chat
 from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem, row_columns
 from rlloom.models.heads import ValueModel
-from rlloom.models.hf_io import DTYPES, CheckpointError, load_value_model
+from rlloom.models.hf_io import DTYPES, load_value_model, require_policy_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.rewards import functions as reward_functions
 from rlloom.rewards.sandbox import SandboxPool
@@ -142,10 +142,8 @@ class Rewarder:
         if cfg.reward.model_path:
             model = load_value_model(cfg.reward.model_path, DTYPES[cfg.model.dtype]).to(
                 device).eval().requires_grad_(False)
-            if model.config.vocab_size != len(tokenizer):
-                raise CheckpointError(f"reward model {cfg.reward.model_path} has a vocabulary "
-                                      f"of {model.config.vocab_size}, the policy's tokenizer "
-                                      f"{len(tokenizer)}; they must share the tokenizer")
+            require_policy_tokenizer(cfg.reward.model_path, model.config.vocab_size, tokenizer,
+                                     "reward model")
         return cls(cfg, tokenizer, model, pool)
 
     def terms(self, problems: list[Problem], group_ids: torch.Tensor, rollout: Rollout
