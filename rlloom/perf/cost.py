@@ -254,11 +254,14 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
                                         weight * pos * kv_tok)):
             totals[k] += v
     launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) + hw.decode_step_s
-    for steps, simulated, generated in sched.segments:
+    for steps, simulated, generated, widest in sched.segments:
         live = simulated * weight
-        pos = s + (generated + simulated * (steps - 1) / 2) / simulated  # mean over the segment
-        f = live * shape.decode_flops(pos)
-        b = _decode_weight_bytes(shape, layout, wl, live) * pp + live * pos * kv_tok
+        # keys each row attends to, mean over the segment: vLLM's paged attention reads each
+        # rollout's own context; rlloom's engine reads every row up to the widest one
+        keys = s + (widest if wl.engine == "rlloom" else generated / simulated) \
+            + (steps - 1) / 2
+        f = live * shape.decode_flops(keys)
+        b = _decode_weight_bytes(shape, layout, wl, live) * pp + live * keys * kv_tok
         c = (pp * (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
                    + _activation_s(shape, layout, wl, hw, live))
              + _pp_comm(hw, layout, shape, live, 1) + launch)

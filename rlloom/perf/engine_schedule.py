@@ -14,23 +14,24 @@ from rlloom.perf.workload import Workload
 @dataclass(frozen=True)
 class EngineSchedule:
     """What the engine runs for one replica: `segments` of (decode steps, live rollouts,
-    their generated tokens summed at the segment's start), the prompts each prefill forward
+    their generated tokens summed at the segment's start, the longest of them at its start:
+    every row's attention reads that many keys past the prompt), the prompts each prefill forward
     of an admission takes, the tokens of each extend forward (a tool call's last token and
     its result, appended to a parked rollout), and the steps' worth of time the replica
     spends idle, every held slot waiting on a tool."""
-    segments: tuple[tuple[int, int, int], ...]
+    segments: tuple[tuple[int, int, int, int], ...]
     prefills: tuple[int, ...]
     extends: tuple[int, ...] = ()
     idle_steps: int = 0
 
     @property
     def decode_steps(self) -> int:
-        return sum(steps for steps, _, _ in self.segments)
+        return sum(steps for steps, *_ in self.segments)
 
     @property
     def rollout_steps(self) -> int:
         """Live rollouts summed over the decode steps."""
-        return sum(steps * live for steps, live, _ in self.segments)
+        return sum(steps * live for steps, live, *_ in self.segments)
 
 
 # a turn of a rollout: (tokens it samples, tokens its tool call's result inserts, steps' worth
@@ -62,9 +63,13 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
     # admits, and then extends the returned calls
     events: list[tuple[int, int, int, int, int]] = []
     prefilled: set[int] = set()
-    segments: list[tuple[int, int, int]] = []
+    segments: list[tuple[int, int, int, int]] = []
     prefills: list[int] = []
     extends: list[int] = []
+    # live turns by context at step 0 (their context at step t is that plus t), longest first;
+    # an ended turn leaves its entry, skipped when it comes to the top
+    longest: list[tuple[int, int, int]] = []
+    ended: set[tuple[int, int]] = set()
 
     def begin(i: int, j: int, growth: int) -> None:
         """Turn j of rollout i starts, its first token sampled (from a prefill's or an
@@ -76,6 +81,7 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
             return
         live += 1
         generated += growth
+        heapq.heappush(longest, (step - growth, i, j))
         heapq.heappush(events, (step + sampled - 1, 0, i, j, growth + sampled - 1))
 
     def end(i: int, j: int, growth: int, at_once: bool) -> None:
@@ -99,6 +105,7 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
             _, _, i, j, growth = heapq.heappop(events)
             live -= 1
             generated -= growth
+            ended.add((i, j))
             end(i, j, growth, at_once=False)
         while free and waiting < n:  # admission: one prefill forward per round
             new = range(waiting, min(n, waiting + free))
@@ -120,7 +127,9 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
             return EngineSchedule(tuple(segments), tuple(prefills), tuple(extends), idle)
         steps = events[0][0] - step
         if live:
-            segments.append((steps, live, generated))
+            while (longest[0][1], longest[0][2]) in ended:
+                heapq.heappop(longest)
+            segments.append((steps, live, generated, step - longest[0][0]))
             generated += steps * live
         else:
             idle += steps

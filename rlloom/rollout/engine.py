@@ -322,21 +322,22 @@ class _Run:
             self.prefilled[g] = (batch, row)
 
     def _decode_step(self) -> None:
-        rows = self.rows
-        self.cache.ensure(self.width)
+        rows, width = self.rows, self.width
+        self.cache.ensure(width)
         cap = self.cache.cap
         lens = self.lens[:rows]
         backbone = self.model.model
         x = backbone.embed_tokens(self.next_tok[:rows])                   # [rows, hidden]
         cos, sin = self.cos[lens][:, None], self.sin[lens][:, None]      # [rows, 1, hd]
-        # computed once per step for every layer: the additive mask over all cache positions
-        # and the scatter index of the new key
+        # computed once per step for every layer: the additive mask over the key positions
+        # the step reads (up to the widest held context, not the cache's whole capacity: a
+        # long rollout that has ended costs the others nothing) and the new key's index
         kv, c = self.cache.kv_heads, self.model.config
-        hidden = self.key_pos[:cap] > lens[:, None]                     # [rows, cap]
+        hidden = self.key_pos[:width] > lens[:, None]                   # [rows, width]
         biases = [self._bias(hidden, kv)] * c.num_layers
         if c.sliding_window is not None:  # the new token is at index lens
-            window = self._bias(hidden | (self.key_pos[:cap] <= lens[:, None] - c.sliding_window),
-                                kv)
+            window = self._bias(hidden | (self.key_pos[:width] <= lens[:, None]
+                                          - c.sliding_window), kv)
             biases = [window if c.layer_window(i) else b for i, b in enumerate(biases)]
         # row (slot, kv head) of the flattened cache, times its capacity, plus the position;
         # a free slot (decoded along, output ignored) writes at its own position 0, since its
@@ -354,17 +355,17 @@ class _Run:
         self._reshape()
 
     def _bias(self, hidden: torch.Tensor, kv: int) -> torch.Tensor:
-        """The additive attention mask [rows * kv, 1, cap] hiding the keys `hidden` marks."""
-        rows, cap = hidden.shape
-        bias = torch.zeros(rows, 1, 1, cap, dtype=self.cache.dtype, device=self.device)
-        bias.masked_fill_(hidden.view(rows, 1, 1, cap), float("-inf"))
-        return bias.expand(rows, kv, 1, cap).reshape(rows * kv, 1, cap)
+        """The additive attention mask [rows * kv, 1, width] hiding the keys `hidden` marks."""
+        rows, width = hidden.shape
+        bias = torch.zeros(rows, 1, 1, width, dtype=self.cache.dtype, device=self.device)
+        bias.masked_fill_(hidden.view(rows, 1, 1, width), float("-inf"))
+        return bias.expand(rows, kv, 1, width).reshape(rows * kv, 1, width)
 
     def _layer(self, i: int, layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """One decoder layer for one new token per row, x [rows, hidden]: the model's math
         (its norms, rotary, GQA head order, MLP) with fused projections and the slot cache."""
-        rows, cap = x.shape[0], self.cache.cap
+        rows, cap, width = x.shape[0], self.cache.cap, bias.shape[-1]
         kv, hd = self.cache.kv_heads, self.cache.head_dim
         attn = layer.self_attn
         q, k, v = F.linear(layer.input_layernorm(x), w.qkv_w, w.qkv_b).split(w.split, -1)
@@ -378,10 +379,12 @@ class _Run:
         kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd).to(kc.dtype))
         vc.view(-1, hd).index_copy_(0, index, v.reshape(rows * kv, hd).to(vc.dtype))
         # query head h reads kv head h // (heads / kv), as repeat_kv and SDPA's GQA do
-        scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd),
-                               kc.view(rows * kv, cap, hd).transpose(1, 2), alpha=hd ** -0.5)
+        # the first `width` positions of each (slot, kv head): a strided view, not a copy
+        keys = kc.view(rows * kv, cap, hd)[:, :width]
+        scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2),
+                               alpha=hd ** -0.5)
         probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
-        out = torch.bmm(probs, vc.view(rows * kv, cap, hd)).view(rows, heads * hd)
+        out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
         x = x + attn.o_proj(out)
         h = layer.post_attention_layernorm(x)
         if w.gate_up_w is None:

@@ -5,14 +5,15 @@ from rlloom.rollout import engine
 
 @pytest.fixture
 def engine_counts(monkeypatch):
-    """What the engine runs, counted as it runs: decode steps, live rows summed over them,
-    prefill forwards, and the tokens of each extend forward."""
-    seen = {"steps": 0, "live": 0, "prefills": 0, "extends": []}
+    """What the engine runs, counted as it runs: decode steps, live rows and key positions
+    read summed over them, prefill forwards, and the tokens of each extend forward."""
+    seen = {"steps": 0, "live": 0, "width": 0, "prefills": 0, "extends": []}
     decode, prefill, extend = engine._Run._decode_step, engine._Run._prefill, engine._Run._extend
 
     def counted_decode(run):
         seen["steps"] += 1
         seen["live"] += run.live
+        seen["width"] += run.width  # key positions the step's attention reads
         decode(run)
 
     def counted_prefill(run, groups):

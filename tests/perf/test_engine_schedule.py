@@ -24,9 +24,10 @@ def test_engine_schedule_by_hand():
     slots after one prefill; 1 ends on its prefill token, so 2 takes its slot in a second
     prefill round; one step ends 2 and 3 takes its slot (its prompt is prefilled already);
     one more step ends 0; 3 decodes alone for 2 steps. Decode steps make the 10 - 4 tokens
-    the prefills did not."""
+    the prefills did not. The longest live context past the prompt at each segment's start:
+    1 (both fresh), 2 (rollout 0), 2 (rollout 3)."""
     s = engine_schedule.engine_schedule([3, 1, 2, 4], slots=2, samples=2)
-    assert s.segments == ((1, 2, 2), (1, 2, 3), (2, 1, 2))
+    assert s.segments == ((1, 2, 2, 1), (1, 2, 3, 2), (2, 1, 2, 2))
     assert s.prefills == (1, 1)
     assert s.decode_steps == 4 and s.rollout_steps == 6
 
@@ -52,6 +53,27 @@ def test_engine_schedule_is_what_the_engine_runs(slots, engine_counts):
     assert seen["live"] == priced.rollout_steps == sum(lengths) - len(lengths)
     assert seen["prefills"] == len(priced.prefills)
     assert sum(priced.prefills) == len(BASE)
+
+
+@pytest.mark.parametrize("slots", [3, 24])
+def test_keys_read_are_the_widest_live_context(slots, engine_counts):
+    """The engine's attention reads every row up to the widest held context: with prompts of
+    one length S, its key positions summed over decode steps equal the schedule's segments,
+    each step reading S + the longest live context past the prompt."""
+    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    model = CausalLM(cfg)
+    model.init_weights(seed=5, std=0.3)
+    prompts = [[5 + p, 6, 7, 8] for p in range(6) for _ in range(K)]
+    out = engine_generate(model.eval(), prompts, SamplingParams(max_new_tokens=14,
+                                                                temperature=1.0), 7, 0,
+                          torch.Generator().manual_seed(2),
+                          EngineConfig(max_batch=slots, n_samples=K))
+    lengths = out.response_lengths.tolist()
+    assert len(set(lengths)) > 3, "the test needs varied lengths"
+    priced = engine_schedule.engine_schedule(lengths, slots, K)
+    assert engine_counts["width"] == sum(steps * (4 + widest) + steps * (steps - 1) // 2
+                                         for steps, _, _, widest in priced.segments)
 
 
 def test_the_tail_is_paid_whatever_the_concurrency():

@@ -41,7 +41,7 @@ def test_default_search_ranks_only_runnable_plans_and_price_only_says_so():
                 if x["cp"] > 1 and not scored:
                     bad.add("cp")
         return bad
-    moe = ["--model", "qwen3-30b-a3b", "--json", "--top", "2000"]
+    moe = ["--model", "qwen3-30b-a3b", "--gpus", "16xH100", "--json", "--top", "2000"]
     runnable = json.loads(_plan(*moe).stdout)
     assert outside(runnable) == set()
     assert any(x["ep"] > 1 for p in runnable["ranked"]

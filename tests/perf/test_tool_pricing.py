@@ -32,7 +32,7 @@ def test_schedule_by_hand():
     nothing live, idle. Step 4: A extends 1 + 4 tokens (the extend's logits give its next
     turn's first token: 3 + 4 + 1 = 8 past the prompt) and its 2-token turn takes 1 step."""
     s = engine_schedule.engine_schedule([], 2, 1, turns=[[(3, 4, 2), (2, 0, 0)], [(2, 0, 0)]])
-    assert s.segments == ((1, 2, 2), (1, 1, 2), (1, 1, 8))
+    assert s.segments == ((1, 2, 2, 1), (1, 1, 2, 2), (1, 1, 8, 8))
     assert s.prefills == (2,) and s.extends == (5,) and s.idle_steps == 2
 
 

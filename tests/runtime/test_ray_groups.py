@@ -61,22 +61,21 @@ def single(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("algo, offload", [("grpo", "false"), ("ppo", "true")])
 def test_disaggregated_zero3_training_and_tp_generation_match_one_process(tmp_path, tiny,
-                                                                         single, algo, offload):
-    """Training on 2 ranks at ZeRO-3 (PPO's critic too; PPO's with their shards and optimizer
-    step in host memory, `offload`), generation on 2 TP ranks fed by weight sync, the
-    reference on its own rank: 5 processes."""
+                                                                         single):
+    """PPO's actor and critic train on 2 ranks at ZeRO-3 with their shards and optimizer step
+    in host memory (`offload`), generation on 2 TP ranks fed by weight sync, the reference on
+    its own rank: 5 processes. (GRPO at this layout: the killed-rank test below.)"""
     run = tmp_path / "ray"
-    main(["train", *tiny, f"algo={algo}", *EXACT, *DISAGGREGATED, f"run_dir={run}",
-          f"plan.layouts.actor.offload={offload}", "--worker-timeout", "300"])
-    _assert_same(single(algo, tiny), _rows(run))
+    main(["train", *tiny, "algo=ppo", *EXACT, *DISAGGREGATED, f"run_dir={run}",
+          "plan.layouts.actor.offload=true", "--worker-timeout", "300"])
+    _assert_same(single("ppo", tiny), _rows(run))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # every step the whole policy reaches each TP rank's half (the tied embedding whole)
     assert all(m["sync_bytes"] > 0 for m in metrics)
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {"generation", "actor", "reference"}
-    assert single(algo, tiny)[-1]["grad_norm"] > 0  # it really trained
+    assert single("ppo", tiny)[-1]["grad_norm"] > 0  # it really trained
 
 
 @pytest.mark.parametrize("algo, tp", [("grpo", 2), ("ppo", 1)])
@@ -214,40 +213,40 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
         assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in rows)
 
 
-def test_killed_rank_of_a_training_group_is_named_and_the_run_resumes(tmp_path, tiny, single,
-                                                                      monkeypatch, capsys):
-    monkeypatch.setenv("RLLOOM_RAY_FAULT", "kill:actor/1:2")  # SIGKILL rank 1 during step 2
-    run = tmp_path / "ray"
-    main(["train", *tiny, "algo=grpo", *EXACT, *DISAGGREGATED, f"run_dir={run}",
-          "--worker-timeout", "120", "--max-restarts", "1"])
-    out = capsys.readouterr().out
-    assert "worker rank 1 of group 'actor' (stages: training) died" in out
-    [failure] = [json.loads(line) for line in (run / "failures.jsonl").read_text().splitlines()]
-    assert failure["rank"] == 1 and failure["step"] == 2 and failure["detected_after_s"] < 120
-    print(f"kill of actor rank 1 detected after {failure['detected_after_s']:.2f}s")
-    # resumed from the step-1 checkpoint (DCP shards of the 2 training ranks)
-    assert (run / "checkpoints" / "step_000003" / "actor").is_dir()
-    _assert_same(single("grpo", tiny), _rows(run))
-
-
 @pytest.mark.parametrize("group, layout", [
+    ("actor", DISAGGREGATED[1:]),
     ("generation", ["plan.layouts.rollout.dp=2"]),
     ("actor", ["plan.layouts.rollout.dp=1", "plan.layouts.actor.pp=2"]),
     ("actor", ["plan.layouts.rollout.dp=1", "model.family=qwen3_moe", "plan.layouts.actor.dp=2",
                "plan.layouts.actor.ep=2", "plan.layouts.actor.zero=3"]),
 ])
-def test_a_killed_rank_with_state_of_its_own_resumes_as_if_uninterrupted(tmp_path, tiny,
-                                                                         monkeypatch, group,
-                                                                         layout):
-    """Ranks whose state differs from their group's other ranks: two generation replicas
-    (each samples its own RNG stream, and the checkpoint holds both), pipeline stages and
-    expert shards (each holds its own weights and AdamW state, kept apart in the sharded
-    checkpoint: a param group keyed by its index would make one rank load the other's).
-    Killing rank 1 in step 2 and resuming gives the uninterrupted run's numbers."""
+def test_a_killed_rank_resumes_as_if_uninterrupted(tmp_path, tiny, single, monkeypatch, capsys,
+                                                   group, layout):
+    """Rank 1 of a group is killed (SIGKILL) during step 2: the driver names it by group and
+    rank, records the failure, and the run resumes from its step-1 sharded checkpoint with
+    the numbers of an uninterrupted run. The groups: a dp2 ZeRO-3 training group (DCP shards
+    of the 2 ranks); two generation replicas (each samples its own RNG stream, and the
+    checkpoint holds both); pipeline stages and expert shards (each holds its own weights and
+    AdamW state, kept apart in the sharded checkpoint: a param group keyed by its index would
+    make one rank load the other's). A layout that equals one process is compared with it;
+    two generation replicas sample differently, so with their own uninterrupted run."""
     plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", *layout]
-    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
+    if group == "generation":
+        main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
+        expected = _rows(tmp_path / "whole")
+    elif "model.family=qwen3_moe" in layout:
+        moe = [*tiny, "algo=grpo", *EXACT, "model.family=qwen3_moe"]
+        main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
+        expected = _rows(tmp_path / "single")
+    else:
+        expected = single("grpo", tiny)
     monkeypatch.setenv("RLLOOM_RAY_FAULT", f"kill:{group}/1:2")
-    main(["train", *tiny, *plan, f"run_dir={tmp_path / 'killed'}", "--worker-timeout", "120",
+    run = tmp_path / "killed"
+    main(["train", *tiny, *plan, f"run_dir={run}", "--worker-timeout", "120",
           "--max-restarts", "1"])
-    assert (tmp_path / "killed" / "failures.jsonl").is_file()
-    _assert_same(_rows(tmp_path / "whole"), _rows(tmp_path / "killed"))
+    assert f"worker rank 1 of group '{group}'" in capsys.readouterr().out
+    [failure] = [json.loads(line) for line in (run / "failures.jsonl").read_text().splitlines()]
+    assert failure["rank"] == 1 and failure["step"] == 2 and failure["detected_after_s"] < 120
+    print(f"kill of {group} rank 1 detected after {failure['detected_after_s']:.2f}s")
+    assert (run / "checkpoints" / "step_000003").is_dir()
+    _assert_same(expected, _rows(run))
