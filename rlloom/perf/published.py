@@ -58,6 +58,9 @@ def _run(row: dict[str, Any]) -> Run:
                   minibatches=p.get("minibatches", 1), micro_batch=p.get("micro_batch", 1),
                   partial_tokens=p.get("partial_tokens", 0),
                   recompute_logprobs=p.get("recompute_logprobs", False),
+                  # the peers generate on vLLM, SGLang or TensorRT-LLM: paged attention and a
+                  # paged KV cache, which `rollout.engine=vllm` prices
+                  engine=p.get("engine", "vllm"),
                   policy_loss=p.get("policy_loss",
                                     PRESETS[p["algo"]].overrides.get("policy_loss", "ppo")))
     # a pair of our own making (a scaling series the source does not pair) may be given
