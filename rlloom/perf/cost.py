@@ -25,7 +25,7 @@ VLLM_MAX_SEQS = 256  # vLLM's default max_num_seqs (what rollout.engine=vllm sta
 PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (rollout.engine.EngineConfig)
 # Operators dispatched by rlloom's runtime, per decoder layer and per call (counted with a
 # TorchDispatchMode on rlloom's own model; tests/perf/test_validate.py recounts them). They
-# price `Hardware.launch_s`, which only a CPU has non-zero.
+# price `Hardware.launch_s`, the host's time per operator (see `_with_dispatch`).
 FORWARD_OPS = (87, 45)  # a teacher-forced forward (prefill or micro-batch): per layer, fixed
 DECODE_OPS = (77, 123)  # one decode step of the generation engine, sampling included
 OPTIMIZER_OPS = (110, 42)  # gradient clipping + AdamW step + zero_grad: per layer, fixed
@@ -54,6 +54,13 @@ class StageCost:
 
 def _ops(per: tuple[int, int], shape: ModelShape, layout: Layout) -> float:
     return per[0] * shape.layers / layout.pp + per[1]
+
+
+def _with_dispatch(device_s: float, host_s: float, hw: Hardware) -> float:
+    """Seconds of work the device does in `device_s` while the host spends `host_s` issuing
+    it: their sum where the device computes in the dispatching thread (a CPU), the longer of
+    the two where the host queues ahead of it (a GPU, `Hardware.dispatch_overlap`)."""
+    return device_s + host_s - hw.dispatch_overlap * min(device_s, host_s)
 
 
 def _wrapper_s(hw: Hardware, shape: ModelShape, layout: Layout, trained: bool) -> float:
@@ -253,7 +260,9 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         for k, v in enumerate(_forwards(shape, layout, wl, hw, f, m * weight, weight,
                                         weight * pos * kv_tok)):
             totals[k] += v
-    launch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) + hw.decode_step_s
+    # rlloom's engine dispatches each operator of a decode step; vLLM replays CUDA graphs
+    dispatch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) \
+        if wl.engine == "rlloom" else 0.0
     for steps, simulated, generated, widest in sched.segments:
         live = simulated * weight
         # keys each row attends to, mean over the segment: vLLM's paged attention reads each
@@ -264,8 +273,10 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         b = _decode_weight_bytes(shape, layout, wl, live) * pp + live * keys * kv_tok
         c = (pp * (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
                    + _activation_s(shape, layout, wl, hw, live))
-             + _pp_comm(hw, layout, shape, live, 1) + launch)
-        for k, v in enumerate((f, b, f / flops_s, b / bw, c, max(f / flops_s, b / bw) + c)):
+             + _pp_comm(hw, layout, shape, live, 1))
+        step = _with_dispatch(max(f / flops_s, b / bw) + c, dispatch, hw) + hw.decode_step_s
+        c += dispatch + hw.decode_step_s
+        for k, v in enumerate((f, b, f / flops_s, b / bw, c, step)):
             totals[k] += steps * v
     return totals
 
@@ -277,11 +288,12 @@ def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flo
     weights once per pp stage; `kv_bytes`: the cached keys and values they read too."""
     flops_s, bw, pp = hw.flops(wl.dtype) * layout.tp, hw.mem_bw * hw.mem_eff, layout.pp
     b = forwards * _weight_bytes(shape, layout, wl) * pp + kv_bytes
-    c = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout) + pp * (
-        _activation_s(shape, layout, wl, hw, tokens)
-        + _tp_comm(hw, layout, shape, tokens, 2)
-        + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
-    return flops, b, flops / flops_s, b / bw, c, max(flops / flops_s, b / bw) + c
+    dispatch = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+    c = pp * (_activation_s(shape, layout, wl, hw, tokens)
+              + _tp_comm(hw, layout, shape, tokens, 2)
+              + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
+    seconds = _with_dispatch(max(flops / flops_s, b / bw) + c, dispatch, hw)
+    return flops, b, flops / flops_s, b / bw, c + dispatch, seconds
 
 
 POOL_POINTS = 1024  # rows a step admits in the partial-rollout replay; beyond, one stands for many
@@ -368,9 +380,9 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
                   + _cp_comm(hw, layout, shape, mb_tokens, 1))
     comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-    comm_s += m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
-    comm_s += m * _wrapper_s(hw, shape, layout, trained)
     comm_s += _pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
+    host_s = (m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+              + m * _wrapper_s(hw, shape, layout, trained))
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
     work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
     # ZeRO-3 gathers each layer's parameters for every micro-batch's forward
@@ -378,8 +390,9 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
                                       * mem.params_per_device(shape, layout)) \
         if layout.zero == 3 else 0.0
     dp_s += offload_copy_s(shape, layout, hw, m, trained=False)
-    seconds = work + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
-    comm_s += dp_s
+    seconds = (_with_dispatch(work + comm_s, host_s, hw)
+               + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
+    comm_s += dp_s + host_s
     memory_s += act_s
     transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
     return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
@@ -423,16 +436,17 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     dtensors = layout.tp > 1 or layout.dp > 1
     optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
     per_pass = _ops(TRAIN_OPS, shape, layout) + ckpt * _ops(FORWARD_OPS, shape, layout)
-    comm_s += steps * (hw.launch_s * m * pieces * per_pass
-                       + optimizer_op_s * _ops(OPTIMIZER_OPS, shape, layout)
-                       + m * _wrapper_s(hw, shape, layout, True))
+    host_s = steps * (hw.launch_s * m * pieces * per_pass
+                      + optimizer_op_s * _ops(OPTIMIZER_OPS, shape, layout)
+                      + m * _wrapper_s(hw, shape, layout, True))
     act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
         shape, layout, wl, hw, tokens / layout.cp)
     work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
     # the update runs after the last backward: nothing overlaps it
     update_s = steps * optimizer_s(shape, layout, hw, lora)
-    seconds = work + update_s + comm_s + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw)
-    comm_s += dp_s
+    seconds = (_with_dispatch(work + update_s + comm_s, host_s, hw)
+               + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
+    comm_s += dp_s + host_s
     memory_s += act_s + update_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))

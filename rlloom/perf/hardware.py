@@ -33,10 +33,16 @@ class Hardware:
     compute_eff: float = 0.5
     mem_eff: float = 0.8
     comm_eff: float = 0.8
-    # Fixed host cost of dispatching one operator. Catalogue GPUs use 0: launches are
-    # asynchronous and decode is captured in CUDA graphs, so they hide behind the kernels.
-    # On a CPU every operator runs in the Python thread, so tiny models are bound by it.
+    # Host time of dispatching one operator of rlloom's eager PyTorch runtime (Python, the
+    # dispatcher, a kernel launch). On a CPU every operator also runs in that thread, so tiny
+    # models are bound by it. On a GPU the host queues kernels and runs ahead, so dispatch
+    # costs only where it outlasts the kernels (`dispatch_overlap`): decode steps of few rows,
+    # thousands of small operators each. Catalogue GPUs: 5 us, an estimate for a server CPU
+    # (`rlloom bench hw` measures it on the machine it runs on).
     launch_s: float = 0.0
+    # Share of the host's dispatch time the device's work hides: a GPU step costs the longer
+    # of the two (1 in the catalogue); a CPU computes in the dispatching thread (0: the sum).
+    dispatch_overlap: float = 0.0
     # Host costs of the runtime's data-parallel wrappers (FSDP2), measured by `rlloom bench
     # hw`; 0 on catalogue GPUs for the reason above. `sharded_launch_s`: added per optimizer-
     # step operator (clipping, AdamW) on DTensor parameters. `wrapped_pass_s`: the hooks of
@@ -56,8 +62,9 @@ class Hardware:
     dp_overlap: float = 0.0
     # Host time of one decode step of the generation engine that the device does not hide
     # (scheduling, sampling, Python between kernels); paid by every step however small its
-    # batch, it sets the floor under a long response's tail. 0 in the catalogue (vLLM-style
-    # engines with CUDA graphs); `calibrate` fits it.
+    # batch, it sets the floor under a long response's tail. 0 in the catalogue (the
+    # engine's operators are priced by `launch_s`; vLLM replays CUDA graphs and its
+    # scheduler's time is what this holds); `calibrate` fits it.
     decode_step_s: float = 0.0
     # Host side, for offloaded ZeRO-3 state (`Layout.offload`), per device: bytes/s between
     # device and host memory (its PCIe link; 0: the device is the host, nothing is copied),
@@ -133,6 +140,7 @@ def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, hbm_t
     return Hardware(name, {"bf16": bf16_tflops * TB, "fp32": fp32_tflops * TB},
                     mem_gib=mem_gb, mem_bw=hbm_tbs * TB, intra_node_bw=link_gbs * GB,
                     inter_node_bw=IB_400G, price_per_hour=price, dp_overlap=1.0,
+                    launch_s=5e-6, dispatch_overlap=1.0,
                     host_link_bw=pcie_gbs * GB, host_mem_gib=256, host_mem_bw=75 * GB)
 
 

@@ -67,9 +67,16 @@ def test_partial_generation_conserves_tokens_and_cuts_the_tail():
     assert abs(generated / (64 * 8 * wl.response.mean) - 1) < 0.05
     assert max(max(c.new) for step in steps for c in step) == 1024
     shape, hw, layout = model_shape("qwen2.5-7b"), hardware("h100"), Layout(dp=1)
-    whole = cost.generation(shape, layout, replace(wl, partial_tokens=0), hw, 1e12)
-    chunked = cost.generation(shape, layout, wl, hw, 1e12)
     # every rollout has a KV slot: a whole step waits for its 8192-token tail, chunks of
-    # 1024 a step do not (the carried rows prefill again: a cost, smaller than the tail)
-    assert chunked.seconds < 0.65 * whole.seconds  # 37.3 s against 62.0 s
-    assert "partial rollouts of 1024 tokens" in chunked.note
+    # 1024 a step do not (the carried rows prefill again: a cost, smaller than the tail).
+    # On vLLM's paged attention that is the gain: 42.0 s against 62.6 s. rlloom's engine
+    # reads every row up to the widest context, and the carried rows are the widest, so
+    # most of it goes to padded attention: 90.5 s against 94.7 s.
+    gain = {}
+    for engine in ("vllm", "rlloom"):
+        chunked = cost.generation(shape, layout, replace(wl, engine=engine), hw, 1e12)
+        whole = cost.generation(shape, layout, replace(wl, engine=engine, partial_tokens=0),
+                                hw, 1e12)
+        assert "partial rollouts of 1024 tokens" in chunked.note
+        gain[engine] = chunked.seconds / whole.seconds
+    assert gain["vllm"] < 0.7 and gain["vllm"] < gain["rlloom"] < 1

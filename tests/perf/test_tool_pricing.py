@@ -112,4 +112,4 @@ def test_a_lone_rollout_waits_out_each_call_and_others_hide_it():
                                              tool_latency=Lengths("lognormal", 0.5, 5.0)),
                            HW, KV)
     calls = 64 * 2
-    assert 0 < many.wait_s < 0.05 * calls * Lengths("lognormal", 0.5, 5.0).mean
+    assert 0 <= many.wait_s < 0.05 * calls * Lengths("lognormal", 0.5, 5.0).mean

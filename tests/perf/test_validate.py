@@ -356,7 +356,8 @@ def test_hybrid_colocated_layout_pays_resharding():
     whole = mem.PARAM_B * shape.params
     assert plain.sync_s == pytest.approx(7 * (alpha + whole / 8 / bw))
     assert hybrid.devices == plain.devices == 8
-    assert hybrid.gen_s < plain.gen_s  # TP 2 decodes each token on two devices
+    # TP 2 all-reduces twice a layer in every decode step, where replicas need nothing
+    assert hybrid.stages[0].comm_s > plain.stages[0].comm_s
 
 
 def test_expert_parallel_prices_all_to_all():
