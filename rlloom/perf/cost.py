@@ -50,6 +50,7 @@ class StageCost:
     transient_bytes: float  # KV cache / activations / buffers on top of the resident state
     note: str = ""
     wait_s: float = 0.0  # of `seconds`, idle waiting on tools (multi-turn generation)
+    dispatch_s: float = 0.0  # the host's operator dispatch, hidden or not (`_with_dispatch`)
 
 
 def _ops(per: tuple[int, int], shape: ModelShape, layout: Layout) -> float:
@@ -167,7 +168,8 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
            replace(wl, micro_batch=0), _hardware_key(hw), concurrent)
     if key not in _GEN_CACHE:
-        _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role)
+        _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role,
+                                    concurrent * kv_one)
     return _GEN_CACHE[key]
 
 
@@ -175,8 +177,8 @@ _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generatio
 
 
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
-              per_replica: int, role: str) -> StageCost:
-    kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
+              per_replica: int, role: str, kv_bytes: float) -> StageCost:
+    """`kv_bytes`: what the `concurrent` rollouts' KV cache holds per device."""
     wait = 0.0
     if wl.carries:
         totals, decode_steps, prefills = _partial_totals(shape, layout, wl, hw, concurrent)
@@ -201,12 +203,12 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
             how += (f", {wl.turns} turns per rollout ({len(sched.extends) * weight:.0f} "
                     f"extend forwards; {wait:.3g} s idle, every slot waiting on a tool)")
         decode_steps, prefills = sched.decode_steps, len(sched.prefills)
-    flops, nbytes, compute_s, memory_s, comm_s, seconds = totals
+    flops, nbytes, compute_s, memory_s, comm_s, seconds, dispatch_s = totals
     depth = forward_depth(shape, wl.max_context) * wl.response.max
     note = (f"{concurrent} of {per_replica} rollouts per replica at once, {how}: "
             f"{decode_steps:.0f} decode steps, {prefills:.0f} prefill forwards")
     return StageCost("generation", role, layout.dp * flops, nbytes, depth, compute_s,
-                     memory_s, comm_s, seconds, concurrent * kv_one, note, wait)
+                     memory_s, comm_s, seconds, kv_bytes, note, wait, dispatch_s)
 
 
 def _turn_plans(wl: Workload, lengths: list[int], step_s: float) -> list[list[Turn]]:
@@ -230,7 +232,8 @@ def _turn_plans(wl: Workload, lengths: list[int], step_s: float) -> list[list[Tu
 
 def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, layout: Layout,
                      wl: Workload, hw: Hardware, resumed_tokens: float = 0.0) -> list[float]:
-    """[flops, bytes, compute_s, memory_s, comm_s, seconds] of one replica running `sched`,
+    """[flops, bytes, compute_s, memory_s, comm_s, seconds, dispatch_s] of one replica running
+    `sched`,
     each simulated rollout standing for `weight`; `resumed_tokens`: context that carried
     partial rollouts prefill again (their tokens so far) on top of their prompts."""
     flops_s = hw.flops(wl.dtype) * layout.tp  # decode has no sequence to split: CP idles
@@ -240,7 +243,7 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
     # A replica's tokens cross its pp stages one after another (prefill runs as one batch,
     # decode one token at a time), so the per-stage costs (reads, TP and EP collectives,
     # non-matmul operators, launches) add up over the stages: PP saves memory here, not time.
-    totals = [0.0] * 6  # flops, bytes, compute_s, memory_s, comm_s, seconds
+    totals = [0.0] * 7  # flops, bytes, compute_s, memory_s, comm_s, seconds, dispatch_s
     logits = 2 * shape.vocab * shape.hidden
     prompts_total = sum(sched.prefills) * weight
     for simulated in sched.prefills:
@@ -275,15 +278,16 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
                    + _activation_s(shape, layout, wl, hw, live))
              + _pp_comm(hw, layout, shape, live, 1))
         step = _with_dispatch(max(f / flops_s, b / bw) + c, dispatch, hw) + hw.decode_step_s
-        c += dispatch + hw.decode_step_s
-        for k, v in enumerate((f, b, f / flops_s, b / bw, c, step)):
+        for k, v in enumerate((f, b, f / flops_s, b / bw, c, step,
+                               dispatch + hw.decode_step_s)):
             totals[k] += steps * v
     return totals
 
 
 def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flops: float,
               tokens: float, forwards: float, kv_bytes: float = 0.0) -> tuple[float, ...]:
-    """(flops, bytes, compute_s, memory_s, comm_s, seconds) of `forwards` generation-side
+    """(flops, bytes, compute_s, memory_s, comm_s, seconds, dispatch_s) of `forwards`
+    generation-side
     forwards (prefills, extends) of `tokens` tokens in all, doing `flops`: each reads the
     weights once per pp stage; `kv_bytes`: the cached keys and values they read too."""
     flops_s, bw, pp = hw.flops(wl.dtype) * layout.tp, hw.mem_bw * hw.mem_eff, layout.pp
@@ -293,7 +297,7 @@ def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flo
               + _tp_comm(hw, layout, shape, tokens, 2)
               + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
     seconds = _with_dispatch(max(flops / flops_s, b / bw) + c, dispatch, hw)
-    return flops, b, flops / flops_s, b / bw, c + dispatch, seconds
+    return flops, b, flops / flops_s, b / bw, c, seconds, dispatch
 
 
 POOL_POINTS = 1024  # rows a step admits in the partial-rollout replay; beyond, one stands for many
@@ -314,7 +318,7 @@ def _partial_totals(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardwar
     if key not in _POOL_CACHE:
         _POOL_CACHE[key] = pool_steps(lengths, prompts, k, wl.partial_tokens,
                                       warm + MEASURED_STEPS)[warm:]
-    totals, decode_steps, prefills = [0.0] * 6, 0.0, 0.0
+    totals, decode_steps, prefills = [0.0] * 7, 0.0, 0.0
     for calls in _POOL_CACHE[key]:
         for call in calls:
             sched = engine_schedule(list(call.new), max(1, round(concurrent / weight)), k,
@@ -392,12 +396,12 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     dp_s += offload_copy_s(shape, layout, hw, m, trained=False)
     seconds = (_with_dispatch(work + comm_s, host_s, hw)
                + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
-    comm_s += dp_s + host_s
+    comm_s += dp_s
     memory_s += act_s
     transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
     return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      forward_depth(shape, wl.max_context), compute_s, memory_s, comm_s, seconds,
-                     transient)
+                     transient, dispatch_s=host_s)
 
 
 def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
@@ -446,13 +450,13 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     update_s = steps * optimizer_s(shape, layout, hw, lora)
     seconds = (_with_dispatch(work + update_s + comm_s, host_s, hw)
                + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
-    comm_s += dp_s + host_s
+    comm_s += dp_s
     memory_s += act_s + update_s
     transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
                  + mem.zero3_buffer_bytes(shape, layout))
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
     return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
-                     depth, compute_s, memory_s, comm_s, seconds, transient)
+                     depth, compute_s, memory_s, comm_s, seconds, transient, dispatch_s=host_s)
 
 
 def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:

@@ -220,7 +220,7 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
     stage = max(split, key=split.__getitem__)
     worst = max((st for st in best.stages if st.stage == stage), key=lambda st: st.seconds)
     bounds = {"compute": worst.compute_s, "memory": worst.memory_s, "communication": worst.comm_s,
-              "tool": worst.wait_s}
+              "operator-dispatch": worst.dispatch_s, "tool": worst.wait_s}
     bound = max(bounds, key=bounds.__getitem__)
     usable = hw.mem_gib * mem.USABLE
     naive_plan = (f"the naive plan (co-located, data parallel only, sync, micro-batch "
@@ -240,6 +240,7 @@ def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "
         f"  bottleneck: {stage}, {split[stage] / best.step_s:.0%} of the step; its slowest part "
         f"({worst.role}) is {bound}-bound: compute {_sec(worst.compute_s)} s, memory "
         f"{_sec(worst.memory_s)} s, communication {_sec(worst.comm_s)} s"
+        + (f", operator dispatch {_sec(worst.dispatch_s)} s" if worst.dispatch_s else "")
         + (f", waiting on tools {_sec(worst.wait_s)} s" if worst.wait_s else ""),
         "  peak memory per device: " + ", ".join(
             f"{g} {gib:.1f} GiB" for g, gib in sorted(best.mem_gib.items()))

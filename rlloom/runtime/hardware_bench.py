@@ -226,6 +226,8 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
                     intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
                     mem_eff=1.0, comm_eff=1.0, launch_s=launch, sharded_launch_s=sharded,
                     wrapped_pass_s=wrapped, reduce_s=reduce,
+                    # the device is the host: offloaded state stays in the same memory
+                    host_mem_gib=round(ram, 1), host_mem_bw=bw,
                     extra={"threads": float(torch.get_num_threads()),
                            "cpus": float(os.cpu_count() or 1)})
 
