@@ -32,26 +32,31 @@ def test_engine_schedule_by_hand():
     assert s.decode_steps == 4 and s.rollout_steps == 6
 
 
+def _sampled_lengths(prompts: list[list[int]], slots: int, seed: int, sample_seed: int
+                     ) -> list[int]:
+    """Response lengths of a real sampled engine run of a random model (K samples each)."""
+    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    model = CausalLM(cfg)
+    model.init_weights(seed=seed, std=0.3)
+    out = engine_generate(model.eval(), [p for p in prompts for _ in range(K)],
+                          SamplingParams(max_new_tokens=14, temperature=1.0), 7, 0,
+                          torch.Generator().manual_seed(sample_seed),
+                          EngineConfig(max_batch=slots, n_samples=K))
+    lengths = out.response_lengths.tolist()
+    assert len(set(lengths)) > 3, "the test needs varied lengths"
+    return lengths
+
+
 @pytest.mark.parametrize("slots", [1, 5, 9, 24])
 def test_engine_schedule_is_what_the_engine_runs(slots, engine_counts):
     """The engine's decode steps, live rollouts per step and prefill forwards, counted on a
     real sampled run, equal the schedule priced from its response lengths."""
-    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
-    model = CausalLM(cfg)
-    model.init_weights(seed=3, std=0.3)
-    seen = engine_counts
-    prompts = [p for p in BASE for _ in range(K)]
-    out = engine_generate(model.eval(), prompts, SamplingParams(max_new_tokens=14,
-                                                                temperature=1.0), 7, 0,
-                          torch.Generator().manual_seed(1),
-                          EngineConfig(max_batch=slots, n_samples=K))
-    lengths = out.response_lengths.tolist()
-    assert len(set(lengths)) > 3, "the test needs varied lengths"
+    lengths = _sampled_lengths(BASE, slots, seed=3, sample_seed=1)
     priced = engine_schedule.engine_schedule(lengths, slots, K)
-    assert seen["steps"] == priced.decode_steps
-    assert seen["live"] == priced.rollout_steps == sum(lengths) - len(lengths)
-    assert seen["prefills"] == len(priced.prefills)
+    assert engine_counts["steps"] == priced.decode_steps
+    assert engine_counts["live"] == priced.rollout_steps == sum(lengths) - len(lengths)
+    assert engine_counts["prefills"] == len(priced.prefills)
     assert sum(priced.prefills) == len(BASE)
 
 
@@ -60,17 +65,8 @@ def test_keys_read_are_the_widest_live_context(slots, engine_counts):
     """The engine's attention reads every row up to the widest held context: with prompts of
     one length S, its key positions summed over decode steps equal the schedule's segments,
     each step reading S + the longest live context past the prompt."""
-    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
-    model = CausalLM(cfg)
-    model.init_weights(seed=5, std=0.3)
-    prompts = [[5 + p, 6, 7, 8] for p in range(6) for _ in range(K)]
-    out = engine_generate(model.eval(), prompts, SamplingParams(max_new_tokens=14,
-                                                                temperature=1.0), 7, 0,
-                          torch.Generator().manual_seed(2),
-                          EngineConfig(max_batch=slots, n_samples=K))
-    lengths = out.response_lengths.tolist()
-    assert len(set(lengths)) > 3, "the test needs varied lengths"
+    lengths = _sampled_lengths([[5 + p, 6, 7, 8] for p in range(6)], slots, seed=5,
+                               sample_seed=2)
     priced = engine_schedule.engine_schedule(lengths, slots, K)
     assert engine_counts["width"] == sum(steps * (4 + widest) + steps * (steps - 1) // 2
                                          for steps, _, _, widest in priced.segments)
