@@ -233,9 +233,8 @@ def _turn_plans(wl: Workload, lengths: list[int], step_s: float) -> list[list[Tu
 def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, layout: Layout,
                      wl: Workload, hw: Hardware, resumed_tokens: float = 0.0) -> list[float]:
     """[flops, bytes, compute_s, memory_s, comm_s, seconds, dispatch_s] of one replica running
-    `sched`,
-    each simulated rollout standing for `weight`; `resumed_tokens`: context that carried
-    partial rollouts prefill again (their tokens so far) on top of their prompts."""
+    `sched`, each simulated rollout standing for `weight`; `resumed_tokens`: context that
+    carried partial rollouts prefill again (their tokens so far) on top of their prompts."""
     flops_s = hw.flops(wl.dtype) * layout.tp  # decode has no sequence to split: CP idles
     bw = hw.mem_bw * hw.mem_eff
     s = wl.prompt_len
@@ -287,9 +286,9 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
 def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flops: float,
               tokens: float, forwards: float, kv_bytes: float = 0.0) -> tuple[float, ...]:
     """(flops, bytes, compute_s, memory_s, comm_s, seconds, dispatch_s) of `forwards`
-    generation-side
-    forwards (prefills, extends) of `tokens` tokens in all, doing `flops`: each reads the
-    weights once per pp stage; `kv_bytes`: the cached keys and values they read too."""
+    generation-side forwards (prefills, extends) of `tokens` tokens in all, doing `flops`:
+    each reads the weights once per pp stage; `kv_bytes`: the cached keys and values they
+    read too."""
     flops_s, bw, pp = hw.flops(wl.dtype) * layout.tp, hw.mem_bw * hw.mem_eff, layout.pp
     b = forwards * _weight_bytes(shape, layout, wl) * pp + kv_bytes
     dispatch = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
