@@ -116,10 +116,12 @@ def _latency(p50: float, p99: float) -> Lengths:
 
 def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str | None = None
               ) -> str:
-    """A config file holding `plan:` and the micro-batch as `train.micro_batch_tokens`, which
-    `rlloom train` accepts (other settings keep their defaults); the generation group, when
-    separate, is the "rollout" layout. The token budget is the priced micro-batch at the
-    longest context, so no micro-batch the runtime cuts holds more padded tokens.
+    """A config file holding `plan:`, the micro-batch as `train.micro_batch_tokens` and the
+    priced workload of an online algorithm (prompts per step, samples per prompt, the longest
+    response), which `rlloom train` accepts (other settings keep their defaults; the plan's
+    generation replicas need that many prompts); the generation group, when separate, is the
+    "rollout" layout. The token budget is the priced micro-batch at the longest context, so
+    no micro-batch the runtime cuts holds more padded tokens.
     `algo`: the algorithm priced (`algo.name`); `critic_path`: the checkpoint the priced
     critic starts from (`model.critic_path`)."""
     plan = p.plan.model_copy(deep=True)
@@ -131,10 +133,14 @@ def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str |
                     "train": {"micro_batch_tokens": budget}}
     if algo:
         config["algo"] = {"name": algo}
+    if algo is None or PRESETS[algo].online:  # offline, K counts a chosen and a rejected
+        config["train"]["prompts_per_step"] = wl.prompts
+        config["rollout"] = {"n_samples": wl.samples,
+                             "max_new_tokens": math.ceil(wl.response.max)}
     if wl.partial_tokens:  # whole chunks up to the priced longest response
         chunk = wl.partial_tokens
-        config["rollout"] = {"partial_tokens": chunk,
-                             "max_new_tokens": math.ceil(wl.response.max / chunk) * chunk}
+        config["rollout"].update(partial_tokens=chunk,
+                                 max_new_tokens=math.ceil(wl.response.max / chunk) * chunk)
     if wl.engine == "vllm":
         config.setdefault("rollout", {})["engine"] = "vllm"
     if wl.lora_rank:
