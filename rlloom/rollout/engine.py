@@ -26,11 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from rlloom.models.transformer import CausalLM, apply_rotary, layer_masks, rotary_cos_sin
-from rlloom.rollout.engine_forward import Capture, FusedWeights, Prefilled, SlotWrite
+from rlloom.models.transformer import CausalLM, layer_masks, rotary_cos_sin
+from rlloom.rollout.engine_forward import (
+    Capture,
+    Forwarded,
+    FusedWeights,
+    Prefilled,
+    SlotWrite,
+    decode_bias,
+    decode_layer,
+    is_plain,
+    prompt_groups,
+)
 from rlloom.rollout.generate import Rollout, generate, left_pad
 from rlloom.rollout.multi_turn import Dialogue
 from rlloom.rollout.sampling import (
@@ -42,12 +50,6 @@ from rlloom.rollout.sampling import (
 )
 from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
 from rlloom.rollout.tools import Pending
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without distributed support has no DTensor parameters
-    DTensor = ()
-
 
 
 @dataclass(frozen=True)
@@ -65,44 +67,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig fields must be >= 0, got {self}")
         if self.prefill_tokens < 1 or self.kv_chunk < 1:
             raise ValueError(f"prefill_tokens and kv_chunk must be >= 1, got {self}")
-
-
-def is_plain(model: nn.Module) -> bool:
-    """Whether the model's modules run as written: no DTensor parameters and no module hooks
-    (tensor parallelism, FSDP and `replicate` add both)."""
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return False
-    return not any(isinstance(p, DTensor) for p in model.parameters())
-
-
-@dataclass
-class Forwarded:
-    """Tokens one `Engine.generate` call ran through the model: prompt tokens prefilled
-    (once per distinct prompt), tokens extended onto a parked slot (a call's last token and
-    its result), and decode-step rows (live rows times steps)."""
-    prefill: int = 0
-    extend: int = 0
-    decode: int = 0
-
-
-def prompt_groups(prompts: list[list[int]], n_samples: int = 0) -> list[int]:
-    """Group index of each prompt: runs of equal consecutive prompts share one, or fixed runs
-    of `n_samples` when given (checked to be equal)."""
-    if n_samples:
-        if len(prompts) % n_samples:
-            raise ValueError(f"{len(prompts)} prompts are not whole groups of n_samples="
-                             f"{n_samples}")
-        for i, p in enumerate(prompts):
-            if p != prompts[i - i % n_samples]:
-                raise ValueError(f"prompt {i} differs from the first of its group of "
-                                 f"{n_samples}; pass n_samples=0 to detect groups")
-        return [i // n_samples for i in range(len(prompts))]
-    out, g = [], -1
-    for i, p in enumerate(prompts):
-        if i == 0 or p != prompts[i - 1]:
-            g += 1
-        out.append(g)
-    return out
 
 
 class Engine:
@@ -334,10 +298,10 @@ class _Run:
         # long rollout that has ended costs the others nothing) and the new key's index
         kv, c = self.cache.kv_heads, self.model.config
         hidden = self.key_pos[:width] > lens[:, None]                   # [rows, width]
-        biases = [self._bias(hidden, kv)] * c.num_layers
+        biases = [decode_bias(hidden, kv, self.cache.dtype)] * c.num_layers
         if c.sliding_window is not None:  # the new token is at index lens
-            window = self._bias(hidden | (self.key_pos[:width] <= lens[:, None]
-                                          - c.sliding_window), kv)
+            window = decode_bias(hidden | (self.key_pos[:width] <= lens[:, None]
+                                           - c.sliding_window), kv, self.cache.dtype)
             biases = [window if c.layer_window(i) else b for i, b in enumerate(biases)]
         # row (slot, kv head) of the flattened cache, times its capacity, plus the position;
         # a free slot (decoded along, output ignored) writes at its own position 0, since its
@@ -346,51 +310,14 @@ class _Run:
         act = self.active[:rows]
         index = self.kv_row[:rows * kv] * cap + (lens * self.held[:rows]).repeat_interleave(kv)
         for i, (layer, fused) in enumerate(zip(backbone.layers, self.fused)):
-            x = self._layer(i, layer, fused, x, cos, sin, biases[i], index)
+            x = decode_layer(layer, fused, x, cos, sin, biases[i], index, self.cache.k[i][:rows],
+                             self.cache.v[i][:rows])
         logits = self.model.lm_head(backbone.norm(x))
         self.lens[:rows] += act
         self.width += 1
         self.forwarded.decode += self.live
         self._commit(slice(0, rows), None, logits, act)
         self._reshape()
-
-    def _bias(self, hidden: torch.Tensor, kv: int) -> torch.Tensor:
-        """The additive attention mask [rows * kv, 1, width] hiding the keys `hidden` marks."""
-        rows, width = hidden.shape
-        bias = torch.zeros(rows, 1, 1, width, dtype=self.cache.dtype, device=self.device)
-        bias.masked_fill_(hidden.view(rows, 1, 1, width), float("-inf"))
-        return bias.expand(rows, kv, 1, width).reshape(rows * kv, 1, width)
-
-    def _layer(self, i: int, layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """One decoder layer for one new token per row, x [rows, hidden]: the model's math
-        (its norms, rotary, GQA head order, MLP) with fused projections and the slot cache."""
-        rows, cap, width = x.shape[0], self.cache.cap, bias.shape[-1]
-        kv, hd = self.cache.kv_heads, self.cache.head_dim
-        attn = layer.self_attn
-        q, k, v = F.linear(layer.input_layernorm(x), w.qkv_w, w.qkv_b).split(w.split, -1)
-        heads = w.split[0] // hd
-        q, k = q.view(rows, heads, hd), k.view(rows, kv, hd)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kc, vc = self.cache.k[i][:rows], self.cache.v[i][:rows]
-        # the cache keeps the parameters' dtype; autocast may hand lower precision
-        kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd).to(kc.dtype))
-        vc.view(-1, hd).index_copy_(0, index, v.reshape(rows * kv, hd).to(vc.dtype))
-        # query head h reads kv head h // (heads / kv), as repeat_kv and SDPA's GQA do
-        # the first `width` positions of each (slot, kv head): a strided view, not a copy
-        keys = kc.view(rows * kv, cap, hd)[:, :width]
-        scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2),
-                               alpha=hd ** -0.5)
-        probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
-        out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
-        x = x + attn.o_proj(out)
-        h = layer.post_attention_layernorm(x)
-        if w.gate_up_w is None:
-            return x + layer.mlp(h[:, None])[:, 0]
-        gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, -1)
-        return x + layer.mlp.down_proj(layer.mlp.act(gate) * up)
 
     def _commit(self, idx: torch.Tensor | slice, slots: list[int] | None,
                 logits: torch.Tensor, act: torch.Tensor) -> None:

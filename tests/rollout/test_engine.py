@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from rlloom.models.heads import ActorCritic
-from rlloom.rollout.engine import Engine, EngineConfig, engine_generate, prompt_groups
+from rlloom.rollout.engine import Engine, EngineConfig, engine_generate
+from rlloom.rollout.engine_forward import prompt_groups
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms, uniforms
 from rlloom.rollout.slot_cache import kv_bytes_per_slot
