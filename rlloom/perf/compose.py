@@ -15,7 +15,7 @@ from rlloom.perf import comm, cost
 from rlloom.perf import memory as mem
 from rlloom.perf.cost import StageCost
 from rlloom.perf.hardware import GIB, Hardware
-from rlloom.perf.model_state import offloads
+from rlloom.perf.model_state import host_fits, resident_bytes
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
 from rlloom.plan import (
@@ -115,14 +115,14 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
             elif role == "reference" and wl.lora_rank and g.runs("training"):
                 pass  # the runtime's rule: the trained LoRA actor, adapters off, is the reference
             else:
-                x, trains = layout_of(name, role), role in TRAINABLE and g.runs("training")
-                lora = wl.lora_rank if role == "actor" else 0
-                resident[name] += mem.model_state_bytes(active[role], x, trains, lora_rank=lora,
-                                                        offloaded=offloads(x, hw))
-                if offloads(x, hw):
-                    host[name] += mem.host_state_bytes(active[role], x, trains, lora)
+                device, on_host = resident_bytes(
+                    active[role], layout_of(name, role), hw,
+                    role in TRAINABLE and g.runs("training"),
+                    wl.lora_rank if role == "actor" else 0)
+                resident[name] += device
+                host[name] += on_host
     for name, nbytes in host.items():
-        if nbytes > hw.host_mem_gib * GIB * mem.USABLE:
+        if not host_fits(nbytes, hw):
             problems.append(f"group {name}: offloaded model state needs {nbytes / GIB:.1f} GiB "
                             f"of host memory per device, the host has {hw.host_mem_gib:g}; "
                             "offload fewer models or use more devices")

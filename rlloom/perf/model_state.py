@@ -3,7 +3,7 @@ copies between device and host memory of an offloaded layout (`Layout.offload`).
 from __future__ import annotations
 
 from rlloom.perf import memory as mem
-from rlloom.perf.hardware import Hardware
+from rlloom.perf.hardware import GIB, Hardware
 from rlloom.perf.shapes import ModelShape
 from rlloom.plan import Layout
 
@@ -18,6 +18,20 @@ def offloads(layout: Layout, hw: Hardware) -> bool:
     """The layout keeps its shards in host memory apart from the device's: on a CPU the device
     is the host and offloading moves nothing."""
     return layout.offload and hw.host_link_bw > 0
+
+
+def resident_bytes(shape: ModelShape, layout: Layout, hw: Hardware, trainable: bool,
+                   lora_rank: int = 0) -> tuple[float, float]:
+    """(device, host) bytes of a model's state per device: an offloaded layout's ZeRO-3
+    shards are in host memory where the host is not the device."""
+    moved = offloads(layout, hw)
+    device = mem.model_state_bytes(shape, layout, trainable, lora_rank=lora_rank,
+                                   offloaded=moved)
+    return device, mem.host_state_bytes(shape, layout, trainable, lora_rank) if moved else 0.0
+
+
+def host_fits(nbytes: float, hw: Hardware) -> bool:
+    return nbytes <= hw.host_mem_gib * GIB * mem.USABLE
 
 
 def _sharded_params(shape: ModelShape, layout: Layout, lora_rank: int) -> float:

@@ -22,8 +22,8 @@ from rlloom.algos.presets import PRESETS
 from rlloom.perf import cost
 from rlloom.perf import memory as mem
 from rlloom.perf.compose import TRAINABLE, Priced, price, role_models
-from rlloom.perf.hardware import GIB, Hardware
-from rlloom.perf.model_state import offloads
+from rlloom.perf.hardware import Hardware
+from rlloom.perf.model_state import host_fits, resident_bytes
 from rlloom.perf.shapes import ModelShape
 from rlloom.perf.workload import Workload
 from rlloom.plan import Layout, Plan, engine_problems, lora_problems, runnable_problems
@@ -125,9 +125,8 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
         return cost.generation(shape, x, wl, hw, usable - 2 * mem.PARAM_B *
                                mem.params_per_device(shape, x)).seconds
     trainable = role in TRAINABLE
-    state = mem.model_state_bytes(shape, x, trainable, offloaded=offloads(x, hw))
-    if mem.host_state_bytes(shape, x, trainable) > hw.host_mem_gib * GIB * mem.USABLE \
-            and offloads(x, hw):
+    state, on_host = resident_bytes(shape, x, hw, trainable)
+    if not host_fits(on_host, hw):
         return INF
     total = 0.0
     if role != "actor":

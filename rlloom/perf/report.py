@@ -139,8 +139,8 @@ def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str |
                              "max_new_tokens": math.ceil(wl.response.max)}
     if wl.partial_tokens:  # whole chunks up to the priced longest response
         chunk = wl.partial_tokens
-        config["rollout"].update(partial_tokens=chunk,
-                                 max_new_tokens=math.ceil(wl.response.max / chunk) * chunk)
+        config.setdefault("rollout", {}).update(
+            partial_tokens=chunk, max_new_tokens=math.ceil(wl.response.max / chunk) * chunk)
     if wl.engine == "vllm":
         config.setdefault("rollout", {})["engine"] = "vllm"
     if wl.lora_rank:

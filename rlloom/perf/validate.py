@@ -21,7 +21,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.perf.compose import price, role_models
 from rlloom.perf.hardware import Hardware
-from rlloom.perf.shapes import ModelShape
+from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import Plan
 
@@ -54,10 +54,7 @@ def run_shape(run_dir: Path, cfg: RunConfig) -> ModelShape:
 
 def critic_shape(cfg: RunConfig) -> ModelShape | None:
     """The critic's shape when it starts from a checkpoint of its own (`model.critic_path`)."""
-    if cfg.model.critic_path is None:
-        return None
-    return ModelShape.from_hf_config(json.loads(
-        (Path(cfg.model.critic_path) / "config.json").read_text()), "critic")
+    return model_shape(cfg.model.critic_path) if cfg.model.critic_path else None
 
 
 def run_dtype(cfg: RunConfig) -> str:
