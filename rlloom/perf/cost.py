@@ -271,12 +271,18 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         # rollout's own context; rlloom's engine reads every row up to the widest one
         keys = s + (widest if wl.engine == "rlloom" else generated / simulated) \
             + (steps - 1) / 2
-        f = live * shape.decode_flops(keys)
-        b = _decode_weight_bytes(shape, layout, wl, live) * pp + live * keys * kv_tok
+        # the projections (weights read, rows x params of compute) and attention (each row's
+        # keys and values read) are separate kernels, each bound by its own roofline: with
+        # many rows the projections are compute-bound while attention stays memory-bound
+        f_proj, f = live * shape.decode_flops(0), live * shape.decode_flops(keys)
+        b_proj = _decode_weight_bytes(shape, layout, wl, live) * pp
+        b = b_proj + live * keys * kv_tok
         c = (pp * (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
                    + _activation_s(shape, layout, wl, hw, live))
              + _pp_comm(hw, layout, shape, live, 1))
-        step = _with_dispatch(max(f / flops_s, b / bw) + c, dispatch, hw) + hw.decode_step_s
+        device = max(f_proj / flops_s, b_proj / bw) + max((f - f_proj) / flops_s,
+                                                          (b - b_proj) / (bw * hw.attn_eff))
+        step = _with_dispatch(device + c, dispatch, hw) + hw.decode_step_s
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, step,
                                dispatch + hw.decode_step_s)):
             totals[k] += steps * v

@@ -33,6 +33,10 @@ class Hardware:
     compute_eff: float = 0.5
     mem_eff: float = 0.8
     comm_eff: float = 0.8
+    # Of `mem_eff`, what a decode step's attention gets reading the KV cache: many small
+    # per-(row, head) products over strided cache rows, which stream worse than one large
+    # read; 1 in the catalogue (no GPU measurement yet), fitted by `calibrate` on a CPU.
+    attn_eff: float = 1.0
     # Host time of dispatching one operator of rlloom's eager PyTorch runtime (Python, the
     # dispatcher, a kernel launch). On a CPU every operator also runs in that thread, so tiny
     # models are bound by it. On a GPU the host queues kernels and runs ahead, so dispatch

@@ -5,7 +5,7 @@ import json
 import math
 import random
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from statistics import NormalDist
 from typing import Literal
@@ -149,6 +149,7 @@ class Workload:
         longest response)."""
         return 0 < self.partial_tokens < self.response.max
 
+    @lru_cache(maxsize=4096)  # the same workloads are priced on many hardwares
     def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
         """(tokens computed, forward passes) of one forward over `rows` rollouts.
         `prompts_once`: the runtime's shared prompt pass applies (the policy's log-probs and

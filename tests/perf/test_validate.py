@@ -370,15 +370,17 @@ def test_expert_parallel_prices_all_to_all():
 
 
 def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
-    """Measured times written as the model's own predictions at compute_eff 0.4 and mem_eff
-    0.75 (two steps of different lengths): calibrating hardware at 1.0 / 1.0 finds them."""
+    """Measured times written as the model's own predictions at compute_eff 0.4, mem_eff
+    0.75 and attn_eff 0.5 (four steps of different lengths): calibrating hardware at 1.0
+    finds them."""
     from rlloom.perf.validate import calibrate
     base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
                    launch_s=1e-6, compute_eff=1.0, mem_eff=1.0)
-    truth = replace(base, compute_eff=0.4, mem_eff=0.75)
+    truth = replace(base, compute_eff=0.4, mem_eff=0.75, attn_eff=0.5)
     run = _fake_run(tmp_path, [5, 5, 5, 5])
     rows = []
-    for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7])):
+    for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7]),
+                          (4, [200, 150, 180, 120]), (5, [1, 2, 400, 3])):
         rows.append({"step": step, "prompt_len": 7.0, "response_lens": lengths,
                      "gen_s": 1.0, "assess_s": 1.0, "train_s": 1.0})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -388,7 +390,7 @@ def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
                  train_s=made[r["step"], "training"])
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     fitted, before, after = calibrate([run], base)
-    assert (fitted.compute_eff, fitted.mem_eff) == (0.4, 0.75)
+    assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.4, 0.75, 0.5)
     assert after < 1e-12 < 0.1 < before
 
 
