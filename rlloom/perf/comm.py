@@ -1,7 +1,10 @@
 """Alpha-beta cost of the collectives a layout implies, on the link its group spans."""
 from __future__ import annotations
 
+from rlloom.perf import memory as mem
 from rlloom.perf.hardware import Hardware
+from rlloom.perf.shapes import ModelShape
+from rlloom.plan import Layout
 
 
 def link(hw: Hardware, span: int) -> tuple[float, float]:
@@ -44,3 +47,43 @@ def broadcast_between_groups(hw: Hardware, nbytes: float) -> float:
     (runtime/executor/weight_channel.py); a pipelined broadcast takes about one link's time
     for `nbytes`, whatever the number of receivers."""
     return hw.inter_node_latency + nbytes / (hw.inter_node_bw * hw.comm_eff)
+
+
+def tp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
+             per_layer: int) -> float:
+    """`per_layer` all-reduces of [tokens, d] bf16 activations in each of the device's layers."""
+    if layout.tp == 1:
+        return 0.0
+    nbytes = tokens * shape.hidden * mem.ACT_B
+    layers = shape.layers / layout.pp
+    return per_layer * layers * all_reduce(hw, layout.tp, layout.tp, nbytes)
+
+
+def ep_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
+             per_layer: int) -> float:
+    """`per_layer` all-to-alls (dispatch and combine, each way) of the k routed copies of each
+    token's activations among the ep ranks, in every MoE layer of the device. EP ranks are
+    carved out of DP, next to the tp x cp x pp block."""
+    if not shape.moe or layout.ep == 1:
+        return 0.0
+    nbytes = tokens * shape.experts_per_token * shape.hidden * mem.ACT_B
+    span = layout.tp * layout.cp * layout.pp * layout.ep
+    return per_layer * shape.layers / layout.pp * all_to_all(hw, layout.ep, span, nbytes)
+
+
+def pp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
+    if layout.pp == 1:
+        return 0.0
+    span = layout.tp * layout.cp * layout.pp
+    nbytes = tokens * shape.hidden * mem.ACT_B / (layout.tp * layout.cp)
+    return passes * (layout.pp - 1) * p2p(hw, span, nbytes)
+
+
+def cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
+    """Ring exchange of K/V blocks: cp - 1 hops per layer per pass."""
+    if layout.cp == 1:
+        return 0.0
+    span = layout.tp * layout.cp
+    block = tokens / layout.cp * 2 * shape.kv_width * mem.ACT_B / min(layout.tp, shape.kv_heads)
+    hops = (layout.cp - 1) * shape.layers / layout.pp
+    return passes * hops * p2p(hw, span, block)

@@ -89,46 +89,6 @@ def forward_depth(shape: ModelShape, context: float) -> float:
     return shape.layers * (_log2(shape.hidden) + _log2(context)) + _log2(shape.hidden)
 
 
-def _tp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
-             per_layer: int) -> float:
-    """`per_layer` all-reduces of [tokens, d] bf16 activations in each of the device's layers."""
-    if layout.tp == 1:
-        return 0.0
-    nbytes = tokens * shape.hidden * mem.ACT_B
-    layers = shape.layers / layout.pp
-    return per_layer * layers * comm.all_reduce(hw, layout.tp, layout.tp, nbytes)
-
-
-def _ep_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
-             per_layer: int) -> float:
-    """`per_layer` all-to-alls (dispatch and combine, each way) of the k routed copies of each
-    token's activations among the ep ranks, in every MoE layer of the device. EP ranks are
-    carved out of DP, next to the tp x cp x pp block."""
-    if not shape.moe or layout.ep == 1:
-        return 0.0
-    nbytes = tokens * shape.experts_per_token * shape.hidden * mem.ACT_B
-    span = layout.tp * layout.cp * layout.pp * layout.ep
-    return per_layer * shape.layers / layout.pp * comm.all_to_all(hw, layout.ep, span, nbytes)
-
-
-def _pp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
-    if layout.pp == 1:
-        return 0.0
-    span = layout.tp * layout.cp * layout.pp
-    nbytes = tokens * shape.hidden * mem.ACT_B / (layout.tp * layout.cp)
-    return passes * (layout.pp - 1) * comm.p2p(hw, span, nbytes)
-
-
-def _cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
-    """Ring exchange of K/V blocks: cp - 1 hops per layer per pass."""
-    if layout.cp == 1:
-        return 0.0
-    span = layout.tp * layout.cp
-    block = tokens / layout.cp * 2 * shape.kv_width * mem.ACT_B / min(layout.tp, shape.kv_heads)
-    hops = (layout.cp - 1) * shape.layers / layout.pp
-    return passes * hops * comm.p2p(hw, span, block)
-
-
 def _bubble(layout: Layout) -> float:
     """Time multiplier of pipeline stages. The runtime runs each micro-batch as one 1F1B (or
     forward-only GPipe) schedule of pp pipeline micro-batches (runtime/stages/pipelined.py),
@@ -277,9 +237,10 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         f_proj, f = live * shape.decode_flops(0), live * shape.decode_flops(keys)
         b_proj = _decode_weight_bytes(shape, layout, wl, live) * pp
         b = b_proj + live * keys * kv_tok
-        c = (pp * (_tp_comm(hw, layout, shape, live, 2) + _ep_comm(hw, layout, shape, live, 2)
+        c = (pp * (comm.tp_comm(hw, layout, shape, live, 2)
+                   + comm.ep_comm(hw, layout, shape, live, 2)
                    + _activation_s(shape, layout, wl, hw, live))
-             + _pp_comm(hw, layout, shape, live, 1))
+             + comm.pp_comm(hw, layout, shape, live, 1))
         device = max(f_proj / flops_s, b_proj / bw) + max((f - f_proj) / flops_s,
                                                           (b - b_proj) / (bw * hw.attn_eff))
         step = _with_dispatch(device + c, dispatch, hw) + hw.decode_step_s
@@ -299,8 +260,9 @@ def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flo
     b = forwards * _weight_bytes(shape, layout, wl) * pp + kv_bytes
     dispatch = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     c = pp * (_activation_s(shape, layout, wl, hw, tokens)
-              + _tp_comm(hw, layout, shape, tokens, 2)
-              + _ep_comm(hw, layout, shape, tokens, 2)) + _pp_comm(hw, layout, shape, tokens, 1)
+              + comm.tp_comm(hw, layout, shape, tokens, 2)
+              + comm.ep_comm(hw, layout, shape, tokens, 2)) \
+        + comm.pp_comm(hw, layout, shape, tokens, 1)
     seconds = _with_dispatch(max(flops / flops_s, b / bw) + c, dispatch, hw)
     return flops, b, flops / flops_s, b / bw, c, seconds, dispatch
 
@@ -386,10 +348,10 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     pieces = layout.pp
     memory_s = m * pieces * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     # per-device layers (L / pp) already: each stage exchanges for its own layers
-    comm_s = m * (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-                  + _cp_comm(hw, layout, shape, mb_tokens, 1))
-    comm_s += m * _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-    comm_s += _pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
+    comm_s = m * (comm.tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
+                  + comm.cp_comm(hw, layout, shape, mb_tokens, 1))
+    comm_s += m * comm.ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
+    comm_s += comm.pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
     host_s = (m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
               + m * _wrapper_s(hw, shape, layout, trained))
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
@@ -434,10 +396,10 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     # Under TP an MoE block's backward also sums the gradient its experts' feature slices
     # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
     tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
-    per_mb = (_tp_comm(hw, layout, shape, mb_tokens / layout.cp, tp_per_layer)
-              + _cp_comm(hw, layout, shape, mb_tokens, passes))
-    per_mb += _ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
-    comm_s = steps * m * per_mb + steps * _pp_comm(hw, layout, shape, mb_tokens / pieces,
+    per_mb = (comm.tp_comm(hw, layout, shape, mb_tokens / layout.cp, tp_per_layer)
+              + comm.cp_comm(hw, layout, shape, mb_tokens, passes))
+    per_mb += comm.ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
+    comm_s = steps * m * per_mb + steps * comm.pp_comm(hw, layout, shape, mb_tokens / pieces,
                                                    2 * m * pieces)
     dp_s = steps * (_dp_comm(shape, layout, hw, m, lora)
                     + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
