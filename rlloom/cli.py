@@ -171,7 +171,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_perf(args: argparse.Namespace) -> None:
     from rlloom.perf.hardware import hardware, load_hardware, local_hardware_path
-    from rlloom.perf.validate import calibration_report, validation_report
+    from rlloom.perf.validate import GRID_POINTS, calibration_report, validation_report
+    from rlloom.runtime.outputs.progress import progress_bar
     runs = [Path(d) for d in args.run_dirs]
 
     def report() -> str:
@@ -179,7 +180,8 @@ def cmd_perf(args: argparse.Namespace) -> None:
         if args.what == "validate":
             return validation_report(runs, hw, args.skip)
         out = Path(args.out or args.hardware or local_hardware_path())
-        return calibration_report(runs, hw, out, args.skip)
+        with progress_bar("calibrate", GRID_POINTS + 4, every=GRID_POINTS // 4) as bar:
+            return calibration_report(runs, hw, out, args.skip, bar.advance)
     _perf_errors(report)
 
 

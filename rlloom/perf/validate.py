@@ -14,6 +14,7 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -184,8 +185,11 @@ def _stage_error(runs: list[LoadedRun], hw: Hardware) -> float:
     return statistics.mean(statistics.median(e) for e in by.values())
 
 
-def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1
-              ) -> tuple[Hardware, float, float]:
+GRID_POINTS = len(EFFICIENCIES) ** 2 * len(ATTENTION)  # `calibrate` prices these and 4 more
+
+
+def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
+              tick: Callable[[], None] = lambda: None) -> tuple[Hardware, float, float]:
     """`hw` with the compute, memory and decode-attention efficiencies that minimise the
     runs' stage errors (`_stage_error`); that error before and after. Matmul and memory
     microbenchmarks run hot in cache, unlike a run's kernels, so their rates overstate what
@@ -193,23 +197,25 @@ def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1
     products over strided KV rows) streams worse than either. Operator dispatch is not
     fitted: `rlloom bench hw` measures it, and it matches what a run's operators cost (2.0
     us per operator of a one-row decode step against 2.3 measured, on a 2-core host). Fit on
-    some runs, validate on others."""
+    some runs, validate on others. `tick()` follows each point priced (a progress bar)."""
     runs = [load_run(d, skip) for d in run_dirs]
 
     def error(values: tuple[float, ...]) -> float:
+        tick()
         return _stage_error(runs, replace(hw, **dict(zip(FIELDS, values))))
 
     before = error(tuple(getattr(hw, f) for f in FIELDS))
     # every point of the grid: the median |error| has local minima a descent stops in
     best = min(itertools.product(EFFICIENCIES, EFFICIENCIES, ATTENTION), key=error)
     c, m, a = best
-    best = min(((c, m, round(a + d, 2)) for d in (-0.05, 0.0, 0.05) if 0.04 < a + d < 1.01),
-               key=lambda p: (error(p), p != best))
-    return replace(hw, **dict(zip(FIELDS, best))), before, error(best)
+    after, _, best = min((error(p), p != best, p) for p in
+                         ((c, m, round(min(max(a + d, 0.05), 1.0), 2)) for d in (-0.05, 0, 0.05)))
+    return replace(hw, **dict(zip(FIELDS, best))), before, after
 
 
-def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1) -> str:
-    fitted, before, after = calibrate(run_dirs, hw, skip)
+def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1,
+                       tick: Callable[[], None] = lambda: None) -> str:
+    fitted, before, after = calibrate(run_dirs, hw, skip, tick)
     fitted.save(out)
     names = ", ".join(d.name for d in run_dirs)
     return (f"calibrated on {names}: compute_eff {fitted.compute_eff:.2f}, mem_eff "
