@@ -101,3 +101,22 @@ def test_generation_refills_slots_instead_of_waves():
     waves = 2 * cost.generation(shape, Layout(), Workload(
         prompts=32, samples=8, prompt_len=256, response=wl.response), hw, kv_one * 256).seconds
     assert all_at_once < half.seconds < waves
+
+
+def test_decode_attention_reads_the_kv_cache_after_the_projections():
+    """512 rollouts of 100 tokens at once: the projections are compute-bound at 512 rows, and
+    attention's KV read is a kernel of its own, not hidden under them. Halving attn_eff adds
+    each decode step's KV read once more, by hand: 99 steps x 512 rows x (256 prompt + 1
+    widest + 98/2 mean growth) keys x KV bytes per key / (mem_bw x mem_eff)."""
+    from dataclasses import replace
+    shape = model_shape("qwen2.5-0.5b")
+    hw = replace(hardware("h100"), launch_s=0.0, decode_step_s=0.0)
+    wl = Workload(prompts=64, samples=8, prompt_len=256, response=Lengths("fixed", 100))
+    budget = 512 * cost.mem.kv_bytes_per_rollout(shape, Layout(), wl.max_context)
+    full = cost.generation(shape, Layout(), wl, hw, budget)
+    slow = cost.generation(shape, Layout(), wl, replace(hw, attn_eff=0.5), budget)
+    kv_read = 99 * 512 * (256 + 1 + 49) * shape.kv_bytes_per_token(2)
+    assert slow.seconds - full.seconds == pytest.approx(kv_read / (hw.mem_bw * hw.mem_eff))
+    # the projections alone are compute-bound here, so one roofline over both would hide it
+    proj_flops = 99 * 512 * shape.decode_flops(0)
+    assert proj_flops / (hw.flops("bf16") * hw.compute_eff) > full.memory_s
