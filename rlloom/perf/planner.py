@@ -149,7 +149,8 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
          rollout_only: bool, cache: dict, runnable: bool = False, pipelined: bool = False,
          offload: bool = False) -> list[Layout]:
     """The TOP_K fastest layouts of a role alone on n devices that fit; `runnable`: only those
-    the executor applies; `pipelined`: a frozen role may take pp stages or cp shards;
+    the executor applies (and, for a layout that generates, the engine runs); `pipelined`: a
+    frozen role may take pp stages or cp shards;
     `offload`: ZeRO-3 layouts may offload."""
     key = (role, n, with_gen, rollout_only, runnable, pipelined, offload)
     if key not in cache:
@@ -157,6 +158,9 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
         # a generation-only layout holds no optimizer state: ZeRO would only add gathers
         candidates = [x for x in layouts(n, shape, hw, trainable, runnable, pipelined,
                                          offload) if not (rollout_only and x.zero)]
+        if runnable and (with_gen or rollout_only):  # only layouts the engine generates in
+            candidates = [x for x in candidates
+                          if not engine_problems(wl.engine, Plan(layouts={"actor": x}))]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
                   for i, x in enumerate(candidates)]
         cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]

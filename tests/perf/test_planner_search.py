@@ -172,8 +172,13 @@ def test_vllm_generation_is_priced_paged_and_searched_on_whole_copies():
         f"{min(cost.VLLM_MAX_SEQS, int(budget // paged))} of 512 rollouts")
     assert cost.generation(Q7, x, on_vllm, H100, slot / 2).seconds == float("inf")
     found = search(Q7, "grpo", replace(LONG, engine="vllm"), H100, 8)
-    assert found.ranked
     assert all((p.gen_layout or p.plan.layout("actor")).tp == 1 for p in found.ranked)
+    # whole copies are what the search tries, not what it rejects afterwards: every placement
+    # and schedule rlloom's engine gets is searched on vLLM too
+    kinds = {(p.plan.placement, p.plan.schedule) for p in found.ranked}
+    assert kinds == {(p.plan.placement, p.plan.schedule)
+                     for p in search(Q7, "grpo", LONG, H100, 8).ranked}
+    assert not any("rollout.engine=vllm" in why for _, why in found.rejected)
 
 
 def test_a_smaller_critic_is_priced_at_its_own_shape(tmp_path, capsys):
