@@ -427,6 +427,19 @@ def test_hardware_file_in_yaml_prices_a_plan(tmp_path, capsys):
         load_hardware(tmp_path / "bad.yaml")
 
 
+def test_the_documented_hardware_file_plans(tmp_path, capsys):
+    """The YAML example of docs/performance-model.md section 8, copied as is, prices a plan."""
+    from pathlib import Path
+    doc = (Path(__file__).parents[2] / "docs" / "performance-model.md").read_text()
+    example = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "l40s.yaml").write_text(example)
+    hw = load_hardware(tmp_path / "l40s.yaml")
+    assert (hw.peak_flops["bf16"], hw.intra_node_bw, hw.dispatch_overlap) == (362e12, 25e9, 1.0)
+    main(["plan", "--gpus", "16", "--hardware", str(tmp_path / "l40s.yaml"), "--model",
+          "qwen2.5-0.5b", "--prompts", "64", "--p50", "256", "--p99", "2048", "--top", "1"])
+    assert "on 16 x l40s" in capsys.readouterr().out
+
+
 def test_max_response_caps_lognormal_lengths_with_a_mass_at_the_cap():
     """p50 100, p99 1000: sigma = ln 10 / z99 = 0.98985. Cut at 500 the lognormal puts
     1 - Phi(ln 5 / sigma) = 1 - Phi(1.6259) = 5.20% of responses at the cap; the default cap
