@@ -171,7 +171,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_perf(args: argparse.Namespace) -> None:
     from rlloom.perf.hardware import hardware, load_hardware, local_hardware_path
-    from rlloom.perf.validate import GRID_POINTS, calibration_report, validation_report
+    from rlloom.perf.validate import CALIBRATE_POINTS, calibration_report, validation_report
     from rlloom.runtime.outputs.progress import progress_bar
     runs = [Path(d) for d in args.run_dirs]
 
@@ -180,7 +180,7 @@ def cmd_perf(args: argparse.Namespace) -> None:
         if args.what == "validate":
             return validation_report(runs, hw, args.skip)
         out = Path(args.out or args.hardware or local_hardware_path())
-        with progress_bar("calibrate", GRID_POINTS + 4, every=GRID_POINTS // 4) as bar:
+        with progress_bar("calibrate", CALIBRATE_POINTS, every=CALIBRATE_POINTS // 4) as bar:
             return calibration_report(runs, hw, out, args.skip, bar.advance)
     _perf_errors(report)
 

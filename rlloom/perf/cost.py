@@ -225,24 +225,26 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
     # rlloom's engine dispatches each operator of a decode step; vLLM replays CUDA graphs
     dispatch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) \
         if wl.engine == "rlloom" else 0.0
+    # the projections (weights read, rows x params of compute) and attention (each row's keys
+    # and values read) are separate kernels, each bound by its own roofline: with many rows
+    # the projections are compute-bound while attention stays memory-bound
+    proj_row = shape.decode_flops(0)
+    attn_row_key = shape.decode_flops(1) - proj_row
     for steps, simulated, generated, widest in sched.segments:
         live = simulated * weight
         # keys each row attends to, mean over the segment: vLLM's paged attention reads each
         # rollout's own context; rlloom's engine reads every row up to the widest one
         keys = s + (widest if wl.engine == "rlloom" else generated / simulated) \
             + (steps - 1) / 2
-        # the projections (weights read, rows x params of compute) and attention (each row's
-        # keys and values read) are separate kernels, each bound by its own roofline: with
-        # many rows the projections are compute-bound while attention stays memory-bound
-        f_proj, f = live * shape.decode_flops(0), live * shape.decode_flops(keys)
-        b_proj = _decode_weight_bytes(shape, layout, wl, live) * pp
-        b = b_proj + live * keys * kv_tok
+        f_proj, f_attn = live * proj_row, live * keys * attn_row_key
+        b_proj, b_attn = _decode_weight_bytes(shape, layout, wl, live) * pp, live * keys * kv_tok
+        f, b = f_proj + f_attn, b_proj + b_attn
         c = (pp * (comm.tp_comm(hw, layout, shape, live, 2)
                    + comm.ep_comm(hw, layout, shape, live, 2)
                    + _activation_s(shape, layout, wl, hw, live))
              + comm.pp_comm(hw, layout, shape, live, 1))
-        device = max(f_proj / flops_s, b_proj / bw) + max((f - f_proj) / flops_s,
-                                                          (b - b_proj) / (bw * hw.attn_eff))
+        device = max(f_proj / flops_s, b_proj / bw) + max(f_attn / flops_s,
+                                                          b_attn / (bw * hw.attn_eff))
         step = _with_dispatch(device + c, dispatch, hw) + hw.decode_step_s
         for k, v in enumerate((f, b, f / flops_s, b / bw, c, step,
                                dispatch + hw.decode_step_s)):

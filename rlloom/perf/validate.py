@@ -185,7 +185,9 @@ def _stage_error(runs: list[LoadedRun], hw: Hardware) -> float:
     return statistics.mean(statistics.median(e) for e in by.values())
 
 
-GRID_POINTS = len(EFFICIENCIES) ** 2 * len(ATTENTION)  # `calibrate` prices these and 4 more
+# the points `calibrate` prices (its progress bar's total): where it starts, the grid, and
+# three attention steps around the grid's best
+CALIBRATE_POINTS = 1 + len(EFFICIENCIES) ** 2 * len(ATTENTION) + 3
 
 
 def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
@@ -205,7 +207,8 @@ def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
         return _stage_error(runs, replace(hw, **dict(zip(FIELDS, values))))
 
     before = error(tuple(getattr(hw, f) for f in FIELDS))
-    # every point of the grid: the median |error| has local minima a descent stops in
+    # every point of the grid: the stages' median errors have local minima a descent
+    # would stop in
     best = min(itertools.product(EFFICIENCIES, EFFICIENCIES, ATTENTION), key=error)
     c, m, a = best
     after, _, best = min((error(p), p != best, p) for p in

@@ -373,7 +373,7 @@ def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
     """Measured times written as the model's own predictions at compute_eff 0.4, mem_eff
     0.75 and attn_eff 0.5 (four steps of different lengths): calibrating hardware at 1.0
     finds them."""
-    from rlloom.perf.validate import GRID_POINTS, calibrate
+    from rlloom.perf.validate import CALIBRATE_POINTS, calibrate
     base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
                    launch_s=1e-6, compute_eff=1.0, mem_eff=1.0)
     truth = replace(base, compute_eff=0.4, mem_eff=0.75, attn_eff=0.5)
@@ -392,7 +392,7 @@ def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
     ticks = []
     fitted, before, after = calibrate([run], base, tick=lambda: ticks.append(1))
     assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.4, 0.75, 0.5)
-    assert len(ticks) == GRID_POINTS + 4  # the progress bar's total
+    assert len(ticks) == CALIBRATE_POINTS  # the progress bar's total
     assert after < 1e-12 < 0.1 < before
 
 
