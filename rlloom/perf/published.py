@@ -56,6 +56,7 @@ def _run(row: dict[str, Any]) -> Run:
                       cap=p["lengths"]["cap"])
     wl = Workload(p["prompts"], p["samples"], p["prompt_len"], lengths,
                   minibatches=p.get("minibatches", 1), micro_batch=p.get("micro_batch", 1),
+                  max_batch=p.get("max_batch", 0),
                   partial_tokens=p.get("partial_tokens", 0),
                   recompute_logprobs=p.get("recompute_logprobs", False),
                   # the peers generate on vLLM, SGLang or TensorRT-LLM: paged attention and a

@@ -1,8 +1,8 @@
 """The published runs of peer frameworks (published_runs.yaml, the rows with a `priced:` block)
 priced by the model: every one a feasible plan, the calibration reproducing its anchor, and
-the held-out errors within the bounds docs/performance-model.md reports. Those bounds are
-this model's measured errors, not the issue's targets (25% on ratios, 40% on step times):
-the test keeps them from getting worse while the mechanisms that miss are worked on."""
+the held-out errors within the issue's targets as medians (25% on ratios, 40% on step times
+after calibrating on one run; docs/performance-model.md reports 21% and 35%, and the runs
+that miss one by one)."""
 import statistics
 from pathlib import Path
 
@@ -44,8 +44,8 @@ def test_calibration_reproduces_its_anchor(runs, fitted):
     assert abs(anchor.error) < 0.10
 
 
-def test_held_out_errors_stay_within_the_reported_bounds(runs, fitted):
+def test_held_out_medians_meet_the_issues_targets(runs, fitted):
     steps, ratios, _ = compare(runs, fitted)
     held_out = [abs(c.error) for c in steps if c.what != ANCHOR]
-    assert statistics.median(held_out) < 0.45
-    assert statistics.median(abs(c.error) for c in ratios) < 0.30
+    assert statistics.median(held_out) < 0.40
+    assert statistics.median(abs(c.error) for c in ratios) < 0.25
