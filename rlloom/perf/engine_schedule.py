@@ -137,8 +137,13 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
 
 
 def queue_lengths(wl: Workload, n: int) -> list[int]:
-    """A replica's `n` response lengths at spread quantiles (the tail kept whatever `n`), in a
-    fixed shuffled queue order: lengths do not follow the order prompts arrive in."""
+    """The slowest replica's `n` response lengths, in a fixed shuffled queue order (lengths do
+    not follow the order prompts arrive in): spread quantiles whose longest is the whole
+    batch's longest (its top quantile of `wl.rollouts`), since the step waits for the
+    replica that draws it, however many replicas share the batch or rollouts one simulated
+    length stands for."""
     lengths = [max(1, round(x)) for x in wl.response.spread(n)]
+    top = wl.response.quantile(1 - 0.5 / max(wl.rollouts, n))
+    lengths[-1] = max(lengths[-1], round(top))
     random.Random(0).shuffle(lengths)
     return lengths

@@ -1,7 +1,7 @@
 """The published runs of peer frameworks (published_runs.yaml, the rows with a `priced:` block)
 priced by the model: every one a feasible plan, the calibration reproducing its anchor, and
 the held-out errors within the issue's targets as medians (25% on ratios, 40% on step times
-after calibrating on one run; docs/performance-model.md reports 21% and 35%, and the runs
+after calibrating on one run; docs/performance-model.md reports 15% and 38%, and the runs
 that miss one by one)."""
 import statistics
 from pathlib import Path
