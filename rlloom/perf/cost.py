@@ -37,7 +37,9 @@ TRAIN_ACTIVATION_PASSES = 3.5  # forward + backward activation traffic, in forwa
 
 @dataclass(frozen=True)
 class StageCost:
-    """One role's share of one stage. `flops` is summed over all devices; the rest per device."""
+    """One role's share of one stage. `flops` is summed over all devices (generation: dp
+    times the slowest replica's, which holds the batch's longest response); the rest per
+    device."""
     stage: str
     role: str
     flops: float
