@@ -304,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("perf", help="check the performance model against measured runs")
     p.add_argument("what", choices=["validate", "calibrate"], help="validate: predicted vs "
-                   "measured stages; calibrate: fit compute, memory and attention efficiencies "
-                   "to runs")
+                   "measured stages; calibrate: fit one scale of the compute and memory "
+                   "efficiencies, and the decode attention's, to runs")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
     p.add_argument("--hardware", help="hardware file (default: this machine's, `local`)")
     p.add_argument("--out", help="calibrate: where to save (default: the hardware file read)")

@@ -29,7 +29,7 @@ class Hardware:
     inter_node_latency: float = 1e-5  # s per collective step over InfiniBand / RoCE
     price_per_hour: float = 0.0  # USD per device-hour, indicative on-demand cloud price
     # Fractions of peak that real kernels reach; defaults are typical large-GEMM MFU and
-    # streaming-read bandwidth; `rlloom perf calibrate` fits them to measured runs.
+    # streaming-read bandwidth; `rlloom perf calibrate` fits one scale of both to measured runs.
     compute_eff: float = 0.5
     mem_eff: float = 0.8
     comm_eff: float = 0.8

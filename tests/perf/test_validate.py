@@ -2,6 +2,7 @@
 files, `rlloom perf validate` against hand computation, plan files and DPO pricing."""
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.perf import cost
 from rlloom.perf.compose import price, role_models
-from rlloom.perf.hardware import hardware, load_hardware
+from rlloom.perf.hardware import Hardware, hardware, load_hardware
 from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.perf.validate import validate_run
 from rlloom.perf.workload import Lengths, Workload, lengths_from
@@ -328,13 +329,15 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     out = capsys.readouterr().out
     for stage in ("generation", "assessment", "training"):
         assert f"run              {stage}" in out
-    assert "median |error| over 6 stage measurements" in out  # steps 2 and 3 x 3 stages
+    # 3 stages of one run, each its mean over steps 2 and 3; per step: 2 x 3 measurements
+    assert "median per-stage |error| over 3 run stages" in out
+    assert "median over 6 stage measurements" in out
     fitted_file = tmp_path / "fitted.json"
     main(["perf", "calibrate", str(run), "--hardware", str(hw_file), "--out", str(fitted_file)])
     assert "calibrated on run: compute_eff" in capsys.readouterr().out
     fitted = load_hardware(fitted_file)
     assert fitted.peak_flops == hw.peak_flops  # only the efficiencies change
-    assert 0.1 <= fitted.compute_eff <= 1.0 and 0.1 <= fitted.mem_eff <= 1.0
+    assert 0.1 <= fitted.compute_eff == fitted.mem_eff <= 1.0  # one scale of 1.0 and 1.0
 
 
 def test_hybrid_colocated_layout_pays_resharding():
@@ -369,31 +372,44 @@ def test_expert_parallel_prices_all_to_all():
     assert ep.compute_s == no_ep.compute_s
 
 
-def test_calibrate_recovers_the_efficiencies_that_made_the_times(tmp_path):
-    """Measured times written as the model's own predictions at compute_eff 0.4, mem_eff
-    0.75 and attn_eff 0.5 (four steps of different lengths): calibrating hardware at 1.0
-    finds them."""
-    from rlloom.perf.validate import CALIBRATE_POINTS, calibrate
-    base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
-                   launch_s=1e-6, compute_eff=1.0, mem_eff=1.0)
-    truth = replace(base, compute_eff=0.4, mem_eff=0.75, attn_eff=0.5)
-    run = _fake_run(tmp_path, [5, 5, 5, 5])
-    rows = []
-    for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7]),
-                          (4, [200, 150, 180, 120]), (5, [1, 2, 400, 3])):
-        rows.append({"step": step, "prompt_len": 7.0, "response_lens": lengths,
-                     "gen_s": 1.0, "assess_s": 1.0, "train_s": 1.0})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+def _measured_as(truth: Hardware, run: Path) -> None:
+    """Rewrite the run's measured stage seconds as `truth`'s predictions."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     made = {(p.step, p.stage): p.predicted_s for p in validate_run(run, truth)}
     for r in rows[1:]:
         r.update(gen_s=made[r["step"], "generation"], assess_s=made[r["step"], "assessment"],
                  train_s=made[r["step"], "training"])
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_calibrate_recovers_the_scale_and_attention_that_made_the_times(tmp_path):
+    """Measured times written as the model's own predictions on a file at compute_eff 0.5 and
+    mem_eff 0.8 scaled by 0.5 (0.25, 0.4) with attn_eff 0.35, over four steps of different
+    lengths: calibrating the unscaled file finds them, keeping the file's 5:8 ratio."""
+    from rlloom.perf.validate import CALIBRATE_POINTS, calibrate
+    base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
+                   launch_s=1e-6, compute_eff=0.5, mem_eff=0.8)
+    run = _fake_run(tmp_path, [5, 5, 5, 5])
+    rows = [{"step": step, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
+             "assess_s": 1.0, "train_s": 1.0}
+            for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7]),
+                                  (4, [200, 150, 180, 120]), (5, [1, 2, 400, 3]))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _measured_as(replace(base, compute_eff=0.25, mem_eff=0.4, attn_eff=0.35), run)
     ticks = []
     fitted, before, after = calibrate([run], base, tick=lambda: ticks.append(1))
-    assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.4, 0.75, 0.5)
-    assert len(ticks) == CALIBRATE_POINTS  # the progress bar's total
+    assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.25, 0.4, 0.35)
+    assert len(ticks) == CALIBRATE_POINTS == 1 + 19 * 20  # the progress bar's total
     assert after < 1e-12 < 0.1 < before
+
+
+def test_stage_error_is_of_the_stage_mean_over_steps():
+    """Two steps of one stage measured 1.0 s and 3.0 s, predicted 2.0 s each: the steps are
+    off by +100% and -33%, the stage's mean (4.0 s against 4.0 s) by nothing."""
+    from rlloom.perf.validate import StagePoint, stage_errors
+    points = [StagePoint("r", 2, "training", 2.0, 1.0), StagePoint("r", 3, "training", 2.0, 3.0),
+              StagePoint("r", 2, "generation", 1.5, 1.0)]
+    assert stage_errors(points) == {("r", "training"): 0.0, ("r", "generation"): 0.5}
 
 
 def test_validation_points_an_uncalibrated_file_to_calibrate(tmp_path):
