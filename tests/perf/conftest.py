@@ -1,5 +1,9 @@
+import json
+from pathlib import Path
+
 import pytest
 
+from rlloom.config import dump_config, load_config
 from rlloom.rollout import engine
 
 
@@ -27,3 +31,25 @@ def engine_counts(monkeypatch):
     monkeypatch.setattr(engine._Run, "_prefill", counted_prefill)
     monkeypatch.setattr(engine._Run, "_extend", counted_extend)
     return seen
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    """A finished run's directory written by hand: a 2-layer qwen3 policy, GRPO with K=2, 2
+    epochs of 2 mini-batches and a KL term, and two steps of the given response lengths, each
+    stage measured at 1 s."""
+    def make(lengths: list[int]) -> Path:
+        cfg = load_config(None, ["model.layers=2", "algo.epochs=2", "algo.minibatches=2",
+                                 "rollout.n_samples=2", "algo.kl_coef=0.001"])
+        run = tmp_path / "run"
+        (run / "final").mkdir(parents=True)
+        (run / "config.yaml").write_text(dump_config(cfg))
+        (run / "final" / "config.json").write_text(json.dumps({
+            "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 16, "vocab_size": 40}))
+        rows = [{"step": s, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
+                 "assess_s": 1.0, "train_s": 1.0} for s in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return run
+    return make

@@ -9,12 +9,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlloom.cli import main
-from rlloom.config import dump_config, load_config
+from rlloom.config import load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.perf import cost
 from rlloom.perf.compose import price, role_models
-from rlloom.perf.hardware import Hardware, hardware, load_hardware
+from rlloom.perf.hardware import hardware, load_hardware
 from rlloom.perf.shapes import ModelShape, model_shape
 from rlloom.perf.validate import validate_run
 from rlloom.perf.workload import Lengths, Workload, lengths_from
@@ -204,24 +204,8 @@ FREE = replace(hardware("h100"), peak_flops={"fp32": 1e30, "bf16": 1e30}, mem_bw
                launch_s=LAUNCH)
 
 
-def _fake_run(tmp_path, lengths):
-    cfg = load_config(None, ["model.layers=2", "algo.epochs=2", "algo.minibatches=2",
-                             "rollout.n_samples=2", "algo.kl_coef=0.001"])
-    run = tmp_path / "run"
-    (run / "final").mkdir(parents=True)
-    (run / "config.yaml").write_text(dump_config(cfg))
-    (run / "final" / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 32,
-        "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 16, "vocab_size": 40}))
-    rows = [{"step": s, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
-             "assess_s": 1.0, "train_s": 1.0} for s in (1, 2)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return run
-
-
-def test_validate_predicts_dispatch_bound_stages_by_hand(tmp_path):
-    run = _fake_run(tmp_path, [5, 5, 5, 5])  # 2 prompts x K=2, every response 5 tokens
+def test_validate_predicts_dispatch_bound_stages_by_hand(fake_run):
+    run = fake_run([5, 5, 5, 5])  # 2 prompts x K=2, every response 5 tokens
     points = validate_run(run, FREE, skip=1)
     assert [p.step for p in points] == [2, 2, 2]
     by = {p.stage: p.predicted_s for p in points}
@@ -261,8 +245,8 @@ def test_data_parallel_wrappers_cost_where_the_runtime_has_them():
     assert added(cost.forward, Layout(dp=2), trained=True) == pytest.approx(hooks * wrapped)
 
 
-def test_validate_rejects_a_run_without_lengths(tmp_path):
-    run = _fake_run(tmp_path, [5])
+def test_validate_rejects_a_run_without_lengths(fake_run):
+    run = fake_run([5])
     (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "gen_s": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no response_lens"):
         validate_run(run, FREE)
@@ -372,55 +356,6 @@ def test_expert_parallel_prices_all_to_all():
     assert ep.compute_s == no_ep.compute_s
 
 
-def _measured_as(truth: Hardware, run: Path) -> None:
-    """Rewrite the run's measured stage seconds as `truth`'s predictions."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    made = {(p.step, p.stage): p.predicted_s for p in validate_run(run, truth)}
-    for r in rows[1:]:
-        r.update(gen_s=made[r["step"], "generation"], assess_s=made[r["step"], "assessment"],
-                 train_s=made[r["step"], "training"])
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def test_calibrate_recovers_the_scale_and_attention_that_made_the_times(tmp_path):
-    """Measured times written as the model's own predictions on a file at compute_eff 0.5 and
-    mem_eff 0.8 scaled by 0.5 (0.25, 0.4) with attn_eff 0.35, over four steps of different
-    lengths: calibrating the unscaled file finds them, keeping the file's 5:8 ratio."""
-    from rlloom.perf.validate import CALIBRATE_POINTS, calibrate
-    base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
-                   launch_s=1e-6, compute_eff=0.5, mem_eff=0.8)
-    run = _fake_run(tmp_path, [5, 5, 5, 5])
-    rows = [{"step": step, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
-             "assess_s": 1.0, "train_s": 1.0}
-            for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7]),
-                                  (4, [200, 150, 180, 120]), (5, [1, 2, 400, 3]))]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    _measured_as(replace(base, compute_eff=0.25, mem_eff=0.4, attn_eff=0.35), run)
-    ticks = []
-    fitted, before, after = calibrate([run], base, tick=lambda: ticks.append(1))
-    assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.25, 0.4, 0.35)
-    assert len(ticks) == CALIBRATE_POINTS == 1 + 19 * 20  # the progress bar's total
-    assert after < 1e-12 < 0.1 < before
-
-
-def test_stage_error_is_of_the_stage_mean_over_steps():
-    """Two steps of one stage measured 1.0 s and 3.0 s, predicted 2.0 s each: the steps are
-    off by +100% and -33%, the stage's mean (4.0 s against 4.0 s) by nothing."""
-    from rlloom.perf.validate import StagePoint, stage_errors
-    points = [StagePoint("r", 2, "training", 2.0, 1.0), StagePoint("r", 3, "training", 2.0, 3.0),
-              StagePoint("r", 2, "generation", 1.5, 1.0)]
-    assert stage_errors(points) == {("r", "training"): 0.0, ("r", "generation"): 0.5}
-
-
-def test_validation_points_an_uncalibrated_file_to_calibrate(tmp_path):
-    from rlloom.perf.validate import validation_report
-    run = _fake_run(tmp_path, [5, 5, 5, 5])  # measured 1 s per stage, predicted ~1e-3 s
-    raw = replace(FREE, compute_eff=1.0, mem_eff=1.0)
-    assert "fit them with `rlloom perf calibrate`" in validation_report([run], raw)
-    fitted = replace(raw, compute_eff=0.9)
-    assert "perf calibrate" not in validation_report([run], fitted)
-
-
 def test_hardware_files_are_written_whole(tmp_path):
     path = tmp_path / "hw" / "local.json"
     FREE.save(path)
@@ -445,7 +380,6 @@ def test_hardware_file_in_yaml_prices_a_plan(tmp_path, capsys):
 
 def test_the_documented_hardware_file_plans(tmp_path, capsys):
     """The YAML example of docs/performance-model.md section 8, copied as is, prices a plan."""
-    from pathlib import Path
     doc = (Path(__file__).parents[2] / "docs" / "performance-model.md").read_text()
     example = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "l40s.yaml").write_text(example)

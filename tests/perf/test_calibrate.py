@@ -1,0 +1,57 @@
+"""`rlloom perf calibrate` and how `rlloom perf validate` scores a stage: the fit finds the
+efficiencies that made a run's times, and a stage's error is that of its mean over steps."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from rlloom.perf.hardware import Hardware, hardware
+from rlloom.perf.validate import validate_run
+
+
+def _measured_as(truth: Hardware, run: Path) -> None:
+    """Rewrite the run's measured stage seconds as `truth`'s predictions."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    made = {(p.step, p.stage): p.predicted_s for p in validate_run(run, truth)}
+    for r in rows[1:]:
+        r.update(gen_s=made[r["step"], "generation"], assess_s=made[r["step"], "assessment"],
+                 train_s=made[r["step"], "training"])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_calibrate_recovers_the_scale_and_attention_that_made_the_times(fake_run):
+    """Measured times written as the model's own predictions on a file at compute_eff 0.5 and
+    mem_eff 0.8 scaled by 0.5 (0.25, 0.4) with attn_eff 0.35, over four steps of different
+    lengths: calibrating the unscaled file finds them, keeping the file's 5:8 ratio."""
+    from rlloom.perf.validate import CALIBRATE_POINTS, calibrate
+    base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
+                   launch_s=1e-6, compute_eff=0.5, mem_eff=0.8)
+    run = fake_run([5, 5, 5, 5])
+    rows = [{"step": step, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
+             "assess_s": 1.0, "train_s": 1.0}
+            for step, lengths in ((1, [5, 5, 5, 5]), (2, [3, 9, 30, 60]), (3, [40, 40, 2, 7]),
+                                  (4, [200, 150, 180, 120]), (5, [1, 2, 400, 3]))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _measured_as(replace(base, compute_eff=0.25, mem_eff=0.4, attn_eff=0.35), run)
+    ticks = []
+    fitted, before, after = calibrate([run], base, tick=lambda: ticks.append(1))
+    assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.25, 0.4, 0.35)
+    assert len(ticks) == CALIBRATE_POINTS == 1 + 19 * 20  # the progress bar's total
+    assert after < 1e-12 < 0.1 < before
+
+
+def test_stage_error_is_of_the_stage_mean_over_steps():
+    """Two steps of one stage measured 1.0 s and 3.0 s, predicted 2.0 s each: the steps are
+    off by +100% and -33%, the stage's mean (4.0 s against 4.0 s) by nothing."""
+    from rlloom.perf.validate import StagePoint, stage_errors
+    points = [StagePoint("r", 2, "training", 2.0, 1.0), StagePoint("r", 3, "training", 2.0, 3.0),
+              StagePoint("r", 2, "generation", 1.5, 1.0)]
+    assert stage_errors(points) == {("r", "training"): 0.0, ("r", "generation"): 0.5}
+
+
+def test_validation_points_an_uncalibrated_file_to_calibrate(fake_run):
+    from rlloom.perf.validate import validation_report
+    run = fake_run([5, 5, 5, 5])  # measured 1 s per stage, predicted ~1e-3 s
+    raw = replace(hardware("h100"), compute_eff=1.0, mem_eff=1.0)
+    assert "fit them with `rlloom perf calibrate`" in validation_report([run], raw)
+    fitted = replace(raw, compute_eff=0.9)
+    assert "perf calibrate" not in validation_report([run], fitted)
