@@ -200,18 +200,29 @@ def _scaled(hw: Hardware, scale: float, attn: float) -> Hardware:
                    mem_eff=round(scale * hw.mem_eff / top, 4), attn_eff=attn)
 
 
+TIE = 0.01  # errors within one point of the best fit the runs as well
+
+
+@dataclass(frozen=True)
+class Fit:
+    hardware: Hardware  # the input file with the fitted efficiencies
+    before: float  # the runs' stage error (`_stage_error`) with the input file
+    after: float  # ... with the fitted one
+    attn_range: tuple[float, float]  # attn_eff values whose best error is within TIE
+
+
 def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
-              tick: Callable[[], None] = lambda: None) -> tuple[Hardware, float, float]:
-    """`hw` with the efficiencies that minimise the runs' stage errors (`_stage_error`); that
-    error before and after. Two numbers are fitted. One scale of the compute and memory
-    efficiencies together: the microbenchmarks (or the catalogue) fix their ratio, and a
-    run's kernels fall below both by the same factor, a level that depends on the host and
-    its neighbours (two free efficiencies trade against each other on one run and extrapolate
-    to other batch sizes 10-25% worse, measured). And the decode attention's efficiency: many
-    small per-(row, head) products over strided cache rows, a rate no microbenchmark gives.
-    Operator dispatch is not fitted: `rlloom bench hw` measures it, and a decode step's fixed
-    cost matches it (1.8 ms measured, 1.3 ms of dispatch priced, a 64-row step on a 2-core
-    host). Fit on some runs, validate on others. `tick()` follows each point priced."""
+              tick: Callable[[], None] = lambda: None) -> Fit:
+    """The efficiencies that minimise the runs' stage errors (`_stage_error`). Two numbers
+    are fitted. One scale of the compute and memory efficiencies together: the
+    microbenchmarks (or the catalogue) fix their ratio, and a run's kernels fall below both
+    by the same factor, a level that depends on the host and its neighbours (two free
+    efficiencies trade against each other on one run and extrapolate to other batch sizes
+    worse, measured). And the decode attention's efficiency: many small per-(row, head)
+    products over strided cache rows, a rate no microbenchmark gives. Operator dispatch is
+    not fitted: `rlloom bench hw` measures it, and with it the raw rates price the engine's
+    decode steps of 64, 256 and 512 rows within 6-16% (docs/performance-model.md, section
+    10). Fit on some runs, validate on others. `tick()` follows each point priced."""
     runs = [load_run(d, skip) for d in run_dirs]
 
     def error(point: tuple[float, float]) -> float:
@@ -222,15 +233,24 @@ def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
     before = _stage_error(runs, hw)
     errors = {point: error(point) for point in itertools.product(SCALES, ATTENTION)}
     best = min(errors, key=errors.__getitem__)
-    return _scaled(hw, *best), before, errors[best]
+    ties = [a for (_, a), e in errors.items() if e <= errors[best] + TIE]
+    return Fit(_scaled(hw, *best), before, errors[best], (min(ties), max(ties)))
 
 
 def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1,
                        tick: Callable[[], None] = lambda: None) -> str:
-    fitted, before, after = calibrate(run_dirs, hw, skip, tick)
+    fit = calibrate(run_dirs, hw, skip, tick)
+    fitted = fit.hardware
     fitted.save(out)
     names = ", ".join(d.name for d in run_dirs)
-    return (f"calibrated on {names}: compute_eff {fitted.compute_eff:.2f}, mem_eff "
-            f"{fitted.mem_eff:.2f}, attn_eff {fitted.attn_eff:.2f}; "
-            f"mean of their stages' |error| {before:.1%} -> "
-            f"{after:.1%}\nsaved {out}; check it on other runs: rlloom perf validate RUN_DIR...")
+    lines = [f"calibrated on {names}: compute_eff {fitted.compute_eff:.2f}, mem_eff "
+             f"{fitted.mem_eff:.2f}, attn_eff {fitted.attn_eff:.2f}; mean of their stages' "
+             f"|error| {fit.before:.1%} -> {fit.after:.1%}"]
+    low, high = fit.attn_range
+    if high - low >= 0.25:
+        lines.append(f"attn_eff fits as well anywhere from {low:.2f} to {high:.2f} (errors "
+                     f"within {TIE * 100:.0f} point of the best): these runs decode too few rows "
+                     "at once to tell the attention's cost; calibrate on a run with more "
+                     "rollouts per step")
+    lines.append(f"saved {out}; check it on other runs: rlloom perf validate RUN_DIR...")
+    return "\n".join(lines)

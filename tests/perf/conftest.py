@@ -37,11 +37,11 @@ def engine_counts(monkeypatch):
 def fake_run(tmp_path):
     """A finished run's directory written by hand: a 2-layer qwen3 policy, GRPO with K=2, 2
     epochs of 2 mini-batches and a KL term, and two steps of the given response lengths, each
-    stage measured at 1 s."""
-    def make(lengths: list[int]) -> Path:
+    stage measured at 1 s, named `name` under tmp_path."""
+    def make(lengths: list[int], name: str = "run") -> Path:
         cfg = load_config(None, ["model.layers=2", "algo.epochs=2", "algo.minibatches=2",
                                  "rollout.n_samples=2", "algo.kl_coef=0.001"])
-        run = tmp_path / "run"
+        run = tmp_path / name
         (run / "final").mkdir(parents=True)
         (run / "config.yaml").write_text(dump_config(cfg))
         (run / "final" / "config.json").write_text(json.dumps({

@@ -33,10 +33,31 @@ def test_calibrate_recovers_the_scale_and_attention_that_made_the_times(fake_run
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     _measured_as(replace(base, compute_eff=0.25, mem_eff=0.4, attn_eff=0.35), run)
     ticks = []
-    fitted, before, after = calibrate([run], base, tick=lambda: ticks.append(1))
-    assert (fitted.compute_eff, fitted.mem_eff, fitted.attn_eff) == (0.25, 0.4, 0.35)
+    fit = calibrate([run], base, tick=lambda: ticks.append(1))
+    assert (fit.hardware.compute_eff, fit.hardware.mem_eff, fit.hardware.attn_eff) == (
+        0.25, 0.4, 0.35)
     assert len(ticks) == CALIBRATE_POINTS == 1 + 19 * 20  # the progress bar's total
-    assert after < 1e-12 < 0.1 < before
+    assert fit.after < 1e-12 < 0.1 < fit.before
+    assert fit.attn_range[0] <= 0.35 <= fit.attn_range[1]
+
+
+def test_calibrate_says_when_the_runs_cannot_tell_the_attention(fake_run, tmp_path):
+    """On a device whose memory is 500 times faster than its arithmetic, 5-token responses'
+    KV reads cost nothing next to the rest: any attn_eff fits, and the report says so. With
+    memory as slow as the arithmetic and 400-token responses, the attention's cost shows and
+    the fit finds it."""
+    from rlloom.perf.validate import calibration_report
+    fast_memory = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9},
+                          mem_bw=1e12, launch_s=1e-6, compute_eff=1.0, mem_eff=1.0)
+    run = fake_run([5, 5, 5, 5])
+    _measured_as(replace(fast_memory, compute_eff=0.5, mem_eff=0.5, attn_eff=0.3), run)
+    report = calibration_report([run], fast_memory, tmp_path / "fit.json")
+    assert "attn_eff fits as well anywhere from 0.05 to 1.00" in report
+    slow_memory = replace(fast_memory, mem_bw=2e9)
+    long = fake_run([400, 380, 390, 400], "long")
+    _measured_as(replace(slow_memory, compute_eff=0.5, mem_eff=0.5, attn_eff=0.3), long)
+    report = calibration_report([long], slow_memory, tmp_path / "fit.json")
+    assert "attn_eff 0.30" in report and "fits as well" not in report
 
 
 def test_stage_error_is_of_the_stage_mean_over_steps():
