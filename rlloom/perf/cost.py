@@ -82,6 +82,22 @@ def _activation_s(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     return per_device * wl.elem_bytes / (hw.mem_bw * hw.mem_eff)
 
 
+def _attention_s(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
+                 tokens: float, context: float) -> float:
+    """Time one teacher-forced forward's fused attention takes beyond its FLOPs (already in
+    the compute roofline) where its per-element work bounds it: `tokens` queries each
+    scoring context/2 keys on average per layer and query head, at `Hardware.attn_elem_s`
+    as measured, not slowed by the efficiencies: the kernel works on tiles in cache (the
+    built-in model's forward over 4,096 tokens grows 118-130 ms measured from 64- to
+    2,048-token rows; priced +103 ms so, +60 ms on the FLOPs alone)."""
+    if hw.attn_elem_s == 0:
+        return 0.0
+    shards = layout.tp * layout.pp * layout.cp
+    elems = tokens * shape.layers * shape.heads * context / 2 / shards
+    flops = tokens * 2 * shape.layers * context * shape.q_width / shards
+    return max(0.0, elems * hw.attn_elem_s - flops / hw.flops(wl.dtype))
+
+
 def _log2(x: float) -> float:
     return math.log2(max(x, 2.0))
 
@@ -359,6 +375,7 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     host_s = (m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
               + m * _wrapper_s(hw, shape, layout, trained))
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
+    act_s += _attention_s(shape, layout, wl, hw, tokens, context)
     work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
     # ZeRO-3 gathers each layer's parameters for every micro-batch's forward
     dp_s = m * comm.gather_or_scatter(hw, layout.dp, layout.world_size, mem.PARAM_B
@@ -414,8 +431,9 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     host_s = steps * (hw.launch_s * m * pieces * per_pass
                       + optimizer_op_s * _ops(OPTIMIZER_OPS, shape, layout)
                       + m * _wrapper_s(hw, shape, layout, True))
-    act_s = wl.ppo_epochs * (TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
+    act_s = wl.ppo_epochs * ((TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(
         shape, layout, wl, hw, tokens / layout.cp)
+        + (3 + ckpt) * _attention_s(shape, layout, wl, hw, tokens, context))
     work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
     # the update runs after the last backward: nothing overlaps it
     update_s = steps * optimizer_s(shape, layout, hw, lora)

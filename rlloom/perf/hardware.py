@@ -37,6 +37,12 @@ class Hardware:
     # per-(row, head) products over strided cache rows, which stream worse than one large
     # read; 1 in the catalogue (no GPU measurement yet), fitted by `calibrate` on a CPU.
     attn_eff: float = 1.0
+    # Seconds per causal score element and query head of a teacher-forced forward's fused
+    # attention kernel where its per-element softmax work, not its FLOPs, bounds it (a
+    # backward costs two forwards): on a CPU 3-6 ns whatever the head dimension, 4-20
+    # GFLOP/s of attention against 170 for matmuls. `rlloom bench hw` measures it; 0 in the
+    # catalogue (a GPU's flash attention is bound by its FLOPs).
+    attn_elem_s: float = 0.0
     # Host time of dispatching one operator of rlloom's eager PyTorch runtime (Python, the
     # dispatcher, a kernel launch). On a CPU every operator also runs in that thread, so tiny
     # models are bound by it. On a GPU the host queues kernels and runs ahead, so dispatch

@@ -49,6 +49,22 @@ def memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src))
 
 
+def attention_element_seconds(rows: int = 32, heads: int = 4, head_dim: int = 32) -> float:
+    """Seconds per causal score element and head of a fused attention forward (SDPA, as the
+    runtime's teacher-forced passes call it), from the difference between two context
+    lengths so that the call's fixed cost cancels."""
+    import torch.nn.functional as F
+
+    def seconds(t: int) -> float:
+        q, k, v = (torch.randn(rows, heads, t, head_dim) for _ in range(3))
+        with torch.no_grad():
+            return _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v,
+                                                                        is_causal=True))
+    short, long = 64, 128
+    elements = rows * heads * (long * (long + 1) - short * (short + 1)) / 2
+    return max(seconds(long) - seconds(short), 0.0) / elements
+
+
 def _dispatch_model() -> tuple[torch.nn.Module, torch.Tensor, int]:
     """A model too small to compute anything, its input, and the operators a forward
     dispatches (the same code path a tiny model's decode takes)."""
@@ -207,6 +223,8 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     bf16 = matmul_flops(torch.bfloat16)
     progress("memory bandwidth ...")
     bw = memory_bandwidth()
+    progress("attention ...")
+    attn_elem = attention_element_seconds()
     progress("operator dispatch ...")
     launch = dispatch_seconds()
     progress("data-parallel wrappers ...")
@@ -224,7 +242,8 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     return Hardware("local", {"fp32": fp32, "bf16": bf16}, mem_gib=round(ram, 1), mem_bw=bw,
                     intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
                     intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
-                    mem_eff=1.0, comm_eff=1.0, launch_s=launch, sharded_launch_s=sharded,
+                    mem_eff=1.0, comm_eff=1.0, attn_elem_s=attn_elem, launch_s=launch,
+                    sharded_launch_s=sharded,
                     wrapped_pass_s=wrapped, reduce_s=reduce,
                     # the device is the host: offloaded state stays in the same memory
                     host_mem_gib=round(ram, 1), host_mem_bw=bw,
@@ -238,6 +257,7 @@ def bench_hw(out: Path | None = None) -> str:
     hw.save(path)
     return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
+            f"attention {hw.attn_elem_s * 1e9:.1f} ns per score element, "
             f"operator dispatch {hw.launch_s * 1e6:.1f} us, FSDP2 wrappers "
             f"{hw.wrapped_pass_s * 1e6:.0f} us per module per forward + backward and "
             f"+{hw.sharded_launch_s * 1e6:.1f} us per optimizer operator, "

@@ -41,3 +41,27 @@ def test_perf_does_not_import_torch():
             " + m.name)\n"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_attention_elements_priced_beyond_their_flops():
+    """TINY on a device where only attention's per-element work costs (1 ns per score
+    element; FLOPs, memory and dispatch free), 4 rows of 63-token responses after 1-token
+    prompts, one micro-batch: a forward scores 4 x 64 tokens x 2 layers x 2 heads x 64/2
+    keys = 32,768 elements, 32.768 us; training runs 2 epochs of forward + backward (3
+    forwards each)."""
+    from dataclasses import replace
+
+    from rlloom.perf import cost
+    from rlloom.perf.hardware import hardware
+    from rlloom.perf.workload import Lengths, Workload
+    free = replace(hardware("h100"), peak_flops={"fp32": 1e30, "bf16": 1e30}, mem_bw=1e30,
+                   launch_s=0.0, attn_elem_s=1e-9)
+    wl = Workload(prompts=4, samples=1, prompt_len=1, response=Lengths.empirical([63] * 4),
+                  dtype="fp32", micro_batch_tokens=0, micro_batch=4, ppo_epochs=2,
+                  minibatches=1)
+    assert cost.forward(TINY, Layout(), wl, free, "reference").seconds == pytest.approx(
+        32.768e-6)
+    assert cost.training(TINY, Layout(), wl, free, "actor").seconds == pytest.approx(
+        2 * 3 * 32.768e-6)
+    assert cost.forward(TINY, Layout(), wl, replace(free, attn_elem_s=0.0),
+                        "reference").seconds == pytest.approx(0.0, abs=1e-12)

@@ -307,6 +307,7 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     hw = load_hardware(hw_file)
     assert hw.peak_flops["fp32"] > 1e8 and hw.mem_bw > 1e8 and 0 < hw.launch_s < 1e-3
     assert 0 <= hw.sharded_launch_s < 1e-2 and 0 <= hw.wrapped_pass_s < 1e-1
+    assert 0 < hw.attn_elem_s < 1e-6  # CPU attention: a few ns per score element
     main(["train", *tiny, f"run_dir={run}"])
     capsys.readouterr()
     main(["perf", "validate", str(run), "--hardware", str(hw_file)])
