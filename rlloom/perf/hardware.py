@@ -40,7 +40,7 @@ class Hardware:
     # Seconds per causal score element and query head of a teacher-forced forward's fused
     # attention kernel where its per-element softmax work, not its FLOPs, bounds it (a
     # backward costs two forwards): on a CPU 3-6 ns whatever the head dimension, 4-20
-    # GFLOP/s of attention against 170 for matmuls. `rlloom bench hw` measures it; 0 in the
+    # GFLOP/s of attention against 130-190 for matmuls. `rlloom bench hw` measures it; 0 in the
     # catalogue (a GPU's flash attention is bound by its FLOPs).
     attn_elem_s: float = 0.0
     # Host time of dispatching one operator of rlloom's eager PyTorch runtime (Python, the

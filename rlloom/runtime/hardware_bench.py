@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from rlloom.perf.hardware import GIB, Hardware, local_hardware_path
 
@@ -53,8 +54,6 @@ def attention_element_seconds(rows: int = 32, heads: int = 4, head_dim: int = 32
     """Seconds per causal score element and head of a fused attention forward (SDPA, as the
     runtime's teacher-forced passes call it), from the difference between two context
     lengths so that the call's fixed cost cancels."""
-    import torch.nn.functional as F
-
     def seconds(t: int) -> float:
         q, k, v = (torch.randn(rows, heads, t, head_dim) for _ in range(3))
         with torch.no_grad():
