@@ -94,7 +94,7 @@ def _attention_s(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
         return 0.0
     shards = layout.tp * layout.pp * layout.cp
     elems = tokens * shape.layers * shape.heads * context / 2 / shards
-    flops = tokens * 2 * shape.layers * context * shape.q_width / shards
+    flops = tokens * shape.attention_flops(context) / shards
     return max(0.0, elems * hw.attn_elem_s - flops / hw.flops(wl.dtype))
 
 

@@ -88,14 +88,15 @@ class ModelShape:
         """Weights one token multiplies through in the layers (excludes embeddings and logits)."""
         return self.layers * (self.attn_params + self.active_mlp_params)
 
-    def forward_flops(self, context: float, logits: bool = True) -> float:
-        """C_f: forward FLOPs per token when teacher-forcing a sequence of length `context`.
+    def attention_flops(self, context: float) -> float:
+        """Attention FLOPs per teacher-forced token: causal attention sees context/2 keys on
+        average, and QK^T and AV give 2 L context q_width."""
+        return 2 * self.layers * context * self.q_width
 
-        Causal attention sees context/2 keys on average: QK^T and AV give 2 L context q_width.
-        """
-        attn = 2 * self.layers * context * self.q_width
+    def forward_flops(self, context: float, logits: bool = True) -> float:
+        """C_f: forward FLOPs per token when teacher-forcing a sequence of length `context`."""
         head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
-        return 2 * self.active_matmul_params + attn + head
+        return 2 * self.active_matmul_params + self.attention_flops(context) + head
 
     def decode_flops(self, position: float, logits: bool = True) -> float:
         """FLOPs of one decode step for a token at `position` (attends to all earlier keys)."""

@@ -138,17 +138,20 @@ def validate_run(run_dir: Path, hw: Hardware, skip: int = 1) -> list[StagePoint]
     return price_run(load_run(run_dir, skip), hw)
 
 
+def _by_stage(points: list[StagePoint]) -> dict[tuple[str, str], list[StagePoint]]:
+    by: dict[tuple[str, str], list[StagePoint]] = {}
+    for p in points:
+        by.setdefault((p.run, p.stage), []).append(p)
+    return by
+
+
 def stage_errors(points: list[StagePoint]) -> dict[tuple[str, str], float]:
     """Signed relative error of each run's stage, the mean predicted against the mean measured
     over its steps: a step's own time carries the host's step-to-step noise (identical runs
     differ by a median 13% per step on a shared 2-core machine), which averaging over the
     steps takes out, and what the model predicts is the stage's expected time."""
-    sums: dict[tuple[str, str], list[float]] = {}
-    for p in points:
-        acc = sums.setdefault((p.run, p.stage), [0.0, 0.0])
-        acc[0] += p.predicted_s
-        acc[1] += p.measured_s
-    return {k: pred / meas - 1 for k, (pred, meas) in sums.items()}
+    return {k: sum(p.predicted_s for p in pts) / sum(p.measured_s for p in pts) - 1
+            for k, pts in _by_stage(points).items()}
 
 
 def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
@@ -158,13 +161,12 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
     lines = [f"{'run':<16} {'stage':<11} {'steps':>5} {'predicted s':>12} {'measured s':>11} "
              f"{'error':>7} {'median |step error|':>20}"]
     errors = stage_errors(points)
-    for (run, stage), err in errors.items():
-        pts = [p for p in points if (p.run, p.stage) == (run, stage)]
+    for (run, stage), pts in _by_stage(points).items():
         pred = statistics.mean(p.predicted_s for p in pts)
         meas = statistics.mean(p.measured_s for p in pts)
         step_err = statistics.median(abs(p.error) for p in pts)
         lines.append(f"{run[:16]:<16} {stage:<11} {len(pts):>5} {pred:>12.3f} {meas:>11.3f} "
-                     f"{err:>+7.1%} {step_err:>19.1%}")
+                     f"{errors[run, stage]:>+7.1%} {step_err:>19.1%}")
     median = statistics.median(abs(e) for e in errors.values())
     (run, stage), worst = max(errors.items(), key=lambda kv: abs(kv[1]))
     lines.append(f"median per-stage |error| over {len(errors)} run stages: {median:.1%} "
