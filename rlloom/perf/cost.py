@@ -372,7 +372,7 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
                   + comm.cp_comm(hw, layout, shape, mb_tokens, 1))
     comm_s += m * comm.ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
     comm_s += comm.pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
-    host_s = (m * pieces * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
+    host_s = (m * pieces * hw.stage_launch_s("assessment") * _ops(FORWARD_OPS, shape, layout)
               + m * _wrapper_s(hw, shape, layout, trained))
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
     act_s += _attention_s(shape, layout, wl, hw, tokens, context)
@@ -426,9 +426,10 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
                     + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
-    optimizer_op_s = hw.launch_s + (hw.sharded_launch_s if dtensors else 0.0)
+    launch = hw.stage_launch_s("training")
+    optimizer_op_s = launch + (hw.sharded_launch_s if dtensors else 0.0)
     per_pass = _ops(TRAIN_OPS, shape, layout) + ckpt * _ops(FORWARD_OPS, shape, layout)
-    host_s = steps * (hw.launch_s * m * pieces * per_pass
+    host_s = steps * (launch * m * pieces * per_pass
                       + optimizer_op_s * _ops(OPTIMIZER_OPS, shape, layout)
                       + m * _wrapper_s(hw, shape, layout, True))
     act_s = wl.ppo_epochs * ((TRAIN_ACTIVATION_PASSES + ckpt) * _activation_s(

@@ -50,6 +50,13 @@ class Hardware:
     # thousands of small operators each. Catalogue GPUs: 5 us, an estimate for a server CPU
     # (`rlloom bench hw` measures it on the machine it runs on).
     launch_s: float = 0.0
+    # Host time per operator of the runtime's assessment and training stages where it exceeds
+    # a plain forward's (`launch_s`): the stage code's Python between operators, the
+    # objective's and the scoring's small operators, the length bucketing. `rlloom bench hw`
+    # measures both by running the runtime on a model too small to compute (16 prompts x 4
+    # samples): 2-3x and 1.5-2x `launch_s` on a 2-core CPU. 0: `launch_s` (the catalogue).
+    assess_launch_s: float = 0.0
+    train_launch_s: float = 0.0
     # Share of the host's dispatch time the device's work hides: a GPU step costs the longer
     # of the two (1 in the catalogue); a CPU computes in the dispatching thread (0: the sum).
     dispatch_overlap: float = 0.0
@@ -93,6 +100,11 @@ class Hardware:
     def flops(self, dtype: str = "bf16") -> float:
         """Achievable FLOP/s (peak times compute_eff)."""
         return self.peak_flops[dtype] * self.compute_eff
+
+    def stage_launch_s(self, stage: str) -> float:
+        """Host seconds per operator of a stage ("generation", "assessment", "training")."""
+        own = {"assessment": self.assess_launch_s, "training": self.train_launch_s}
+        return own.get(stage) or self.launch_s
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a reader sees the old file or the whole new one."""

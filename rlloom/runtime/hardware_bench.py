@@ -2,9 +2,11 @@
 model. Measured rates are what kernels achieve here, so the efficiencies are 1."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,6 +98,53 @@ def dispatch_seconds() -> float:
     model, ids, ops = _dispatch_model()
     with torch.no_grad():
         return _best_seconds(lambda: model(ids)) / ops
+
+
+# A run of a model too small to compute, at the batch of a small experiment: its stages'
+# time is the runtime's host work
+STAGE_RUN = ["model.hidden_size=16", "model.layers=2", "model.heads=2", "model.kv_heads=1",
+             "train.prompts_per_step=16", "rollout.n_samples=4", "sft.steps=300",
+             "checkpoint.every=1000", "eval.every=1000"]
+
+
+def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
+    """Host seconds per operator of the runtime's assessment and training stages: `steps`
+    steps (after a warm-up one) of `STAGE_RUN`, less their device work priced at `hw`'s
+    rates, over the operators the cost model prices for them. What a plain forward's
+    dispatch (`launch_s`) leaves out: the stage code's Python between operators, the
+    objective's and the scoring's small operators over tokens."""
+    import tempfile
+
+    from rlloom.config import load_config
+    from rlloom.perf.compose import price, role_models
+    from rlloom.perf.shapes import model_shape
+    from rlloom.perf.validate import STAGES, run_roles, step_workload
+    from rlloom.runtime.executor.trainer import local_loop
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, [*STAGE_RUN, f"run_dir={tmp}"])
+        loop = local_loop(cfg, Path(tmp))
+        loop.ex.start()
+        try:
+            loop.train_step()  # warm-up
+            rows = [loop.train_step() for _ in range(steps)]
+        finally:
+            loop.ex.stop()
+        models = role_models(model_shape(str(loop.model_path)), run_roles(cfg))
+    ops_hw = replace(hw, launch_s=1.0, assess_launch_s=0.0, train_launch_s=0.0,
+                     peak_flops={k: math.inf for k in hw.peak_flops}, mem_bw=math.inf,
+                     attn_elem_s=0.0)
+    device_hw = replace(hw, launch_s=0.0, assess_launch_s=0.0, train_launch_s=0.0)
+    per_op = []
+    for stage, key in STAGES[1:]:
+        ops = device = measured = 0.0
+        for row in rows:
+            wl = step_workload(row, cfg)
+            ops += getattr(price(cfg.plan, models, wl, ops_hw), key)
+            device += getattr(price(cfg.plan, models, wl, device_hw), key)
+            measured += row[key]
+        per_op.append(max(measured - device, 0.0) / ops)
+    return per_op[0], per_op[1]
 
 
 def _wrapper_worker(rank: int, port: int, out: dict) -> None:
@@ -226,6 +275,10 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     attn_elem = attention_element_seconds()
     progress("operator dispatch ...")
     launch = dispatch_seconds()
+    progress("the runtime's stages on a model too small to compute ...")
+    assess_launch, train_launch = stage_dispatch_seconds(Hardware(
+        "local", {"fp32": fp32, "bf16": bf16}, mem_gib=1.0, mem_bw=bw, intra_node_bw=1.0,
+        inter_node_bw=1.0, compute_eff=1.0, mem_eff=1.0, attn_elem_s=attn_elem))
     progress("data-parallel wrappers ...")
     wrapped, sharded = wrapper_seconds()
     progress("gloo all-reduce between 2 processes ...")
@@ -242,6 +295,7 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
                     intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
                     intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
                     mem_eff=1.0, comm_eff=1.0, attn_elem_s=attn_elem, launch_s=launch,
+                    assess_launch_s=assess_launch, train_launch_s=train_launch,
                     sharded_launch_s=sharded,
                     wrapped_pass_s=wrapped, reduce_s=reduce,
                     # the device is the host: offloaded state stays in the same memory
@@ -257,7 +311,9 @@ def bench_hw(out: Path | None = None) -> str:
     return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
             f"attention {hw.attn_elem_s * 1e9:.1f} ns per score element, "
-            f"operator dispatch {hw.launch_s * 1e6:.1f} us, FSDP2 wrappers "
+            f"operator dispatch {hw.launch_s * 1e6:.1f} us (assessment "
+            f"{hw.assess_launch_s * 1e6:.1f}, training {hw.train_launch_s * 1e6:.1f} us per "
+            "operator in the runtime's stages), FSDP2 wrappers "
             f"{hw.wrapped_pass_s * 1e6:.0f} us per module per forward + backward and "
             f"+{hw.sharded_launch_s * 1e6:.1f} us per optimizer operator, "
             f"{hw.reduce_s * 1e6:.0f} us per module's gradient all-reduce, gloo all-reduce "
