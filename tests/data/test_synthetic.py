@@ -106,6 +106,16 @@ def test_deterministic(task: str) -> None:
     assert generate(task, 10, seed=7, difficulty=d) == generate(task, 50, seed=7, difficulty=d)[:10]
 
 
+def test_drawn_sets_are_cached_as_drawn() -> None:
+    """A run draws the same sets several times; the cache hands each caller its own list, and
+    a mixture's order (which sets each draw's level) is part of the key."""
+    first = generate("arith", 30, seed=5, difficulty={1: 0.5, 4: 0.5})
+    first.clear()
+    again = generate("arith", 30, seed=5, difficulty={1: 0.5, 4: 0.5})
+    assert len(again) == 30
+    assert again != generate("arith", 30, seed=5, difficulty={4: 0.5, 1: 0.5})
+
+
 def test_global_rng_untouched() -> None:
     random.seed(123)
     expected = random.random()
