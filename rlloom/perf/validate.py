@@ -173,6 +173,10 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
                  f"(hardware {hw.name}); worst: {stage} of {run} at {worst:+.1%}; per step, "
                  f"median over {len(points)} stage measurements: "
                  f"{statistics.median(abs(p.error) for p in points):.1%}")
+    if hw.dispatch_overlap == 0 and not (hw.assess_launch_s and hw.train_launch_s):
+        lines.append("the hardware file prices assessment and training at a plain forward's "
+                     "dispatch: a CPU file from an older `rlloom bench hw`, which did not "
+                     "measure the runtime's stages; run `rlloom bench hw` again")
     if median > 0.25 and hw.compute_eff == hw.mem_eff == 1.0:
         lines.append("the hardware file holds raw microbenchmark rates (efficiencies 1.0), "
                      "which cache-hot kernels reach and a run's do not: fit them with `rlloom "

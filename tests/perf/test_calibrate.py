@@ -76,3 +76,15 @@ def test_validation_points_an_uncalibrated_file_to_calibrate(fake_run):
     assert "fit them with `rlloom perf calibrate`" in validation_report([run], raw)
     fitted = replace(raw, compute_eff=0.9)
     assert "perf calibrate" not in validation_report([run], fitted)
+
+
+def test_validation_asks_for_a_new_bench_when_a_cpu_file_lacks_the_stage_costs(fake_run):
+    """A CPU file (dispatch not overlapped) without the stages' host time per operator, as an
+    older `rlloom bench hw` wrote it, is named; a GPU file, or a CPU file with both, is not."""
+    from rlloom.perf.validate import validation_report
+    run = fake_run([5, 5, 5, 5])
+    cpu = replace(hardware("h100"), dispatch_overlap=0.0, launch_s=4e-6)
+    assert "run `rlloom bench hw` again" in validation_report([run], cpu)
+    measured = replace(cpu, assess_launch_s=1e-5, train_launch_s=6e-6)
+    assert "bench hw" not in validation_report([run], measured)
+    assert "bench hw" not in validation_report([run], hardware("h100"))
