@@ -118,7 +118,7 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     from rlloom.config import load_config
     from rlloom.perf.compose import price, role_models
     from rlloom.perf.shapes import model_shape
-    from rlloom.perf.validate import STAGES, run_roles, step_workload
+    from rlloom.perf.validate import run_roles, step_workload
     from rlloom.runtime.executor.trainer import local_loop
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,16 +135,14 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
                      peak_flops={k: math.inf for k in hw.peak_flops}, mem_bw=math.inf,
                      attn_elem_s=0.0)
     device_hw = replace(hw, launch_s=0.0, assess_launch_s=0.0, train_launch_s=0.0)
-    per_op = []
-    for stage, key in STAGES[1:]:
-        ops = device = measured = 0.0
-        for row in rows:
-            wl = step_workload(row, cfg)
-            ops += getattr(price(cfg.plan, models, wl, ops_hw), key)
-            device += getattr(price(cfg.plan, models, wl, device_hw), key)
-            measured += row[key]
-        per_op.append(max(measured - device, 0.0) / ops)
-    return per_op[0], per_op[1]
+    priced = [(price(cfg.plan, models, step_workload(row, cfg), ops_hw),
+               price(cfg.plan, models, step_workload(row, cfg), device_hw), row) for row in rows]
+
+    def per_op(key: str) -> float:
+        ops = sum(getattr(o, key) for o, _, _ in priced)
+        device = sum(getattr(d, key) for _, d, _ in priced)
+        return max(sum(row[key] for _, _, row in priced) - device, 0.0) / ops
+    return per_op("assess_s"), per_op("train_s")
 
 
 def _wrapper_worker(rank: int, port: int, out: dict) -> None:
