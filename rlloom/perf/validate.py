@@ -87,6 +87,11 @@ def run_roles(cfg: RunConfig) -> tuple[str, ...]:
     return tuple(r for r in roles if r != "reference" or cfg.needs_reference)
 
 
+def measured_step(row: dict, cfg: RunConfig) -> tuple[int, Workload, dict[str, float]]:
+    """A metrics row's step, its workload and its measured seconds per stage."""
+    return row["step"], step_workload(row, cfg), {stage: row[key] for stage, key in STAGES}
+
+
 @dataclass(frozen=True)
 class LoadedRun:
     """What pricing a finished run's steps needs, read once."""
@@ -116,8 +121,7 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
         if "response_lens" not in row:
             raise ValueError(f"{metrics}: no response_lens; the run predates validation "
                              "support, run it again")
-        steps.append((row["step"], step_workload(row, cfg),
-                      {stage: row[key] for stage, key in STAGES}))
+        steps.append(measured_step(row, cfg))
     return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg), critic=critic_shape(cfg)),
                      cfg.plan, steps)
 

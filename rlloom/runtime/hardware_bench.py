@@ -116,9 +116,9 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     import tempfile
 
     from rlloom.config import load_config
-    from rlloom.perf.compose import price, role_models
+    from rlloom.perf.compose import role_models
     from rlloom.perf.shapes import model_shape
-    from rlloom.perf.validate import run_roles, step_workload
+    from rlloom.perf.validate import LoadedRun, measured_step, price_run, run_roles
     from rlloom.runtime.executor.trainer import local_loop
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,18 +131,18 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
         finally:
             loop.ex.stop()
         models = role_models(model_shape(str(loop.model_path)), run_roles(cfg))
-    ops_hw = replace(hw, launch_s=1.0, assess_launch_s=0.0, train_launch_s=0.0,
-                     peak_flops={k: math.inf for k in hw.peak_flops}, mem_bw=math.inf,
-                     attn_elem_s=0.0)
-    device_hw = replace(hw, launch_s=0.0, assess_launch_s=0.0, train_launch_s=0.0)
-    priced = [(price(cfg.plan, models, step_workload(row, cfg), ops_hw),
-               price(cfg.plan, models, step_workload(row, cfg), device_hw), row) for row in rows]
+    run = LoadedRun("stages", models, cfg.plan, [measured_step(row, cfg) for row in rows])
+    plain = replace(hw, assess_launch_s=0.0, train_launch_s=0.0)
+    ops = price_run(run, replace(plain, launch_s=1.0, attn_elem_s=0.0, mem_bw=math.inf,
+                                 peak_flops={k: math.inf for k in hw.peak_flops}))
+    device = price_run(run, replace(plain, launch_s=0.0))
 
-    def per_op(key: str) -> float:
-        ops = sum(getattr(o, key) for o, _, _ in priced)
-        device = sum(getattr(d, key) for _, d, _ in priced)
-        return max(sum(row[key] for _, _, row in priced) - device, 0.0) / ops
-    return per_op("assess_s"), per_op("train_s")
+    def per_op(stage: str) -> float:
+        def total(points: list, of: str) -> float:
+            return sum(getattr(p, of) for p in points if p.stage == stage)
+        return max(total(device, "measured_s") - total(device, "predicted_s"), 0.0) / \
+            total(ops, "predicted_s")
+    return per_op("assessment"), per_op("training")
 
 
 def _wrapper_worker(rank: int, port: int, out: dict) -> None:
@@ -273,10 +273,6 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     attn_elem = attention_element_seconds()
     progress("operator dispatch ...")
     launch = dispatch_seconds()
-    progress("the runtime's stages on a model too small to compute ...")
-    assess_launch, train_launch = stage_dispatch_seconds(Hardware(
-        "local", {"fp32": fp32, "bf16": bf16}, mem_gib=1.0, mem_bw=bw, intra_node_bw=1.0,
-        inter_node_bw=1.0, compute_eff=1.0, mem_eff=1.0, attn_elem_s=attn_elem))
     progress("data-parallel wrappers ...")
     wrapped, sharded = wrapper_seconds()
     progress("gloo all-reduce between 2 processes ...")
@@ -289,17 +285,19 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     alpha = times[small] / 2
     link = large / max(times[large] - times[small], 1e-9)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return Hardware("local", {"fp32": fp32, "bf16": bf16}, mem_gib=round(ram, 1), mem_bw=bw,
-                    intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
-                    intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
-                    mem_eff=1.0, comm_eff=1.0, attn_elem_s=attn_elem, launch_s=launch,
-                    assess_launch_s=assess_launch, train_launch_s=train_launch,
-                    sharded_launch_s=sharded,
-                    wrapped_pass_s=wrapped, reduce_s=reduce,
-                    # the device is the host: offloaded state stays in the same memory
-                    host_mem_gib=round(ram, 1), host_mem_bw=bw,
-                    extra={"threads": float(torch.get_num_threads()),
-                           "cpus": float(os.cpu_count() or 1)})
+    hw = Hardware("local", {"fp32": fp32, "bf16": bf16}, mem_gib=round(ram, 1), mem_bw=bw,
+                  intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
+                  intra_node_latency=alpha, inter_node_latency=alpha, compute_eff=1.0,
+                  mem_eff=1.0, comm_eff=1.0, attn_elem_s=attn_elem, launch_s=launch,
+                  sharded_launch_s=sharded,
+                  wrapped_pass_s=wrapped, reduce_s=reduce,
+                  # the device is the host: offloaded state stays in the same memory
+                  host_mem_gib=round(ram, 1), host_mem_bw=bw,
+                  extra={"threads": float(torch.get_num_threads()),
+                         "cpus": float(os.cpu_count() or 1)})
+    progress("the runtime's stages on a model too small to compute ...")
+    assess_launch, train_launch = stage_dispatch_seconds(hw)
+    return replace(hw, assess_launch_s=assess_launch, train_launch_s=train_launch)
 
 
 def bench_hw(out: Path | None = None) -> str:
