@@ -111,6 +111,19 @@ class RewardSection(Strict):
     model_path: FilePath = Field(None, description="reward model checkpoint (a *ForSequence"
                                    "Classification with one label, same tokenizer as the policy)")
     sandbox_workers: int = Field(2, ge=1, description="parallel programs for the code task")
+    sandbox_isolation: Literal["strict", "namespaces", "process"] = Field(
+        "strict", description="what each program of the code task and the python tool runs "
+        "in (docs/sandbox.md): strict (own namespaces, root, uid and a cgroup for its memory "
+        "and processes; refused where the machine cannot), namespaces (the same without the "
+        "cgroup: memory and processes bounded per process and per uid), process (rlimits "
+        "only; for trusted programs)")
+    code_compare: Literal["exact", "tokens", "float"] = Field(
+        "tokens", description="how stdin/stdout tests compare a program's output with the "
+        "expected one: exact (line by line, trailing whitespace ignored), tokens "
+        "(whitespace-separated tokens), float (tokens, numbers within code_float_tol)")
+    code_float_tol: float = Field(1e-6, gt=0, allow_inf_nan=False,
+                                  description="absolute or relative tolerance of "
+                                  "code_compare=float")
 
     @model_validator(mode="before")
     @classmethod

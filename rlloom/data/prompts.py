@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 # Fields each task's reward needs in a prompt-file row, beyond "prompt".
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "arith": {"answer": (str, int)},
-    "code": {"tests": list},  # Python assert statements; a response passes if all of them do
+    # Python assert statements, or stdin/stdout cases {"input": str, "output": str}; a
+    # response scores the fraction it passes (rewards/sandbox.py)
+    "code": {"tests": list},
     "countdown": {"numbers": list, "target": int},
     "math": {"answer": (str, int, float)},
     "multiply": {"answer": (str, int)},
@@ -47,11 +49,18 @@ def _check_tests(tests: list, where: str) -> None:
     if not tests:
         # A problem with no tests has nothing to check a response against.
         raise DataError(f"{where}: field 'tests' is empty; the code task needs at least one")
+    io = isinstance(tests[0], dict)
     for i, test in enumerate(tests):
-        if not isinstance(test, str):
+        if io:
+            if not (isinstance(test, dict) and set(test) == {"input", "output"}
+                    and all(isinstance(v, str) for v in test.values())):
+                raise DataError(f"{where}: field 'tests' item {i} is {test!r:.80}; stdin/stdout "
+                                'tests are {"input": str, "output": str}, every one of them')
+        elif not isinstance(test, str):
             raise DataError(f"{where}: field 'tests' item {i} has type {type(test).__name__}; "
-                            "each test must be a string of Python assert statements")
-        if not test.strip():
+                            "each test must be a string of Python assert statements (or every "
+                            'test a stdin/stdout case {"input": str, "output": str})')
+        elif not test.strip():
             raise DataError(f"{where}: field 'tests' item {i} is blank")
 
 

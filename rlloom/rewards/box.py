@@ -359,7 +359,9 @@ class Box:
 
     def _die(self, reason: str | None) -> None:
         ended = self.close()
-        self.reason = self.reason or reason or ended
+        # a program whose processes the kernel killed for memory ran out of memory, whatever
+        # then ended the box (its time, typically, waiting for them)
+        self.reason = self.reason or (ended if ended == "memory limit" else reason or ended)
         raise BoxDied(self.reason)
 
     def kill(self) -> None:

@@ -30,14 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
 from types import TracebackType
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from rlloom.rewards.box import ISOLATIONS, SandboxLimits
 from rlloom.rewards.judge import job
 
+if TYPE_CHECKING:
+    from rlloom.config import RewardSection
+
 Tests = Union[list[str], list[dict]]
 IO_COMPARES = ("exact", "tokens", "float")
-_JUDGE_SLACK_S = 10.0  # a judge's own work on top of its box's wall budget
+_JUDGE_SLACK_S = 5.0  # a judge's own work on top of its box's wall budget
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 _FIXES = {
@@ -152,6 +155,12 @@ class SandboxPool:
         self._executor = ThreadPoolExecutor(max_workers=workers,
                                             thread_name_prefix="rlloom-sandbox")
         self._check()
+
+    @classmethod
+    def for_reward(cls, reward: RewardSection) -> SandboxPool:
+        """The pool a run's `reward` section asks for."""
+        return cls(reward.sandbox_workers, isolation=reward.sandbox_isolation,
+                   io_compare=reward.code_compare, float_tol=reward.code_float_tol)
 
     def _check(self) -> None:
         """Refuses up front when this machine cannot give the isolation asked for."""

@@ -52,11 +52,12 @@ class Tools:
     span: Callable[[], AbstractContextManager] = nullcontext
 
     @classmethod
-    def of(cls, rollout: Any) -> "Tools | None":
-        """The tools of a RolloutSection, or None for single-turn rollouts."""
+    def of(cls, rollout: Any, isolation: str = "strict") -> "Tools | None":
+        """The tools of a RolloutSection, or None for single-turn rollouts; `isolation` is
+        the sandbox's for the python tool (`reward.sandbox_isolation`)."""
         if rollout.max_turns == 1:
             return None
-        return cls(ToolRunner(load_tools(rollout.tools), rollout.tool_timeout_s,
+        return cls(ToolRunner(load_tools(rollout.tools, isolation), rollout.tool_timeout_s,
                               rollout.tool_output_chars), rollout.max_turns, rollout.tool_format)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from rlloom import user_code
 from rlloom.rewards.expr import ExprError, evaluate
-from rlloom.rewards.sandbox import SandboxLimits, run_program
+from rlloom.rewards.sandbox import SandboxLimits, SandboxPool
 
 CALL_END = "</call>"
 RESULT = "<result>{}</result>"
@@ -77,24 +77,39 @@ def calculator(expression: str) -> str:
     return str(value.numerator) if value.denominator == 1 else str(value)
 
 
-def python(code: str) -> str:
-    """What the program prints, run in the sandbox with its limits (rewards/sandbox.py)."""
-    result = run_program(code, [], SandboxLimits(wall_s=5.0, max_output_bytes=16_000))
-    if result.reason:
-        raise RuntimeError(f"{result.reason}; {result.output.strip()[-300:]}".strip("; "))
-    return result.output.strip()
+class PythonTool:
+    """The built-in ``python`` tool: what a program prints when run as a script in the
+    sandbox (rewards/sandbox.py), with its own pool of one judge, started on first use."""
+
+    LIMITS = SandboxLimits(wall_s=5.0, max_output_bytes=16_000)
+
+    def __init__(self, isolation: str = "strict") -> None:
+        self.isolation, self._pool, self._lock = isolation, None, threading.Lock()
+
+    def __call__(self, code: str) -> str:
+        with self._lock:
+            if self._pool is None:
+                self._pool = SandboxPool(1, self.LIMITS, self.isolation)
+        result = self._pool.run_script(code)
+        printed = (result.stdout + result.stderr).strip()
+        if result.reason or result.exit:
+            why = result.reason or f"exit code {result.exit}"
+            raise RuntimeError(f"{why}; {printed[-300:]}".strip("; "))
+        return printed
 
 
-BUILT_IN: dict[str, Tool] = {"calculator": calculator, "python": python}
+BUILT_IN: dict[str, Callable[[str], Tool]] = {"calculator": lambda _: calculator,
+                                              "python": PythonTool}
 
 
-def load_tools(specs: list[str]) -> dict[str, Tool]:
+def load_tools(specs: list[str], isolation: str = "strict") -> dict[str, Tool]:
     """Name -> function of each tool in `specs`: a built-in name, or a resolved
-    `module:function` / `file.py:function` spec named by its function."""
+    `module:function` / `file.py:function` spec named by its function. `isolation` is the
+    sandbox's for the ``python`` tool (`reward.sandbox_isolation`)."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         if spec in BUILT_IN:
-            name, fn = spec, BUILT_IN[spec]
+            name, fn = spec, BUILT_IN[spec](isolation)
         else:
             name, fn = user_code.load(spec, "tool", ToolError)
         if name in tools:

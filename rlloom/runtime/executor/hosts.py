@@ -153,7 +153,7 @@ class TrainingHost:
                                                                a.critic_lr)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.eval_set = eval_problems(cfg)
-        self.tools = Tools.of(cfg.rollout)
+        self.tools = Tools.of(cfg.rollout, cfg.reward.sandbox_isolation)
         self.version = 0  # optimizer steps taken: the weight version
         # `optimise` calls the plain loss; decoupled_ppo is run through it (see `decoupled`)
         self.opt_cfg = (cfg.model_copy(update={"algo": a.model_copy(
@@ -250,7 +250,7 @@ class GenerationHost:
         self.greedy = "greedy_baseline" in ADVANTAGES.needs(cfg.algo.advantage)
         r = cfg.rollout
         self.pool = PartialPool(r.partial_tokens, r.max_new_tokens) if r.partial_tokens else None
-        self.tools = Tools.of(r)
+        self.tools = Tools.of(r, cfg.reward.sandbox_isolation)
 
     @_in_compute_dtype
     def generate(self, step: int, prompts: int | None = None

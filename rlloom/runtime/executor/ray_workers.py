@@ -82,7 +82,7 @@ class GroupWorker:
         self.ranks = RankGroup.join(self.device, self.rank, group.ranks, address, timeout_s)
         needs_pool = cfg.data.task == "code" and (group.runs("generation")
                                                   or group.runs("training"))
-        self.pool = SandboxPool(cfg.reward.sandbox_workers) if needs_pool else None
+        self.pool = SandboxPool.for_reward(cfg.reward) if needs_pool else None
         online = PRESETS[cfg.algo.name].online
         if group.runs("training"):
             self.training = TrainingHost(cfg, self.path, self.spans, self.pool, self.ranks,
