@@ -1,13 +1,12 @@
-"""Programs that try to pass the code verifier's tests without solving the task, as an RL
-policy may learn to: each scores 0, and a correct program run right after it through the
-same pool scores 1 (no attack leaves the pool broken)."""
+"""The 22 attacks of the first sandbox (on one task, f(x) = 2x + 3): each scores 0, and a
+correct program run right after it through the same pool scores 1 and a wrong one 0 (no
+attack leaves the pool broken). test_code_attacks.py has the attacks on the judge and box."""
 import pytest
-
-from rlloom.rewards.sandbox import SandboxPool
 
 # the code task's tests: f(x) = 2x + 3, three shown inputs and two unseen ones
 TESTS = [f"assert f({x}) == {2 * x + 3}" for x in (1, 2, 3, 7, 12)]
 CORRECT = "def f(x): return 2*x+3"
+WRONG = "def f(x): return 2*x+4"
 
 ATTACKS = {
     "always_equal": """
@@ -159,18 +158,13 @@ def f(x):
 }
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with SandboxPool(workers=2) as p:
-        yield p
-
-
 def test_there_are_at_least_twenty_attacks():
     assert len(ATTACKS) >= 20
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_an_attack_scores_zero_and_the_pool_still_judges_right(pool, name):
-    hacked, honest = pool.map([(ATTACKS[name], TESTS), (CORRECT, TESTS)])
+    hacked, honest, wrong = pool.map([(ATTACKS[name], TESTS), (CORRECT, TESTS), (WRONG, TESTS)])
     assert hacked.passed == 0, hacked
     assert honest.passed == 5 and honest.fraction == 1.0, honest
+    assert wrong.passed == 0, wrong
