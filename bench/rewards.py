@@ -1,31 +1,73 @@
 """Throughput of the reward functions on this machine: ``python bench/rewards.py``.
 
-Prints programs per second through the sandbox pool and math-verify checks per second.
+Prints programs per second of the code judge (judge process + one isolated box per program,
+``rlloom/rewards/sandbox.py``) against the harness it replaced (one process per program, tests
+rewritten to run inside it; taken from git at ``PREVIOUS``), measured in alternating rounds in
+one run, and math-verify checks per second.
 """
 
 from __future__ import annotations
 
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from rlloom.rewards.math import answers_equal
 from rlloom.rewards.sandbox import SandboxPool
 
 _WORKERS = 2
+_ROUNDS = 3
 _PROGRAM = "def add(a, b):\n    return a + b\n"
 _TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
+PREVIOUS = "73fe1b7"  # the last commit with the in-process harness
+_REPO = Path(__file__).resolve().parents[1]
 
 
-def bench_sandbox(n: int, workers: int = _WORKERS) -> float:
-    """Returns programs per second for ``n`` small correct programs through a SandboxPool."""
-    with SandboxPool(workers=workers) as pool:
-        start = time.perf_counter()
-        results = pool.map([(_PROGRAM, _TESTS)] * n)
-        elapsed = time.perf_counter() - start
+def previous_pool_class() -> type:
+    """The old SandboxPool, loaded from git into a temporary package."""
+    root = Path(tempfile.mkdtemp(prefix="rlloom-old-sandbox-"))
+    package = root / "old_sandbox"
+    package.mkdir()
+    for name in ("sandbox.py", "_sandbox_harness.py", "test_rewrite.py"):
+        text = subprocess.run(["git", "show", f"{PREVIOUS}:rlloom/rewards/{name}"], cwd=_REPO,
+                              check=True, capture_output=True, text=True).stdout
+        (package / name).write_text(text.replace("rlloom.rewards.", "old_sandbox."))
+    (package / "__init__.py").write_text("")
+    for path in (root, package, *package.iterdir()):
+        path.chmod(0o755)  # the old harness runs as an unprivileged uid
+    sys.path.insert(0, str(root))
+    return importlib.import_module("old_sandbox.sandbox").SandboxPool
+
+
+def rate(pool: object, n: int) -> float:
+    """Programs per second for ``n`` small correct programs through ``pool``."""
+    start = time.perf_counter()
+    results = pool.map([(_PROGRAM, _TESTS)] * n)
+    elapsed = time.perf_counter() - start
     # A failing run would be a broken sandbox, and would make the rate meaningless.
     assert all(r.fraction == 1.0 for r in results), results
-    print(f"sandbox: {n} programs in {elapsed:.2f} s = {n / elapsed:.1f} programs/s "
-          f"(workers={workers})")
     return n / elapsed
+
+
+def bench_sandbox(n: int) -> None:
+    old_pool_class = previous_pool_class()
+    rates: dict[str, list[float]] = {"judge + box (now)": [], f"in-process ({PREVIOUS})": []}
+    with SandboxPool(workers=_WORKERS) as new, old_pool_class(workers=_WORKERS) as old:
+        for pool in (new, old):
+            pool.map([(_PROGRAM, _TESTS)] * 4)  # start the judges / warm the caches
+        for _ in range(_ROUNDS):  # alternating, so that the host's drift hits both
+            for name, pool in zip(rates, (new, old)):
+                rates[name].append(rate(pool, n))
+    for name, values in rates.items():
+        print(f"sandbox {name:<26} {statistics.median(values):6.1f} programs/s "
+              f"(rounds: {', '.join(f'{v:.1f}' for v in values)}; {n} programs, "
+              f"workers={_WORKERS})")
+    new_rate, old_rate = (statistics.median(v) for v in rates.values())
+    print(f"ratio now/previous: {new_rate / old_rate:.2f}x (target >= 0.6x)")
 
 
 # A mix of what rollouts produce: integers, LaTeX fractions, sets, intervals, misses. ``{k}``
@@ -55,8 +97,8 @@ def bench_math(n: int) -> float:
 
 def main() -> None:
     bench_sandbox(200)
-    rate = bench_math(400)
-    print(f"math-verify: 400 checks in {400 / rate:.2f} s = {rate:.0f} checks/s")
+    rate_ = bench_math(400)
+    print(f"math-verify: 400 checks in {400 / rate_:.2f} s = {rate_:.0f} checks/s")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,13 @@ class BoxConfig:
         stdlib = Path(prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}")
         hidden = tuple(str(p) for p in (stdlib / "site-packages", stdlib / "dist-packages")
                        if p.is_dir())
-        return cls(isolation, interpreter, tuple(binds), tuple(links), hidden,
-                   tempfile.mkdtemp(prefix="rlloom-boxroot-"))
+        # one empty directory serves every box: each mounts its root there in a mount
+        # namespace of its own, so the host never sees anything mounted on it
+        mount_point = os.path.join(tempfile.gettempdir(), "rlloom-boxroot")
+        os.makedirs(mount_point, mode=0o755, exist_ok=True)
+        if os.path.islink(mount_point):
+            raise OSError(f"{mount_point} is a symlink; remove it")
+        return cls(isolation, interpreter, tuple(binds), tuple(links), hidden, mount_point)
 
 
 def _readable_interpreter(preferred: str) -> str:

@@ -265,7 +265,6 @@ class Boxes:
         if self.spare is not None:
             self.end(self.spare)
         self.reap()
-        os.rmdir(self.cfg.mount_point)
 
 
 def run_job(job: dict, boxes: Boxes) -> dict:

@@ -56,6 +56,24 @@ def test_code_rows_keep_tests_in_meta(tmp_path):
     assert problem.answer == "" and problem.meta == {"tests": tests}
 
 
+def test_code_rows_with_stdin_stdout_tests(tmp_path):
+    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}]
+    loaded = _load_all(tmp_path, [{"prompt": "Add two numbers.", "tests": tests}], "code")
+    assert loaded["jsonl"] == loaded["parquet"] == loaded["saved"]
+    assert loaded["saved"][0].meta == {"tests": tests}
+
+
+@pytest.mark.parametrize("tests, message", [
+    ([{"input": "1", "output": "2"}, "assert f(1) == 2"], "item 1 is 'assert f(1) == 2'"),
+    ([{"input": "1"}], "item 0 is {'input': '1'}"),
+    ([{"input": 1, "output": "2"}], "item 0 is {'input': 1, 'output': '2'}"),
+])
+def test_stdin_stdout_tests_must_all_be_input_output_strings(tmp_path, tests, message):
+    path = write_rows(tmp_path, "jsonl", [{"prompt": "F", "tests": tests}])
+    with pytest.raises(DataError, match=re.escape(f"prompts.jsonl:1: field 'tests' {message}")):
+        read_prompt_file(path, "code")
+
+
 def test_null_cells_read_as_absent_fields(tmp_path):
     # A table fills the field a jsonl row leaves out with null; both must give the same meta.
     rows = [{"prompt": "Q:1+1=", "answer": "2", "level": 1}, {"prompt": "Q:2+2=", "answer": "4"}]

@@ -1,15 +1,19 @@
 """The sandbox's behaviour on honest and misbehaving programs: results, limits, isolation,
 stdin/stdout tests, and refusing to run where the isolation asked for is missing."""
+import json
 import os
 import socket
+import subprocess
 import threading
 import uuid
 
 import pytest
 
+from rlloom.data.prompts import read_prompt_file
 from rlloom.rewards import judge, sandbox
 from rlloom.rewards.box import BoxConfig
 from rlloom.rewards.sandbox import RunResult, SandboxPool, SandboxUnavailable, run_program
+from rlloom.rewards.tasks import task_terms
 
 from sandbox_setup import LIMITS
 
@@ -90,6 +94,16 @@ def test_stdin_stdout_cases(pool):
     # every case is a fresh run: no state carries over
     counter = "import os\nopen('/tmp/n', 'a').write('x')\nprint(len(open('/tmp/n').read()))\n"
     assert pool.map([(counter, [{"input": "", "output": "1"}] * 3)])[0].passed == 3
+
+
+def test_code_task_scores_stdin_stdout_rows(pool, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Add two numbers.", "tests": [
+        {"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}]}) + "\n")
+    problems = read_prompt_file(rows, "code") * 3
+    responses = ["print(sum(map(int, input().split())))", "print(3)", "print(3"]
+    terms = task_terms(problems, responses, "code", pool)
+    assert terms == {"correct": [1.0, 0.5, 0.0], "format": [1.0, 1.0, 0.0]}
 
 
 @pytest.mark.parametrize("compare, got, want, same", [
@@ -247,3 +261,34 @@ def test_judge_reports_a_cgroup_it_cannot_make(monkeypatch):
 def test_bad_isolation_name():
     with pytest.raises(ValueError, match="strict"):
         SandboxPool(1, LIMITS, isolation="docker")
+
+
+UNPRIVILEGED = """
+from rlloom.rewards.sandbox import SandboxPool, SandboxUnavailable
+for isolation in ("strict", "namespaces"):
+    try:
+        with SandboxPool(1, isolation=isolation) as p:
+            code = "import os\\nuid = os.getuid()\\nseen = os.path.exists('/etc')"
+            print(isolation, p.map([(code, ["assert uid == 0", "assert not seen"])])[0].passed)
+    except SandboxUnavailable as e:
+        print(isolation, "refused:", e)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv")
+                    or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root to become another user, setpriv and /usr/bin/python3")
+def test_an_unprivileged_user_gets_a_user_namespace_or_a_clear_refusal(tmp_path):
+    """As uid 65534: strict (no writable cgroup) is refused naming the weaker mode, and
+    namespaces runs the program as root of its own user namespace, in its own root."""
+    script = tmp_path / "unprivileged.py"
+    script.write_text(UNPRIVILEGED)
+    tmp_path.chmod(0o755)
+    script.chmod(0o644)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(sandbox.__file__)))
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          "env", f"PYTHONPATH={repo}", "HOME=/tmp", "/usr/bin/python3",
+                          str(script)], capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("strict refused:") and "sandbox_isolation=namespaces" in lines[0]
+    assert lines[1] == "namespaces 2", out

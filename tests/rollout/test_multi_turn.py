@@ -9,7 +9,7 @@ import torch
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.rollout.generate import Rollout, right_pad
 from rlloom.rollout.multi_turn import Dialogue, Tools
-from rlloom.rollout.tools import ToolRunner, calculator, parse_call
+from rlloom.rollout.tools import PythonTool, ToolRunner, calculator, parse_call
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
@@ -131,3 +131,10 @@ def test_user_tools_load_from_a_file_and_bad_settings_are_refused(tmp_path, monk
     with pytest.raises(ConfigError, match="multi-turn rollouts .* finish in their step"):
         load_config(None, ["rollout.tools=[calculator]", "rollout.max_turns=2",
                            "rollout.partial_tokens=8"])
+
+
+def test_python_tool_prints_what_the_program_prints_in_the_sandbox():
+    tool = PythonTool()
+    assert tool("import os\nprint(6 * 7, os.path.exists('/etc'))") == "42 False"
+    with pytest.raises(RuntimeError, match="exit code 1; ZeroDivisionError"):
+        tool("print(1 / 0)")
