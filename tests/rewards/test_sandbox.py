@@ -278,17 +278,13 @@ for isolation in ("strict", "namespaces"):
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv")
                     or not os.path.exists("/usr/bin/python3"),
                     reason="needs root to become another user, setpriv and /usr/bin/python3")
-def test_an_unprivileged_user_gets_a_user_namespace_or_a_clear_refusal(tmp_path):
+def test_an_unprivileged_user_gets_a_user_namespace_or_a_clear_refusal():
     """As uid 65534: strict (no writable cgroup) is refused naming the weaker mode, and
     namespaces runs the program as root of its own user namespace, in its own root."""
-    script = tmp_path / "unprivileged.py"
-    script.write_text(UNPRIVILEGED)
-    tmp_path.chmod(0o755)
-    script.chmod(0o644)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(sandbox.__file__)))
     out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                           "env", f"PYTHONPATH={repo}", "HOME=/tmp", "/usr/bin/python3",
-                          str(script)], capture_output=True, text=True, timeout=60)
+                          "-c", UNPRIVILEGED], capture_output=True, text=True, timeout=60)
     lines = out.stdout.splitlines()
     assert lines[0].startswith("strict refused:") and "sandbox_isolation=namespaces" in lines[0]
     assert lines[1] == "namespaces 2", out
