@@ -26,12 +26,14 @@ class Task:
 TASKS = {
     "add": Task(["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"],
                 "def add(a, b):\n    return a + b\n", "def add(a, b):\n    return a - b\n"),
-    "reverse": Task(["assert reverse('abc') == 'cba'", "s = 'hello'\nassert reverse(s) == s[::-1]"],
+    "reverse": Task(["assert reverse('abc') == 'cba'",
+                     "s = 'hello'\nassert reverse(s) == s[::-1]"],
                     "def reverse(s):\n    return s[::-1]\n", "def reverse(s):\n    return s\n"),
     "is_prime": Task(["for n, want in [(2, True), (9, False), (13, True), (1, False)]:\n"
                       "    assert is_prime(n) == want",
                       "assert is_prime(97)",
-                      "assert [n for n in range(20) if is_prime(n)] == [2, 3, 5, 7, 11, 13, 17, 19]"],
+                      "assert [n for n in range(20) if is_prime(n)] == "
+                      "[2, 3, 5, 7, 11, 13, 17, 19]"],
                      "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n",
                      "def is_prime(n):\n    return n in (1, 9)\n"),
     "sqrt": Task(["assert abs(sqrt(2.0) - 1.41421356) < 1e-6",
@@ -51,8 +53,8 @@ TASKS = {
     "safe_div": Task(["try:\n    safe_div(1, 0)\nexcept ZeroDivisionError:\n    pass\nelse:\n"
                       "    raise AssertionError('no error')",
                       "assert safe_div(6, 3) == 2"],
-                     "def safe_div(a, b):\n    if b == 0:\n        raise ZeroDivisionError('b is 0')\n"
-                     "    return a / b\n",
+                     "def safe_div(a, b):\n    if b == 0:\n"
+                     "        raise ZeroDivisionError('b is 0')\n    return a / b\n",
                      "def safe_div(a, b):\n    return a * b if b else None\n"),
     "sort_in_place": Task(["xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
                            "ys = [2, 3, 1]\nassert sort_in_place(ys) is None and ys == [1, 2, 3]"],
@@ -212,7 +214,8 @@ def add(a, b):
 import gc
 def reverse(s):
     for obj in gc.get_objects():
-        for v in (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []):
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+        for v in items:
             if isinstance(v, str) and v != s and sorted(v) == sorted(s) and len(s) > 1:
                 return v
     return s

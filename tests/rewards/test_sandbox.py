@@ -8,14 +8,13 @@ import threading
 import uuid
 
 import pytest
+from sandbox_setup import LIMITS
 
 from rlloom.data.prompts import read_prompt_file
 from rlloom.rewards import judge, sandbox
 from rlloom.rewards.box import BoxConfig
 from rlloom.rewards.sandbox import RunResult, SandboxPool, SandboxUnavailable, run_program
 from rlloom.rewards.tasks import task_terms
-
-from sandbox_setup import LIMITS
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]
@@ -178,7 +177,8 @@ def test_nothing_is_written_outside_the_box(pool, tmp_path):
         code = (f"import os\nfor f in (lambda p: open(p, 'w').write('x'), os.mkdir,\n"
                 f"          lambda p: os.symlink('/etc/passwd', p)):\n"
                 f"    try:\n        f({target!r})\n    except OSError:\n        pass\n"
-                f"import ctypes\nctypes.CDLL(None).open({target!r}.encode() + b'2', 0o101, 0o644)\n")
+                f"import ctypes\n"
+                f"ctypes.CDLL(None).open({target!r}.encode() + b'2', 0o101, 0o644)\n")
         hostile(pool, code, reason=False)
         assert not os.path.exists(target) and not os.path.exists(target + "2")
 
