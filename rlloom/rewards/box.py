@@ -21,6 +21,7 @@ replies, and what the program prints). How it is isolated depends on ``isolation
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import platform
@@ -208,7 +209,9 @@ def _exec_server(cfg: BoxConfig, limits: SandboxLimits, fds: dict[int, int], uid
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     # dies with its supervisor, which dies with the judge (set after the uid change clears it)
     _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-    high = {target: os.dup(source) for target, source in fds.items()}
+    # copies above every target first, so that no dup2 overwrites a source still to be moved
+    high = {target: fcntl.fcntl(source, fcntl.F_DUPFD, max(fds) + 1)
+            for target, source in fds.items()}
     for target, copy in high.items():
         os.dup2(copy, target)
     os.closerange(max(fds) + 1, 1 << 16)
