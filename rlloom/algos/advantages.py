@@ -16,7 +16,7 @@ from rlloom.algos.registry import Registry
 
 # added to the group std so a group with identical scores gets advantage 0, not 0/0.
 GRPO_EPS = 1e-6
-# added to the batch std when whitening token-level advantages.
+# added to the batch variance (inside the square root) when whitening token advantages.
 WHITEN_EPS = 1e-8
 
 
@@ -57,14 +57,25 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(valid(mask), per_seq[:, None], 0)
 
 
+def _group_sum(inverse: torch.Tensor, groups: int, values: torch.Tensor) -> torch.Tensor:
+    """Per-sample sum of `values` over the sample's group [n]."""
+    sums = torch.zeros(groups, dtype=values.dtype, device=values.device)
+    return sums.index_add_(0, inverse, values)[inverse]
+
+
 def _groups(group_ids: torch.Tensor, scores: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (group sum, group size, group mean) of the scores, each [n]."""
+    """Per-sample (group index, group size, group mean) of the scores, each [n].
+
+    The mean is taken as the group's minimum plus the mean offset from it, so a group whose
+    scores are all equal gets exactly that score as its mean and `s - mean` is exactly 0, in
+    any dtype and for any value (0.7 or 1/3 in float32 at K=8 would otherwise leave an
+    offset of a few ulps, which the std division blows up)."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device)
-    sums.index_add_(0, inverse, scores)
+    low = torch.full((len(counts),), torch.inf, dtype=scores.dtype, device=scores.device)
+    low = low.scatter_reduce(0, inverse, scores, "amin")[inverse]
     size = counts[inverse].to(scores.dtype)
-    return sums[inverse], size, sums[inverse] / size
+    return inverse, size, low + _group_sum(inverse, len(counts), scores - low) / size
 
 
 def _require_pairs(size: torch.Tensor, estimator: str) -> None:
@@ -82,10 +93,9 @@ def grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     Returns equal the advantages (there is no critic).
     """
     s = x.scores()
-    _, size, mean = _groups(x.group_ids, s)
+    inverse, size, mean = _groups(x.group_ids, s)
     _require_pairs(size, "grpo")
-    sq_sums, _, _ = _groups(x.group_ids, (s - mean) ** 2)
-    std = (sq_sums / (size - 1)).sqrt()
+    std = (_group_sum(inverse, int(inverse.max()) + 1, (s - mean) ** 2) / (size - 1)).sqrt()
     adv = _broadcast((s - mean) / (std + GRPO_EPS), x.mask)
     return adv, adv.clone()
 
@@ -105,12 +115,13 @@ def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = s_i - (sum_g s - s_i) / (K - 1): leave-one-out baseline, broadcast.
 
-    Equivalently K/(K-1) (s_i - mean_g s). Returns = advantages.
+    Computed as K/(K-1) (s_i - mean_g s), which is exactly 0 for a group of equal scores.
+    Returns = advantages.
     """
     s = x.scores()
-    sums, size, _ = _groups(x.group_ids, s)
+    _, size, mean = _groups(x.group_ids, s)
     _require_pairs(size, "rloo")
-    adv = _broadcast(s - (sums - s) / (size - 1), x.mask)
+    adv = _broadcast(size / (size - 1) * (s - mean), x.mask)
     return adv, adv.clone()
 
 
@@ -130,7 +141,7 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float
 @ADVANTAGES.register("reinforce_pp")
 @torch.no_grad()
 def reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: G_t = sum_{t'>=t} gamma^(t'-t) r_t', A = (G - mean) / (std + 1e-8).
+    """REINFORCE++: G_t = sum_{t'>=t} gamma^(t'-t) r_t', A = (G - mean) / sqrt(var + 1e-8).
 
     Mean and std run over all valid tokens of the batch; the std is the population std
     (divides by the token count). Returns are the raw G.

@@ -19,15 +19,15 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the valid entries of the whole batch; 0 elsewhere.
+    """(x - mean) / sqrt(var + eps) over the valid entries of the whole batch; 0 elsewhere.
 
-    The std is the population std (divides by the number of valid tokens N, not N-1): the
-    batch is the whole population being normalised, and it stays defined for N = 1.
-    """
+    The variance is the population variance (divides by the number of valid tokens N, not
+    N-1): the batch is the whole population being normalised, and it stays defined for N = 1.
+    The mean is taken relative to the first valid entry, so a constant batch whitens to
+    exactly 0 (an offset of a few ulps would otherwise be scaled by 1/sqrt(eps))."""
     keep = valid(mask)
     n = keep.sum().clamp(min=1)
-    x = torch.where(keep, x, 0)
-    mean = x.sum() / n
-    centred = torch.where(keep, x - mean, 0)
-    std = (centred.pow(2).sum() / n).sqrt()
-    return centred / (std + eps)
+    first = x.flatten()[keep.flatten().to(torch.uint8).argmax()]
+    offset = torch.where(keep, x - first, 0)
+    centred = torch.where(keep, offset - offset.sum() / n, 0)
+    return centred * torch.rsqrt(centred.pow(2).sum() / n + eps)

@@ -75,9 +75,9 @@ def test_remax_by_hand():
 
 
 def whitened(values: list[float]) -> list[float]:
-    """(v - mean) / (population std + 1e-8), written independently of the library."""
-    mean, std = statistics.fmean(values), statistics.pstdev(values)
-    return [(v - mean) / (std + 1e-8) for v in values]
+    """(v - mean) / sqrt(population variance + 1e-8), written independently of the library."""
+    mean, var = statistics.fmean(values), statistics.pvariance(values)
+    return [(v - mean) / (var + 1e-8) ** 0.5 for v in values]
 
 
 def test_reinforce_pp_by_hand():
@@ -198,3 +198,48 @@ def test_outputs_carry_no_gradient():
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="group_ids"):
         AdvantageInputs(token_rewards=REWARDS, mask=MASK, group_ids=torch.tensor([0, 1]))
+
+
+def _constant(value: float, k: int, groups: int = 3) -> AdvantageInputs:
+    """`groups` prompts x `k` samples in float32, every score equal to `value` (on the last
+    of 4 tokens, 3 of them valid) and the first group's varying 0/1, so only the constant
+    groups must come out 0."""
+    n = groups * k
+    rewards = torch.zeros(n, 4, dtype=torch.float32)
+    rewards[:, 2] = value
+    rewards[:k, 2] = torch.arange(k, dtype=torch.float32) % 2
+    mask = torch.tensor([[1, 1, 1, 0]] * n, dtype=torch.float32)
+    return AdvantageInputs(rewards, mask, torch.arange(n) // k, gamma=1.0)
+
+
+@pytest.mark.parametrize("value", [0.7, 1 / 3, 0.1, 2 / 3, 7 / 11, 1e-7, 12345.678])
+@pytest.mark.parametrize("k", [8, 16])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_equal_scores_gets_exactly_zero_in_float32(name, k, value):
+    x = _constant(value, k)
+    adv, _ = ADVANTAGES.get(name)(x)
+    assert adv.dtype == torch.float32
+    assert torch.count_nonzero(adv[k:]) == 0, adv[k:].abs().max()
+    assert torch.count_nonzero(adv[:k]) > 0  # the varying group still learns
+
+
+@pytest.mark.parametrize("value", [0.7, 1 / 3, 7 / 11])
+@pytest.mark.parametrize("name", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_whitening_a_constant_batch_gives_exactly_zero(name, value):
+    x = _constant(value, 8)
+    x.token_rewards[:8, 2] = value  # every score equal: the whole batch is constant
+    adv, _ = ADVANTAGES.get(name)(x)
+    assert torch.count_nonzero(adv) == 0, adv.abs().max()
+
+
+def test_gae_whitens_a_constant_batch_to_zero():
+    x = _constant(1 / 3, 8)
+    x.token_rewards[:8, 2] = 1 / 3
+    x.values = torch.zeros_like(x.token_rewards)
+    x.token_rewards[:, :2] = 0
+    x.gamma = x.lam = 1.0
+    x.token_rewards[:, 2] = 1 / 3
+    # every valid token's raw advantage is 1/3 (the return from that token on, values 0)
+    adv, ret = ADVANTAGES.get("gae")(x)
+    assert torch.count_nonzero(adv) == 0
+    assert torch.allclose(ret[:, :3], torch.full((24, 3), 1 / 3))
