@@ -12,6 +12,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config, load_config
 from rlloom.data.row_files import DataError
 from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
+from rlloom.runtime.stages.nonfinite import NonFiniteStop
 
 if TYPE_CHECKING:
     from rlloom.perf.report import Request
@@ -325,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteStop as e:  # the run diverged (train.on_nonfinite=stop)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
     except BrokenPipeError:
         if args.command not in REPORTS:
             raise

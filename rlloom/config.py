@@ -121,7 +121,7 @@ class RewardSection(Strict):
         "tokens", description="how stdin/stdout tests compare a program's output with the "
         "expected one: exact (line by line, trailing whitespace ignored), tokens "
         "(whitespace-separated tokens), float (tokens, numbers within code_float_tol)")
-    code_float_tol: float = Field(1e-6, gt=0, allow_inf_nan=False,
+    code_float_tol: float = Field(1e-6, gt=0,
                                   description="absolute or relative tolerance of "
                                   "code_compare=float")
 
@@ -159,7 +159,14 @@ class RewardSection(Strict):
 class TrainSection(Strict):
     steps: int = Field(40, ge=1, description="RL steps (each: generate, assess, train)")
     prompts_per_step: int = Field(32, ge=1, description="prompts per step (B)")
-    lr: float = Field(5e-5, gt=0, description="AdamW learning rate (the peak, with a schedule)")
+    lr: float = Field(5e-5, gt=0, le=1,
+                      description="AdamW learning rate (the peak, with a schedule); at most 1: "
+                      "above it AdamW's steps of about lr per weight wreck any model")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a step whose reward, advantage, loss or gradient norm is NaN or "
+        "infinite is never applied: stop ends the run naming the step, the quantity and the "
+        "likely cause (exit code 3; no checkpoint is written from it); skip drops that "
+        "update, counts it as nonfinite_skips in the metrics and goes on")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="learning rate over the RL steps after the warm-up: constant, "
         "or a linear or cosine decay to lr x min_lr_ratio at the last step (algo.critic_lr "

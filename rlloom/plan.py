@@ -15,7 +15,8 @@ Role = Literal["actor", "reference", "reward", "critic", "rollout"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN and inf are refused in every float field: none has a meaning for them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class Layout(Strict):

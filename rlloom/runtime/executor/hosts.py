@@ -416,7 +416,8 @@ class PreferenceHost:
         lr = t.set_lr(step)
         with self.spans.span("training", step, "actor+reference") as span:
             stats = preference_step(t.policy, self.assessment.reference, t.optimizer,
-                                    t.tokenizer, pairs, cfg.algo, cfg.train.grad_clip)
+                                    t.tokenizer, pairs, cfg.algo, cfg.train.grad_clip,
+                                    cfg.train.on_nonfinite)
         t.version = step
         return {**stats, "lr": lr, "train_s": span["seconds"]}
 

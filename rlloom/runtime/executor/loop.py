@@ -46,6 +46,7 @@ from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
 from rlloom.runtime.outputs.trackers import closing_all, open_trackers
+from rlloom.runtime.stages.nonfinite import NonFiniteStop, stop_message
 
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "tool_calls",
                  "step_s", "gen_s", "assess_s", "train_s", "staleness")
@@ -346,6 +347,11 @@ class StepLoop:
             self.ex.watch(bar.stage)
             while self.step < cfg.train.steps:
                 row = self.train_step()
+                if row.get("nonfinite"):  # train.on_nonfinite=stop: nothing of it is kept
+                    kept = checkpoint_dirs(self.run_dir)
+                    raise NonFiniteStop(stop_message(
+                        self.step, row["nonfinite"], cfg.train.lr,
+                        str(kept[-1]) if kept else None, str(self.run_dir)))
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
                     acc = self.evaluate()
                     if acc is not None:

@@ -11,6 +11,7 @@ from rlloom.models.lora import adapters_disabled
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.device import model_device
+from rlloom.runtime.stages import nonfinite
 from rlloom.runtime.stages.batch import response_logprobs, teacher_forced
 
 
@@ -27,7 +28,8 @@ def sequence_logprobs(model: CausalLM, batch: Rollout) -> torch.Tensor:
 
 def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.optim.Optimizer,
                     tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair],
-                    algo: AlgoSection, grad_clip: float) -> dict[str, float]:
+                    algo: AlgoSection, grad_clip: float, on_nonfinite: str = "stop"
+                    ) -> dict[str, float]:
     batch = pair_batch(tokenizer, pairs).to(model_device(policy))
     n = len(pairs)
     # a LoRA policy is its own reference, with its adapters off
@@ -39,6 +41,10 @@ def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.opti
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+    if not nonfinite.finite(grad_norm):  # train.on_nonfinite (stages/nonfinite.py)
+        optimizer.zero_grad(set_to_none=True)
+        return ({"nonfinite": nonfinite.code("preference loss or gradient norm")}
+                if on_nonfinite == "stop" else {"nonfinite_skips": 1.0})
     optimizer.step()
     margin = ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:])).detach()
     return {"loss": loss.item(), "grad_norm": grad_norm.item(),

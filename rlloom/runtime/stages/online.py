@@ -21,6 +21,7 @@ from rlloom.parallel.data_parallel import before_backward
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.executor.ranks import RankGroup, Share
+from rlloom.runtime.stages import nonfinite
 from rlloom.runtime.stages.batch import response_logprobs, response_values
 from rlloom.runtime.stages.generation import Samples
 from rlloom.runtime.stages.objective import micro_rows, token_loss
@@ -168,7 +169,12 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
     budget = cfg.train.micro_batch_tokens
     share_prompts = agree is None and not isinstance(policy, ActorCritic)
     totals: dict[str, float] = {}
-    updates = 0
+    updates = skipped = 0
+    stop = cfg.train.on_nonfinite == "stop"
+    for quantity, values in (("reward", exp.samples.scores), ("advantage", exp.advantages)):
+        if not nonfinite.finite(values):  # every rank holds the whole batch: all agree
+            return ({"nonfinite": nonfinite.code(quantity)} if stop else
+                    {"nonfinite_skips": float(cfg.algo.epochs * cfg.algo.minibatches)})
     for _ in range(cfg.algo.epochs):
         # the CPU generator keeps shuffles reproducible on any device
         order = torch.randperm(len(r.finished), generator=generator).to(r.finished.device)
@@ -186,7 +192,15 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                 stats = policy_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                         budget, share_prompts, agree)
             share.reduce(_module(policy))
-            stats["grad_norm"] = share.clip_grad_norm(policy, cfg.train.grad_clip).item()
+            # the norm is global over the group's ranks, so every rank decides alike
+            grad_norm = share.clip_grad_norm(policy, cfg.train.grad_clip)
+            if not nonfinite.finite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                if stop:
+                    return {"nonfinite": nonfinite.code("policy loss or gradient norm")}
+                skipped += 1
+                continue
+            stats["grad_norm"] = grad_norm.item()
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
@@ -198,12 +212,18 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
                     stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
                                                           agree)
                 critic_share.reduce(_module(critic))
-                critic_share.clip_grad_norm(critic, cfg.train.grad_clip)
-                critic_optimizer.step()
+                if nonfinite.finite(critic_share.clip_grad_norm(critic, cfg.train.grad_clip)):
+                    critic_optimizer.step()
+                elif stop:
+                    return {"nonfinite": nonfinite.code("critic loss or gradient norm")}
+                else:
+                    critic_optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             updates += 1
-    return {k: v / max(updates, 1) for k, v in totals.items()}
+    out = {k: v / max(updates, 1) for k, v in totals.items()}
+    return {**out, "nonfinite_skips": float(skipped)} if skipped else out
 
 
 def _norm(tokens: float, seqs: float, share: Share, cfg: RunConfig) -> LossNorm:

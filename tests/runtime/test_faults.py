@@ -1,0 +1,84 @@
+"""Faults injected into real runs of the tiny model, each asserting what the user sees and what
+is left on disk: a run is either right or stops clearly, losing nothing."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlloom.cli import main
+from rlloom.runtime.stages import online
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _poison_gradients_from(monkeypatch, call: int) -> None:
+    """From the `call`-th mini-batch backward on (4 per step: 2 epochs x 2 mini-batches), one
+    gradient entry is NaN, as a diverged loss would make it."""
+    calls = []
+    real = online.policy_backward
+
+    def poisoned(policy, *args, **kwargs):
+        stats = real(policy, *args, **kwargs)
+        calls.append(1)
+        if len(calls) >= call:
+            next(p for p in policy.parameters() if p.grad is not None).grad.view(-1)[0] = \
+                float("nan")
+        return stats
+
+    monkeypatch.setattr(online, "policy_backward", poisoned)
+
+
+def _weights(path):
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("inf", "train.lr: Input should be a finite number"),
+    ("1e30", "train.lr: Input should be less than or equal to 1"),
+    ("0", "train.lr: Input should be greater than 0"),
+    ("nan", "train.lr: Input should be a finite number"),
+])
+def test_absurd_learning_rates_are_refused_before_anything_runs(tmp_path, tiny, capsys, value,
+                                                                 message):
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny, f"train.lr={value}", f"run_dir={run}"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_a_nonfinite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
+        tmp_path, tiny, capsys, monkeypatch):
+    _poison_gradients_from(monkeypatch, 5)  # step 2's first mini-batch
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny, "checkpoint.keep=1", f"run_dir={run}"])
+    assert e.value.code == 3
+    err = capsys.readouterr().err
+    assert "step 2: the policy loss or gradient norm is not finite" in err
+    assert f"the last checkpoint is {run}/checkpoints/step_000001" in err
+    assert f"rlloom train --resume {run}" in err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]
+    assert not (run / "final").exists()
+    assert [r["step"] for r in _rows(run)] == [1]
+    state = torch.load(run / "checkpoints/step_000001/state.pt", weights_only=False)
+    assert all(t.isfinite().all() for t in state["policy"].values())
+
+
+def test_skip_drops_nonfinite_updates_and_counts_them(tmp_path, tiny, monkeypatch):
+    _poison_gradients_from(monkeypatch, 5)  # every update from step 2 on
+    run = tmp_path / "run"
+    main(["train", *tiny, "train.on_nonfinite=skip", "checkpoint.keep=3", f"run_dir={run}"])
+    rows = _rows(run)
+    assert [r.get("nonfinite_skips", 0) for r in rows] == [0, 4, 4]
+    after_step_1 = torch.load(run / "checkpoints/step_000001/state.pt",
+                              weights_only=False)["policy"]
+    final = _weights(run / "final")
+    assert all(t.isfinite().all() for t in final.values())
+    # nothing was applied after step 1: the final weights are step 1's
+    for name, value in after_step_1.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=0)
