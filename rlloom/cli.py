@@ -59,7 +59,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     resume = Path(args.resume) if args.resume else None
     if resume is not None and not (resume / "config.yaml").is_file():
         raise ConfigError(f"--resume {resume}: no config.yaml there; is it a run directory?")
+    if resume is not None and args.overwrite:
+        raise ConfigError("--resume continues a run and --overwrite replaces it: pass one")
     cfg = _resolve(args, resume)
+    changes = None
+    if resume is not None:  # refused before anything is written when it cannot apply
+        from rlloom.runtime.run_dir import resume_changes
+        changes = resume_changes(load_config(resume / "config.yaml"), cfg, resume)
     if args.print_config:
         print(dump_config(cfg), end="")
         return
@@ -89,14 +95,15 @@ def cmd_train(args: argparse.Namespace) -> None:
                 address=args.ray_address, worker_timeout_s=args.worker_timeout,
                 max_restarts=args.max_restarts, group_cpus=cpus,
                 fused_chunks=args.fused_chunks,
-                fault=os.environ.get("RLLOOM_RAY_FAULT") or None))  # a test hook
+                fault=os.environ.get("RLLOOM_RAY_FAULT") or None),  # a test hook
+                args.overwrite, changes)
         except WorkerFailure as e:  # restarts used up: say who failed, no traceback
             print(f"error: {e}\nthe run can continue from its last checkpoint with "
                   f"rlloom train --resume {e.run_dir}", file=sys.stderr)
             sys.exit(1)
         return
     from rlloom.runtime.executor.trainer import train
-    train(cfg, resume)
+    train(cfg, resume, overwrite=args.overwrite, changes=changes)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("train", help="RL-train a policy (default: GRPO on the arith task)")
     _config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace what run_dir holds (a new "
+                   "run into a directory that holds files is refused otherwise)")
     p.add_argument("--dry-run", action="store_true", help="check the plan (runtime, layouts, "
                    "resources; memory with --hardware) and print its device groups, then exit")
     p.add_argument("--hardware", metavar="NAME", help="--dry-run: price memory per device on "

@@ -21,6 +21,12 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if _NAME.match(p.name))
 
 
+def checkpoint_step(run_dir: Path) -> int:
+    """The step of the newest complete checkpoint (0 when there is none)."""
+    dirs = checkpoint_dirs(run_dir)
+    return int(_NAME.match(dirs[-1].name).group(1)) if dirs else 0
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
                     write: Callable[[Path], None] | None = None) -> Path:
     """Write `state` as checkpoints/step_NNNNNN (and whatever `write` puts into the directory

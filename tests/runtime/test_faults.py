@@ -1,12 +1,16 @@
 """Faults injected into real runs of the tiny model, each asserting what the user sees and what
 is left on disk: a run is either right or stops clearly, losing nothing."""
 import json
+import os
+import shutil
+import socket
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlloom.cli import main
+from rlloom.runtime.run_dir import RunDirLock
 from rlloom.runtime.stages import online
 
 
@@ -82,3 +86,72 @@ def test_skip_drops_nonfinite_updates_and_counts_them(tmp_path, tiny, monkeypatc
     # nothing was applied after step 1: the final weights are step 1's
     for name, value in after_step_1.items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=0)
+
+
+@pytest.fixture
+def finished(tmp_path, tiny):
+    """A finished 3-step run (a checkpoint every step, the last 2 kept)."""
+    run = tmp_path / "run"
+    main(["train", *tiny, f"run_dir={run}"])
+    return run
+
+
+def _refused(args, capsys, *messages):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for message in messages:
+        assert message in err, err
+    return err
+
+
+def test_a_second_run_into_a_locked_run_dir_is_refused(finished, tiny, capsys):
+    holder = RunDirLock(finished)
+    try:
+        _refused(["train", "--resume", str(finished), "train.steps=4"], capsys,
+                 f"{finished} is in use by another run (pid {os.getpid()} on host "
+                 f"{socket.gethostname()} since")
+    finally:
+        holder.release()
+    assert [r["step"] for r in _rows(finished)] == [1, 2, 3]
+
+
+def test_a_new_run_into_a_used_run_dir_is_refused_unless_overwrite(finished, tiny, capsys):
+    before = (finished / "metrics.jsonl").read_bytes()
+    _refused(["train", *tiny, f"run_dir={finished}"], capsys,
+             f"run_dir {finished} already holds files (checkpoints, config.yaml",
+             f"rlloom train --resume {finished}", "--overwrite")
+    assert (finished / "metrics.jsonl").read_bytes() == before
+    main(["train", *tiny, "train.steps=1", f"run_dir={finished}", "--overwrite"])
+    assert [r["step"] for r in _rows(finished)] == [1]
+    assert [p.name for p in (finished / "checkpoints").iterdir()] == ["step_000001"]
+
+
+def test_a_resume_override_that_cannot_apply_is_refused_before_anything_is_written(
+        finished, capsys):
+    before = (finished / "config.yaml").read_bytes()
+    _refused(["train", "--resume", str(finished), "algo.kl_coef=0.05", "train.steps=4"],
+             capsys, "--resume cannot change algo.kl_coef", "train.lr")
+    assert (finished / "config.yaml").read_bytes() == before
+    assert not (finished / "resumes.jsonl").exists()
+
+
+def test_resume_overrides_that_apply_are_applied_and_recorded(finished, capsys):
+    (finished / "checkpoints" / ".tmp_crashed").mkdir()  # a checkpoint a kill left half-written
+    main(["train", "--resume", str(finished), "train.steps=5", "train.lr=1e-5"])
+    out = capsys.readouterr().out
+    assert "resumed with train.lr 5e-05 -> 1e-05, train.steps 3 -> 5" in out
+    assert "removing" in out and not (finished / "checkpoints" / ".tmp_crashed").exists()
+    rows = _rows(finished)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in rows[3:]] == [1e-5, 1e-5]
+    assert "lr: 1.0e-05" in (finished / "config.yaml").read_text()
+    assert json.loads((finished / "resumes.jsonl").read_text()) == {
+        "step": 3, "changes": {"train.lr": [5e-05, 1e-05], "train.steps": [3, 5]}}
+
+
+def test_resume_without_a_complete_checkpoint_stops(finished, capsys):
+    shutil.rmtree(finished / "checkpoints")
+    _refused(["train", "--resume", str(finished), "train.steps=4"], capsys,
+             f"--resume {finished}: no complete checkpoint", "--overwrite")

@@ -10,7 +10,7 @@ import torch
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig, dump_config
 from rlloom.models.hf_io import load_tokenizer, read_model_config
-from rlloom.runtime.checkpoint import checkpoint_dirs
+from rlloom.runtime.checkpoint import checkpoint_dirs, checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.executor.loop import StepLoop
 from rlloom.runtime.executor.ray_cluster import Cluster, WorkerFailure
@@ -22,11 +22,14 @@ from rlloom.runtime.executor.ray_plan import (
 )
 from rlloom.runtime.executor.ray_runtime import RayExecutor
 from rlloom.runtime.executor.trainer import check_prompt_lengths, new_run_dir
+from rlloom.runtime.run_dir import claim, record_resume
 
 
 def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
-              opts: RunOptions | None = None) -> dict[str, float]:
-    """`rlloom train` on Ray: validate, start or join a cluster, run, shut down."""
+              opts: RunOptions | None = None, overwrite: bool = False,
+              changes: dict[str, list] | None = None) -> dict[str, float]:
+    """`rlloom train` on Ray: validate, claim the run directory, start or join a cluster,
+    run, shut down."""
     opts = opts or RunOptions()
     check_ray_runnable(cfg, opts)
     run_dir = resume_dir or new_run_dir(cfg)
@@ -34,10 +37,17 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
                   else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU
     check_group_layouts(cfg, read_model_config(model_path))
     check_prompt_lengths(cfg, load_tokenizer(model_path, cfg.data.chat_template))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = claim(run_dir, resume_dir is not None, overwrite)
     (run_dir / "config.yaml").write_text(dump_config(
         cfg, read_model_config(model_path).describe()))
-    cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) * g.ranks for g in group_specs(cfg)))
+    if resume_dir is not None:
+        record_resume(run_dir, checkpoint_step(run_dir), changes or {})
+    try:
+        cluster = Cluster(opts, run_dir,
+                          sum(opts.cpus(g.name) * g.ranks for g in group_specs(cfg)))
+    except BaseException:
+        lock.release()
+        raise
     if cluster.note:
         print(cluster.note)
     try:
@@ -51,3 +61,4 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
         raise
     finally:
         cluster.stop()
+        lock.release()

@@ -15,6 +15,7 @@ from rlloom.data.chat import is_chat
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets
 from rlloom.models.hf_io import load_tokenizer, read_model_config
+from rlloom.runtime.checkpoint import checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device, torchrun_device
 from rlloom.runtime.executor.distributed import distributed_problems, join_torchrun
@@ -28,6 +29,7 @@ from rlloom.runtime.executor.ray_plan import (
     loop_problems,
     world_size,
 )
+from rlloom.runtime.run_dir import claim, record_resume
 from rlloom.runtime.stages.batch import encode
 
 
@@ -121,15 +123,21 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
     return StepLoop(cfg, run_dir, ex, model_path, specs, opts or RunOptions())
 
 
-def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | None = None
-          ) -> dict[str, float]:
+def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | None = None,
+          overwrite: bool = False, changes: dict[str, list] | None = None) -> dict[str, float]:
+    """`changes`: what `--resume`'s overrides change (`run_dir.resume_changes`)."""
+    lock = None
     try:
         run_dir = resume_dir or new_run_dir(cfg)
         loop = local_loop(cfg, run_dir, opts)  # validates everything before the run directory
-        run_dir.mkdir(parents=True, exist_ok=True)
         if loop.main:
+            lock = claim(run_dir, resume_dir is not None, overwrite)
             architecture = read_model_config(loop.model_path).describe()
             (run_dir / "config.yaml").write_text(dump_config(cfg, architecture))
+            if resume_dir is not None:
+                record_resume(run_dir, checkpoint_step(run_dir), changes or {})
         return loop.run(resume=resume_dir is not None)
     finally:
+        if lock is not None:
+            lock.release()
         leave_world()

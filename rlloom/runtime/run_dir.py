@@ -1,0 +1,125 @@
+"""A run directory belongs to one run: claimed with an exclusive lock for the run's life, never
+silently reused by a new run, and resumed only with the changes a resume can honour.
+
+* A new run into a directory that already holds files is refused unless ``--overwrite``
+  (which empties it first) or ``--resume``.
+* The lock is ``flock`` on ``run_dir/.lock``, held by the driver process: the kernel drops it
+  when that process ends, however it ends, so a crash never leaves a stale lock. A second
+  run into the directory is refused, naming the holder's pid and host.
+* ``--resume`` needs a complete checkpoint, and its overrides are checked against the saved
+  config before anything is written: the fields in ``RESUMABLE`` are applied from the next
+  step on (and recorded in ``resumes.jsonl``); any other change is refused, because the
+  checkpoint carries state built with the old value (an adaptive KL coefficient, the data
+  position, the model and optimizer) that the new value would silently not reach.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from rlloom.config import ConfigError, RunConfig
+from rlloom.runtime.checkpoint import checkpoint_dirs
+
+LOCK = ".lock"
+# dotted prefixes of the fields a resumed run applies from its next step on
+RESUMABLE = ("train.steps", "train.lr", "train.grad_clip", "train.on_nonfinite",
+             "train.threads", "train.device", "eval.", "checkpoint.", "log.", "plan.",
+             "reward.sandbox_workers", "reward.sandbox_isolation", "run_dir")
+
+
+class RunDirLock:
+    """The exclusive claim on a run directory (``release`` or process exit drops it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 512, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            self._fd = None
+            raise ConfigError(f"{run_dir} is in use by another run ({holder}); two runs must "
+                              "not share a run directory: wait for it, stop it, or choose "
+                              "another run_dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def claim(run_dir: Path, resume: bool, overwrite: bool) -> RunDirLock:
+    """Creates (or, for ``--overwrite``, empties) and locks ``run_dir``; refuses a new run
+    into a directory that holds files. Removes checkpoint directories a crash left
+    half-written."""
+    if not resume and run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise ConfigError(
+                f"run_dir {run_dir} already holds files ({_listing(run_dir)}); continue that "
+                f"run with rlloom train --resume {run_dir}, choose another run_dir, or pass "
+                "--overwrite to replace it")
+        lock = RunDirLock(run_dir)  # never empty a directory another run is writing
+        for entry in run_dir.iterdir():
+            if entry.name != LOCK:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() \
+                    else entry.unlink()
+        return lock
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir)
+    for stale in (run_dir / "checkpoints").glob(".tmp_*"):
+        print(f"removing {stale}: a checkpoint a stopped run left half-written")
+        shutil.rmtree(stale, ignore_errors=True)
+    return lock
+
+
+def _listing(run_dir: Path) -> str:
+    names = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def resume_changes(saved: RunConfig, resumed: RunConfig, run_dir: Path) -> dict[str, list]:
+    """field -> [saved, new] of what a ``--resume``'s overrides change; ConfigError, before
+    anything is written, when one cannot apply. Also refuses a resume without a complete
+    checkpoint."""
+    if not checkpoint_dirs(run_dir):
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"
+                          " (the run stopped before its first one, every checkpoint.every="
+                          f"{saved.checkpoint.every} steps); start it again with --overwrite")
+    old, new = _flat(saved.model_dump(mode="json")), _flat(resumed.model_dump(mode="json"))
+    changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k)}
+    refused = [k for k in changes if not any(k == p or k.startswith(p) for p in RESUMABLE)]
+    if refused:
+        raise ConfigError(
+            f"--resume cannot change {', '.join(refused)}: the checkpoint carries state built "
+            "with the saved value, which the new one would not reach. A resume can change "
+            f"{', '.join(p.rstrip('.') + ('.*' if p.endswith('.') else '') for p in RESUMABLE)}"
+            "; start a new run (another run_dir) to change the rest")
+    return changes
+
+
+def record_resume(run_dir: Path, step: int, changes: dict[str, list]) -> None:
+    """Appends what a resume changed to run_dir/resumes.jsonl and says so."""
+    with (run_dir / "resumes.jsonl").open("a") as f:
+        f.write(json.dumps({"step": step, "changes": changes}) + "\n")
+    if changes:
+        print("resumed with " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
