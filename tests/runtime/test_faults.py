@@ -92,7 +92,7 @@ def test_skip_drops_nonfinite_updates_and_counts_them(tmp_path, tiny, monkeypatc
 def finished(tmp_path, tiny):
     """A finished 3-step run (a checkpoint every step, the last 2 kept)."""
     run = tmp_path / "run"
-    main(["train", *tiny, f"run_dir={run}"])
+    main(["train", *tiny, "checkpoint.keep=2", f"run_dir={run}"])
     return run
 
 
@@ -155,3 +155,43 @@ def test_resume_without_a_complete_checkpoint_stops(finished, capsys):
     shutil.rmtree(finished / "checkpoints")
     _refused(["train", "--resume", str(finished), "train.steps=4"], capsys,
              f"--resume {finished}: no complete checkpoint", "--overwrite")
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, why", [
+    (_flip_a_byte, "state.pt does not match its checksum"),
+    (lambda p: p.write_bytes(p.read_bytes()[:1000]), "state.pt has 1000 bytes, the manifest"),
+    (lambda p: p.with_name("manifest.json").unlink(), "it has no manifest.json"),
+])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(finished, capsys, damage, why):
+    damage(finished / "checkpoints/step_000003/state.pt")
+    main(["train", "--resume", str(finished), "train.steps=4"])
+    out = capsys.readouterr().out
+    assert f"checkpoint {finished}/checkpoints/step_000003 is damaged: {why}" in out
+    assert "resuming" in out and "at step 2" in out
+    assert [r["step"] for r in _rows(finished)] == [1, 2, 3, 4]
+    assert (finished / "checkpoints/.damaged_step_000003").is_dir()
+    assert sorted(p.name for p in (finished / "checkpoints").glob("step_*")) == \
+        ["step_000003", "step_000004"]
+
+
+def test_every_checkpoint_damaged_is_a_clear_stop(finished, capsys):
+    for step in (2, 3):
+        _flip_a_byte(finished / f"checkpoints/step_00000{step}/state.pt")
+    _refused(["train", "--resume", str(finished), "train.steps=4"], capsys,
+             "no intact checkpoint in", "step_000003: state.pt does not match its checksum",
+             "step_000002: state.pt does not match")
+
+
+def test_a_bad_metrics_line_is_reported_and_the_rows_after_it_kept(finished, capsys):
+    lines = (finished / "metrics.jsonl").read_text().splitlines()
+    lines.insert(1, '{"step": 1.5, "garbled')
+    (finished / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    main(["train", "--resume", str(finished), "train.steps=4"])
+    assert f"{finished / 'metrics.jsonl'}:2: not a metrics row" in capsys.readouterr().out
+    assert [r["step"] for r in _rows(finished)] == [1, 2, 3, 4]

@@ -141,17 +141,17 @@ class StepLoop:
     def restore(self, from_checkpoint: bool) -> bool:
         """Load the newest checkpoint into every group (True), or start afresh (False);
         forget metrics and spans logged after it."""
-        state = load_latest(self.run_dir) if from_checkpoint else None
-        if state is None:
+        found = load_latest(self.run_dir) if from_checkpoint else None
+        if found is None:
             self._reset_state()
             if self.main:
                 self.metrics.truncate_after(0)
             self.tracer.events = []
             return False
+        latest, state = found
         self.step = state["step"]
         self.kl.value = state["kl_coef"]
         self.eval_history = [tuple(e) for e in state["eval_history"]]
-        latest = checkpoint_dirs(self.run_dir)[-1]
         shards = str(latest) if (latest / "actor").is_dir() else None
         train = self._host("training")
         if shards is None and train.spec.ranks > 1:

@@ -1,4 +1,8 @@
-"""Per-step metrics as JSON lines, safe to resume: lines of steps after a checkpoint are cut."""
+"""Per-step metrics as JSON lines, safe to resume: lines of steps after a checkpoint are cut.
+
+Each row is appended with one write on an O_APPEND descriptor, then fsync'd, so a crash
+leaves at most a cut last line; a line that does not parse (a cut one, or a damaged one) is
+reported with its number and left out, and the rows after it are kept."""
 from __future__ import annotations
 
 import json
@@ -16,11 +20,16 @@ class MetricsLog:
         if not self.path.is_file():
             return []
         rows = []
-        for line in self.path.read_text().splitlines():
+        text = self.path.read_bytes().decode("utf-8", "replace")
+        for number, line in enumerate(text.splitlines(), 1):
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                break  # a line cut by a crash mid-write ends the log
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+            elif line.strip():
+                print(f"{self.path}:{number}: not a metrics row ({line[:60]!r}); left out")
         return rows
 
     def truncate_after(self, step: int) -> None:
@@ -32,7 +41,9 @@ class MetricsLog:
     def append(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in row.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(clean) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
