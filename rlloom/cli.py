@@ -3,7 +3,9 @@ the command line."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -13,11 +15,22 @@ from rlloom.config import ConfigError, RunConfig, dump_config, load_config
 from rlloom.data.row_files import DataError
 from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
 from rlloom.runtime.stages.nonfinite import NonFiniteStop
+from rlloom.runtime.stop_signals import Stopped
 
 if TYPE_CHECKING:
     from rlloom.perf.report import Request
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
+# a full disk, a quota, a read-only or unwritable run directory: one line, no traceback
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _free_space(path: Path) -> str:
+    """How much the filesystem holding `path` (or its nearest existing parent) has free."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there"
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -75,8 +88,6 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(dry_run(cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus))))
         print("dry run: every check passed; nothing was built or run")
         return
-    import os
-
     from rlloom.runtime.executor import ray_plan
     if args.ray or args.ray_address or ray_plan.needs_ray(cfg):
         from rlloom.runtime.executor import ray_launch as rr
@@ -338,6 +349,16 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteStop as e:  # the run diverged (train.on_nonfinite=stop)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
+    except Stopped as e:  # SIGINT / SIGTERM, after a checkpoint
+        print(str(e), file=sys.stderr)
+        sys.exit(e.code)
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS or not e.filename:
+            raise
+        print(f"error: cannot write {e.filename}: {e.strerror} "
+              f"({_free_space(Path(e.filename))}); free space or choose another run_dir, then "
+              "continue with --resume from the last checkpoint", file=sys.stderr)
+        sys.exit(1)
     except BrokenPipeError:
         if args.command not in REPORTS:
             raise

@@ -7,8 +7,10 @@ the next older complete one is used, so the run neither loads bad weights nor pr
 checkpoints in favour of the damaged one."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -83,7 +85,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
     with atomic_dir(final, prefix=".tmp_") as tmp:
         if write is not None:
             write(tmp)
-        torch.save(state, tmp / "state.pt")
+        try:
+            torch.save(state, tmp / "state.pt")
+        except RuntimeError:  # torch reports a failed write as "basic_ios::clear" and the like
+            code = errno.ENOSPC if shutil.disk_usage(tmp).free < (1 << 20) else errno.EIO
+            raise OSError(code, os.strerror(code), str(final / "state.pt")) from None
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete
     for old in checkpoint_dirs(run_dir)[:-keep]:
         shutil.rmtree(old)

@@ -3,7 +3,11 @@ is left on disk: a run is either right or stops clearly, losing nothing."""
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -195,3 +199,59 @@ def test_a_bad_metrics_line_is_reported_and_the_rows_after_it_kept(finished, cap
     main(["train", "--resume", str(finished), "train.steps=4"])
     assert f"{finished / 'metrics.jsonl'}:2: not a metrics row" in capsys.readouterr().out
     assert [r["step"] for r in _rows(finished)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, tiny, sig, code):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlloom", "train", *tiny, "train.steps=300",
+                             "checkpoint.every=100", "eval.every=100", f"run_dir={run}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").exists()
+               and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    step = len(_rows(run))
+    assert 2 <= step < 300
+    name = signal.Signals(sig).name
+    assert (f"{name} received: stopped after step {step} of 300, checkpoint written to "
+            f"{run}/checkpoints/step_{step:06d}; continue with rlloom train --resume {run}") in err
+    assert "Traceback" not in err
+    main(["train", "--resume", str(run), f"train.steps={step + 1}"])
+    assert [r["step"] for r in _rows(run)] == list(range(1, step + 2))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB filesystem (tmpfs): room for a run's config and metrics, not a checkpoint."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_is_one_clear_line(small_disk, tiny, capsys):
+    run = small_disk / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny, f"run_dir={run}"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {run}/checkpoints/") and err.count("\n") == 1
+    assert "No space left on device" in err and "MiB free of 0.1 MiB there" in err
+    assert not list((run / "checkpoints").glob(".tmp_*"))  # the partial write was removed
+
+
+def test_a_read_only_run_dir_is_one_clear_line(small_disk, tiny, capsys):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny, f"run_dir={small_disk / 'run'}"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {small_disk / 'run'}: Read-only file system")

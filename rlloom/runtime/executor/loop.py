@@ -47,6 +47,7 @@ from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
 from rlloom.runtime.outputs.trackers import closing_all, open_trackers
 from rlloom.runtime.stages.nonfinite import NonFiniteStop, stop_message
+from rlloom.runtime.stop_signals import Stopped, StopSignals
 
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "tool_calls",
                  "step_s", "gen_s", "assess_s", "train_s", "staleness")
@@ -342,7 +343,8 @@ class StepLoop:
                                   dump_config(cfg), cfg.log.project, self.step + 1)
                     if self.main else [])
         with progress_bar(self.ex.label, cfg.train.steps, done=self.step,
-                          show=self.main, every=1) as bar, closing_all(trackers):
+                          show=self.main, every=1) as bar, closing_all(trackers), \
+                StopSignals() as signals:
             self._on_stage = bar.stage
             self.ex.watch(bar.stage)
             while self.step < cfg.train.steps:
@@ -360,13 +362,19 @@ class StepLoop:
                     self.metrics.append(row)
                 for tracker in trackers:
                     tracker.log(row, self.step)
-                if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
+                if (self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps
+                        or signals.received):
                     self.checkpoint()
                 else:
                     self.tracer.events += self.ex.spans()
                 tokens = sum(row.get("response_lens", ()))
                 bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS},
                             tok_per_s=tokens / row["step_s"] if tokens else None)
+                if signals.received and self.step < cfg.train.steps:
+                    raise Stopped(f"{signals.name} received: stopped after step {self.step} of "
+                                  f"{cfg.train.steps}, checkpoint written to "
+                                  f"{checkpoint_dirs(self.run_dir)[-1]}; continue with rlloom "
+                                  f"train --resume {self.run_dir}", 128 + signals.received)
 
     def _final(self) -> dict[str, float]:
         train = self._host("training")
