@@ -110,6 +110,11 @@ class RewardSection(Strict):
                                  "of floats, as module.path:function or file.py:function")
     model_path: FilePath = Field(None, description="reward model checkpoint (a *ForSequence"
                                    "Classification with one label, same tokenizer as the policy)")
+    timeout_s: float = Field(300.0, gt=0, description="seconds a reward function may take on "
+                             "a batch; past it the run stops naming the function")
+    retries: int = Field(2, ge=0, description="times a reward function call that raises is "
+                         "retried (after 0.5 s, then 1 s, ...) before the samples are tried one "
+                         "by one to name the one it fails on")
     sandbox_workers: int = Field(2, ge=1, description="parallel programs for the code task")
     sandbox_isolation: Literal["strict", "namespaces", "process"] = Field(
         "strict", description="what each program of the code task and the python tool runs "

@@ -11,12 +11,21 @@ be `async`. Each is named by its function name, logged as `reward/<name>` and we
 
 A function is given as `module.path:function` or `path/to/file.py:function` (see
 `rlloom.user_code`).
+
+In the wild a function may hang, fail now and then (a rate-limited API) or return strings.
+Each call gets `reward.timeout_s` (it runs in a thread; one that overruns is left behind and
+the run stops naming it); a call that raises is retried `reward.retries` times, the batch
+whole, before the samples are tried one by one to name the one it fails on; and only real
+numbers (int, float, bool, numpy and 0-d torch scalars) are accepted, never numeric strings.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import math
+import numbers
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,36 +49,88 @@ def load(spec: str) -> tuple[str, RewardFn]:
     return user_code.load(spec, "reward function", RewardFunctionError)
 
 
+_RETRY_WAIT_S = 0.5  # before the first retry; doubled for each next one
+
+
+def _within(seconds: float, what: Callable[[], Any], name: str, n: int) -> Any:
+    """`what()` in a daemon thread, waited on for `seconds` at most."""
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = what()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = e
+
+    thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise RewardFunctionError(f"reward function {name!r} took longer than {seconds:g} s on "
+                                  f"a batch of {n} (reward.timeout_s); make it faster or raise "
+                                  "reward.timeout_s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _number(value: Any) -> float | None:
+    """A real number as float; None for anything else (strings, None, lists, complex)."""
+    if hasattr(value, "dtype") and tuple(getattr(value, "shape", (1,))) == ():
+        value = value.item()  # numpy and 0-d torch scalars
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
 def call(name: str, fn: RewardFn, prompts: list[Any], completions: list[Any],
          completion_ids: list[list[int]], columns: dict[str, list[Any]],
-         sources: list[str]) -> list[float]:
-    """The function's rewards for a batch, checked: one finite number per sample. If it
-    raises, the samples are tried one by one to name the first one it fails on."""
+         sources: list[str], timeout_s: float = 300.0, retries: int = 2) -> list[float]:
+    """The function's rewards for a batch, checked: one finite real number per sample. A
+    call that raises is retried `retries` times; if it still raises, the samples are tried
+    one by one to name the first one it fails on."""
     def run(idx: list[int]) -> Any:
-        out = fn(prompts=[prompts[i] for i in idx], completions=[completions[i] for i in idx],
-                 completion_ids=[completion_ids[i] for i in idx],
-                 **{k: [v[i] for i in idx] for k, v in columns.items()})
-        return asyncio.run(out) if inspect.isawaitable(out) else out
+        def once() -> Any:
+            out = fn(prompts=[prompts[i] for i in idx],
+                     completions=[completions[i] for i in idx],
+                     completion_ids=[completion_ids[i] for i in idx],
+                     **{k: [v[i] for i in idx] for k, v in columns.items()})
+            return asyncio.run(out) if inspect.isawaitable(out) else out
+        return _within(timeout_s, once, name, len(idx))
 
     n = len(completions)
-    try:
-        values = run(list(range(n)))
-    except Exception as batch_error:  # noqa: BLE001 - the user's code may raise anything
-        for i in range(n):
-            try:
-                run([i])
-            except Exception as e:  # noqa: BLE001
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised {type(e).__name__}: {e} on sample {i}"
-                    f"{_where(sources[i])} (completion {completions[i][:80]!r})") from e
-        raise RewardFunctionError(f"reward function {name!r} raised {type(batch_error).__name__}"
-                                  f": {batch_error} on a batch of {n}, though on no sample "
-                                  "alone") from batch_error
-    try:
-        values = [float(v) for v in values]
-    except (TypeError, ValueError):
+    for attempt in range(retries + 1):
+        try:
+            values = run(list(range(n)))
+            break
+        except RewardFunctionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - maybe transient: retried, then pinned down
+            if attempt < retries:
+                time.sleep(_RETRY_WAIT_S * 2 ** attempt)
+                continue
+            for i in range(n):
+                try:
+                    run([i])
+                except RewardFunctionError:
+                    raise
+                except Exception as one:  # noqa: BLE001
+                    raise RewardFunctionError(
+                        f"reward function {name!r} raised {type(one).__name__}: {one} on "
+                        f"sample {i}{_where(sources[i])} (completion {completions[i][:80]!r}), "
+                        f"{retries + 1} times on its batch") from one
+            raise RewardFunctionError(
+                f"reward function {name!r} raised {type(e).__name__}: {e} on a batch of {n} "
+                f"{retries + 1} times, though on no sample alone") from e
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, "
-                                  f"one per completion; got {str(values)[:120]}") from None
+                                  f"one per completion; got {str(values)[:120]}")
+    numbers_ = [_number(v) for v in values]
+    wrong = next((i for i, v in enumerate(numbers_) if v is None), None)
+    if wrong is not None:
+        raise RewardFunctionError(
+            f"reward function {name!r} must return a list of numbers, one per completion; got "
+            f"{values[wrong]!r} ({type(values[wrong]).__name__}) for sample {wrong}"
+            f"{_where(sources[wrong]) if wrong < n else ''}")
+    values = numbers_
     if len(values) != n:
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for "
                                   f"{n} completions; return one per completion")

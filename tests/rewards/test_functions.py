@@ -103,3 +103,64 @@ def test_config_weighs_functions_one_each_and_checks_names(rewards_file, monkeyp
     with pytest.raises(ConfigError, match=r"\['exact'\] named twice"):
         load_config(None, ["reward.functions=[my_rewards.py:exact,my_rewards.py:exact]"])
     assert math.isclose(sum(cfg.reward.weights.values()), 1.5)
+
+
+WILD = textwrap.dedent('''
+    import time
+    import numpy as np
+    import torch
+
+    calls = []
+
+    def sleepy(prompts, completions, **kwargs):
+        time.sleep(30)
+
+    def flaky(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("rate limited")
+        return [1.0] * len(completions)
+
+    def strings(prompts, completions, **kwargs):
+        return ["1.5" for _ in completions]
+
+    def scalars(prompts, completions, **kwargs):
+        return [np.float32(0.5), np.int64(2), np.bool_(True), torch.tensor(0.25), True, 3]
+''')
+
+
+@pytest.fixture
+def wild_file(tmp_path):
+    path = tmp_path / "wild_rewards.py"
+    path.write_text(WILD)
+    return path
+
+
+def test_a_hung_function_stops_at_its_timeout_naming_it(wild_file):
+    fname, fn = load(f"{wild_file}:sleepy")
+    with pytest.raises(RewardFunctionError, match=r"'sleepy' took longer than 0.2 s on a batch "
+                                                  r"of 2 \(reward.timeout_s\)"):
+        call(fname, fn, ["p"] * 2, ["a", "b"], [[1], [2]], {}, ["", ""], timeout_s=0.2)
+
+
+def test_a_transient_error_is_retried(wild_file, monkeypatch):
+    monkeypatch.setattr("rlloom.rewards.functions._RETRY_WAIT_S", 0.0)
+    fname, fn = load(f"{wild_file}:flaky")
+    assert call(fname, fn, ["p"] * 2, ["a", "b"], [[1], [2]], {}, ["", ""]) == [1.0, 1.0]
+
+
+def test_without_retries_a_transient_error_names_no_innocent_sample(wild_file):
+    fname, fn = load(f"{wild_file}:flaky")
+    fn.__globals__["calls"].clear()
+    with pytest.raises(RewardFunctionError, match="on a batch of 2 1 times, though on no "
+                                                  "sample alone"):
+        call(fname, fn, ["p"] * 2, ["a", "b"], [[1], [2]], {}, ["", ""], retries=0)
+
+
+def test_numeric_strings_are_not_rewards_but_scalars_are(wild_file):
+    fname, fn = load(f"{wild_file}:strings")
+    with pytest.raises(RewardFunctionError, match=r"got '1.5' \(str\) for sample 0 \(d:1\)"):
+        call(fname, fn, ["p"], ["a"], [[1]], {}, ["d:1"])
+    fname, fn = load(f"{wild_file}:scalars")
+    assert call(fname, fn, ["p"] * 6, list("abcdef"), [[1]] * 6, {}, [""] * 6) == \
+        [0.5, 2.0, 1.0, 0.25, 1.0, 3.0]

@@ -165,7 +165,7 @@ class Rewarder:
             for name, fn in self.functions:
                 terms[name] = torch.tensor(reward_functions.call(
                     name, fn, [p.prompt for p in per_sample], completions, ids, columns,
-                    sources), device=device)
+                    sources, self.cfg.reward.timeout_s, self.cfg.reward.retries), device=device)
         if self.reward_model is not None:
             with torch.no_grad():
                 terms["model"] = sequence_scores(self.reward_model, rollout).float()
