@@ -57,11 +57,17 @@ def read_jsonl(path: str | Path, what: str) -> list[tuple[str, Any]]:
     if not path.is_file():
         raise DataError(f"{what} {str(path)!r} does not exist")
     rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1}); re-encode the file as UTF-8, e.g. iconv -f "
+                                "latin1 -t utf-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rows.append((where, json.loads(line)))
             except json.JSONDecodeError as e:

@@ -53,7 +53,12 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
                               "only (convert .bin weights with transformers' save_pretrained)")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(path / name)))
+        try:
+            state.update(load_file(str(path / name)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"{path / name} cannot be read ({type(e).__name__}: {e}); "
+                                  "the file is truncated or damaged: copy or save it again"
+                                  ) from None
     return state
 
 

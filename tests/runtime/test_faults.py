@@ -255,3 +255,19 @@ def test_a_read_only_run_dir_is_one_clear_line(small_disk, tiny, capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {small_disk / 'run'}: Read-only file system")
+
+
+def test_a_prompt_file_that_is_not_utf8_names_the_file_and_line(tmp_path, tiny, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"prompt": "Q:1+1=", "answer": "2"}\n{"prompt": "Q:\xff=", "answer": "3"}\n')
+    _refused(["train", *tiny, "data.task=arith", f"data.prompt_file={rows}",
+              f"run_dir={tmp_path / 'run'}"], capsys,
+             f"{rows}:2: not UTF-8 (byte 0xff at column 15); re-encode the file as UTF-8")
+
+
+def test_truncated_weights_name_the_file(finished, tiny, capsys):
+    weights = finished / "final" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    _refused(["train", *tiny, f"model.path={finished / 'final'}",
+              f"run_dir={finished.parent / 'run2'}"], capsys,
+             f"{weights} cannot be read", "truncated or damaged")
