@@ -64,6 +64,13 @@ class AlgoSection(Strict):
                                     "null = fixed kl_coef")
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL: horizon in samples")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
+    rollout_is: Literal["none", "token_tis", "seq_tis"] = Field(
+        "none", description="sampler/trainer mismatch correction (algos/rollout_correction.py):"
+        " the trainer recomputes the behaviour log-probs (always with rollout.engine=vllm, "
+        "logging mismatch_k1 and mismatch_max_ratio) and weights each token (token_tis) or "
+        "sequence (seq_tis) by min(pi_trainer / pi_sampler, rollout_is_cap); none: no weights")
+    rollout_is_cap: float = Field(2.0, gt=0, description="truncation of the rollout_is weights "
+                                  "(verl's rollout_is_threshold)")
     epochs: int = Field(2, ge=1, description="optimisation passes over each step's rollouts")
     minibatches: int = Field(2, ge=1, description="optimizer steps per epoch")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_pp)")

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from rlloom.algos.presets import PRESETS
+from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.perf import memory as mem
 from rlloom.perf.compose import Priced, role_models
 from rlloom.perf.gantt import plot_gantt
@@ -90,7 +91,10 @@ class Request:
                         policy_loss=PRESETS[self.algo].overrides.get("policy_loss", "ppo"),
                         partial_tokens=self.partial_rollout, lora_rank=self.lora,
                         turns=self.turns, tool_latency=_latency(*self.tool_latency),
-                        tool_result_len=self.tool_result, engine=self.engine)
+                        tool_result_len=self.tool_result, engine=self.engine,
+                        # the trainer recomputes another engine's log-probs (same rule as the
+                        # runtime's)
+                        recompute_logprobs=recomputes_behaviour(self.engine, "none"))
 
     def search(self, shape: ModelShape, wl: Workload, hw: Hardware, devices: int) -> Search:
         return search(shape, self.algo, wl, hw, devices, objective=self.objective,

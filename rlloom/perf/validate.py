@@ -20,6 +20,7 @@ from typing import Callable
 import yaml
 
 from rlloom.algos.presets import PRESETS
+from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.config import RunConfig
 from rlloom.perf.compose import price, role_models
 from rlloom.perf.hardware import Hardware
@@ -77,7 +78,9 @@ def step_workload(row: dict, cfg: RunConfig) -> Workload:
                     micro_batch_tokens=cfg.train.micro_batch_tokens,
                     max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
                     engine="vllm" if cfg.rollout.engine == "vllm" else "rlloom",
-                    partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank)
+                    partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank,
+                    recompute_logprobs=recomputes_behaviour(cfg.rollout.engine,
+                                                            cfg.algo.rollout_is))
 
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:

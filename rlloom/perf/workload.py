@@ -131,8 +131,9 @@ class Workload:
     # it is carried to the next; 0 = off
     partial_tokens: int = 0
     # old log-probs recomputed by a forward of the actor before every update (verl's and
-    # OpenRLHF's default, priced for their runs); rlloom takes the sampler's, and recomputes
-    # only the proximal log-probs of stale samples
+    # OpenRLHF's default, priced for their runs); rlloom takes its own engine's, recomputes
+    # another engine's (algos/rollout_correction.recomputes_behaviour), and the proximal
+    # log-probs of stale samples
     recompute_logprobs: bool = False
     # LoRA adapters of this rank train on the actor (`model.lora.rank`); 0 = full training
     lora_rank: int = 0

@@ -16,7 +16,7 @@ from rlloom.perf import cost
 from rlloom.perf.compose import price, role_models
 from rlloom.perf.hardware import hardware, load_hardware
 from rlloom.perf.shapes import ModelShape, model_shape
-from rlloom.perf.validate import validate_run
+from rlloom.perf.validate import step_workload, validate_run
 from rlloom.perf.workload import Lengths, Workload, lengths_from
 from rlloom.plan import Layout, Plan
 
@@ -454,3 +454,25 @@ def test_partial_rollout_and_staleness_reach_the_plan_and_its_file(tmp_path, cap
     bounds = {r["plan_json"]["staleness"] for r in chunked["ranked"]
               if r["plan_json"]["schedule"] == "async"}
     assert bounds == {2}
+
+
+@pytest.mark.parametrize("overrides, recompute", [
+    ([], False), (["algo.rollout_is=token_tis"], True), (["rollout.engine=vllm"], True)])
+def test_the_recomputed_behaviour_forward_is_priced_when_the_runtime_runs_it(overrides,
+                                                                          recompute):
+    """The trainer's recompute of the sampler's log-probs (rollout_correction) costs one
+    forward of the actor over every rollout, in the training stage, exactly when the runtime
+    does it."""
+    cfg = load_config(None, overrides)
+    row = {"response_lens": [20] * 64, "prompt_len": 12.0}
+    wl = step_workload(row, cfg)
+    assert wl.recompute_logprobs is recompute
+    shape = model_shape("qwen2.5-0.5b")
+    priced = price(Plan(), {"actor": shape, "reference": shape}, wl, hardware("h100"))
+    extra = [s for s in priced.stages if s.note == "old log-probs"]
+    assert len(extra) == int(recompute)
+    if recompute:
+        plain = price(Plan(), {"actor": shape, "reference": shape},
+                      replace(wl, recompute_logprobs=False), hardware("h100"))
+        assert extra[0].stage == "training"
+        assert priced.train_s == pytest.approx(plain.train_s + extra[0].seconds)

@@ -126,8 +126,11 @@ def test_grpo_trains_with_vllm_generation(tmp_path, tiny, vllm_python):
           f"rollout.vllm_python={vllm_python}", f"run_dir={run}"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # one epoch on fresh samples: the ratio to the sampler's log-probs is 1, nothing clips
+    # one epoch on fresh samples: the ratio to the trainer's recomputed log-probs is 1,
+    # nothing clips; the sampler (vLLM) agrees with the trainer closely, as measured
     assert all(r["clip_frac"] == 0.0 for r in rows)
+    assert all(abs(r["mismatch_k1"]) < 0.01 and r["mismatch_max_ratio"] < 1.1 for r in rows), \
+        [(r["mismatch_k1"], r["mismatch_max_ratio"]) for r in rows]
     # the first step generates with the weights the server started from; each later one
     # with the weights of the step before, reloaded once
     assert rows[0]["sync_bytes"] == 0 and all(r["sync_bytes"] > 0 for r in rows[1:])

@@ -1,6 +1,7 @@
 """Faults injected into real runs of the tiny model, each asserting what the user sees and what
 is left on disk: a run is either right or stops clearly, losing nothing."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlloom.cli import main
+from rlloom.runtime.executor import hosts
 from rlloom.runtime.run_dir import RunDirLock
 from rlloom.runtime.stages import online
 
@@ -271,3 +273,26 @@ def test_truncated_weights_name_the_file(finished, tiny, capsys):
     _refused(["train", *tiny, f"model.path={finished / 'final'}",
               f"run_dir={finished.parent / 'run2'}"], capsys,
              f"{weights} cannot be read", "truncated or damaged")
+
+
+def test_a_sampler_that_disagrees_with_the_trainer_is_measured_and_corrected(
+        tmp_path, tiny, monkeypatch):
+    """The trainer's own log-probs are shifted by -0.2 per token against the sampler's (a
+    sampler perturbed on purpose): every token's ratio trainer / sampler is e^-0.2, so the
+    k1 mismatch is 0.2, the largest ratio e^-0.2, and token TIS weighs each token e^-0.2."""
+    real = hosts._trainer_logprobs
+    monkeypatch.setattr(hosts, "_trainer_logprobs", lambda *a: real(*a) - 0.2)
+    run = tmp_path / "run"
+    main(["train", *tiny, "algo.rollout_is=token_tis", f"run_dir={run}"])
+    for row in _rows(run):
+        assert row["mismatch_k1"] == pytest.approx(0.2, abs=1e-4)
+        assert row["mismatch_max_ratio"] == pytest.approx(math.exp(-0.2), abs=1e-4)
+        assert row["tis_mean"] == pytest.approx(math.exp(-0.2), abs=1e-4)
+        assert row["tis_capped"] == 0.0
+
+
+def test_the_same_engine_shows_no_mismatch(tmp_path, tiny):
+    run = tmp_path / "run"
+    main(["train", *tiny, "algo.rollout_is=seq_tis", f"run_dir={run}"])
+    for row in _rows(run):
+        assert abs(row["mismatch_k1"]) < 1e-5 and row["tis_mean"] == pytest.approx(1, abs=1e-4)

@@ -19,6 +19,7 @@ from rlloom.algos.advantages import ADVANTAGES
 from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.lr_schedule import lr_factor
 from rlloom.algos.presets import PRESETS
+from rlloom.algos.rollout_correction import mismatch_stats, recomputes_behaviour, tis_weights
 from rlloom.config import RunConfig
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import PromptStream, load_prompt_sets
@@ -62,6 +63,35 @@ class Batch:
     version: int
 
 
+def _trainer_logprobs(r: Rollout, policy: torch.nn.Module | PipelinedModel, temperature: float,
+                     minibatches: int) -> torch.Tensor:
+    """The sampled tokens' log-probs under the trainer's current weights [n, T]."""
+    def logprobs(part: Rollout) -> torch.Tensor:
+        if isinstance(policy, PipelinedModel):
+            return pipelined_logprobs(policy, part, temperature)
+        return response_logprobs(policy, part, temperature)[0]
+    n = len(r.finished)
+    return torch.cat([logprobs(r.select(idx)) for idx in torch.arange(n).chunk(minibatches)])
+
+
+@torch.no_grad()
+def sampler_corrected(exp: Experience, policy: torch.nn.Module | PipelinedModel,
+                      temperature: float, minibatches: int, mode: str, cap: float
+                      ) -> tuple[Experience, dict[str, float]]:
+    """Rollouts of another engine or precision (algos/rollout_correction.py): the trainer's
+    log-probs replace the sampler's as PPO's old log-probs, the advantages are weighted by the
+    truncated importance ratio of `mode`, and the mismatch is measured."""
+    r = exp.samples.rollout
+    mask = r.action_mask.float()
+    keep = mask > 0
+    trainer = torch.where(keep, _trainer_logprobs(r, policy, temperature, minibatches), 0.0)
+    sampler = torch.where(keep, r.logprobs, 0.0)
+    weights = tis_weights(trainer, sampler, mask, mode, cap)
+    samples = replace(exp.samples, rollout=replace(r, logprobs=trainer))
+    return (replace(exp, samples=samples, advantages=exp.advantages * weights),
+            mismatch_stats(trainer, sampler, mask, weights, cap))
+
+
 @torch.no_grad()
 def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, temperature: float,
               minibatches: int) -> tuple[Experience, float]:
@@ -73,13 +103,7 @@ def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, tempera
     `decoupled_ppo(logp, behaviour, A, prox)` (tests/runtime/test_ray_stages.py).
     Returns the corrected experience and the k1 KL(behaviour || proximal) per token."""
     r = exp.samples.rollout
-    n = len(r.finished)
-
-    def logprobs(part: Rollout) -> torch.Tensor:
-        if isinstance(policy, PipelinedModel):
-            return pipelined_logprobs(policy, part, temperature)
-        return response_logprobs(policy, part, temperature)[0]
-    prox = torch.cat([logprobs(r.select(idx)) for idx in torch.arange(n).chunk(minibatches)])
+    prox = _trainer_logprobs(r, policy, temperature, minibatches)
     mask = r.action_mask.float()
     keep = mask > 0
     prox, old = torch.where(keep, prox, 0.0), torch.where(keep, r.logprobs, 0.0)
@@ -185,10 +209,15 @@ class TrainingHost:
         extra: dict[str, float] = {"lr": self.set_lr(step)}
         exp = exp.to(self.ranks.device)
         with self.spans.span("training", step, lane) as span:
+            a = self.cfg.algo
             if correct:
                 exp, extra["behaviour_kl"] = decoupled(exp, self.policy,
                                                        self.cfg.rollout.temperature,
-                                                       self.cfg.algo.minibatches)
+                                                       a.minibatches)
+            elif recomputes_behaviour(self.cfg.rollout.engine, a.rollout_is):
+                exp, mismatch = sampler_corrected(exp, self.policy, self.cfg.rollout.temperature,
+                                                  a.minibatches, a.rollout_is, a.rollout_is_cap)
+                extra.update(mismatch)
             r = self.ranks
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, kl_coef, self.opt_cfg, self.shuffle_gen,
