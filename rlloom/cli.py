@@ -70,6 +70,11 @@ def _group_cpus(text: str | None) -> dict[str, float]:
 
 def cmd_train(args: argparse.Namespace) -> None:
     resume = Path(args.resume) if args.resume else None
+    rewind = None
+    if resume is not None and resume.parent.name == "checkpoints":
+        # --resume RUN_DIR/checkpoints/step_N: continue from that checkpoint
+        from rlloom.runtime.run_dir import checkpoint_of
+        rewind, resume = checkpoint_of(resume), resume.parent.parent
     if resume is not None and not (resume / "config.yaml").is_file():
         raise ConfigError(f"--resume {resume}: no config.yaml there; is it a run directory?")
     if resume is not None and args.overwrite:
@@ -107,14 +112,14 @@ def cmd_train(args: argparse.Namespace) -> None:
                 max_restarts=args.max_restarts, group_cpus=cpus,
                 fused_chunks=args.fused_chunks,
                 fault=os.environ.get("RLLOOM_RAY_FAULT") or None),  # a test hook
-                args.overwrite, changes)
+                args.overwrite, changes, rewind)
         except WorkerFailure as e:  # restarts used up: say who failed, no traceback
             print(f"error: {e}\nthe run can continue from its last checkpoint with "
                   f"rlloom train --resume {e.run_dir}", file=sys.stderr)
             sys.exit(1)
         return
     from rlloom.runtime.executor.trainer import train
-    train(cfg, resume, overwrite=args.overwrite, changes=changes)
+    train(cfg, resume, overwrite=args.overwrite, changes=changes, rewind_to=rewind)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -278,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="RL-train a policy (default: GRPO on the arith task)")
     _config_args(p)
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint "
+                   "(or RUN_DIR/checkpoints/step_N: from that one; the newer ones are moved "
+                   "aside as .superseded_step_N)")
     p.add_argument("--overwrite", action="store_true", help="replace what run_dir holds (a new "
                    "run into a directory that holds files is refused otherwise)")
     p.add_argument("--dry-run", action="store_true", help="check the plan (runtime, layouts, "

@@ -117,6 +117,25 @@ def resume_changes(saved: RunConfig, resumed: RunConfig, run_dir: Path) -> dict[
     return changes
 
 
+def checkpoint_of(path: Path) -> int:
+    """The step of a checkpoint directory given to --resume; ConfigError if it is none."""
+    if not (path / "state.pt").is_file() or not path.name.startswith("step_"):
+        raise ConfigError(f"--resume {path}: not a checkpoint (expected "
+                          "RUN_DIR/checkpoints/step_NNNNNN holding state.pt)")
+    return int(path.name.removeprefix("step_"))
+
+
+def rewind(run_dir: Path, step: int) -> None:
+    """Moves the checkpoints newer than `step` aside (.superseded_step_N), so the resumed run
+    continues from `step` and never prunes it in their favour."""
+    for directory in checkpoint_dirs(run_dir):
+        if int(directory.name.removeprefix("step_")) > step:
+            aside = directory.with_name(f".superseded_{directory.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            directory.rename(aside)
+            print(f"moved {directory.name} aside as {aside.name}: resuming from step {step}")
+
+
 def record_resume(run_dir: Path, step: int, changes: dict[str, list]) -> None:
     """Appends what a resume changed to run_dir/resumes.jsonl and says so."""
     with (run_dir / "resumes.jsonl").open("a") as f:

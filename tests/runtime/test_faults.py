@@ -296,3 +296,12 @@ def test_the_same_engine_shows_no_mismatch(tmp_path, tiny):
     main(["train", *tiny, "algo.rollout_is=seq_tis", f"run_dir={run}"])
     for row in _rows(run):
         assert abs(row["mismatch_k1"]) < 1e-5 and row["tis_mean"] == pytest.approx(1, abs=1e-4)
+
+
+def test_resume_from_a_named_checkpoint(finished, capsys):
+    main(["train", "--resume", str(finished / "checkpoints" / "step_000002"), "train.steps=4"])
+    out = capsys.readouterr().out
+    assert "moved step_000003 aside as .superseded_step_000003: resuming from step 2" in out
+    assert [r["step"] for r in _rows(finished)] == [1, 2, 3, 4]
+    assert (finished / "checkpoints/.superseded_step_000003").is_dir()
+    assert json.loads((finished / "resumes.jsonl").read_text())["step"] == 2

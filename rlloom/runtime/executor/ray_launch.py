@@ -22,12 +22,13 @@ from rlloom.runtime.executor.ray_plan import (
 )
 from rlloom.runtime.executor.ray_runtime import RayExecutor
 from rlloom.runtime.executor.trainer import check_prompt_lengths, new_run_dir
-from rlloom.runtime.run_dir import claim, record_resume
+from rlloom.runtime.run_dir import claim, record_resume, rewind
 
 
 def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
               opts: RunOptions | None = None, overwrite: bool = False,
-              changes: dict[str, list] | None = None) -> dict[str, float]:
+              changes: dict[str, list] | None = None, rewind_to: int | None = None
+              ) -> dict[str, float]:
     """`rlloom train` on Ray: validate, claim the run directory, start or join a cluster,
     run, shut down."""
     opts = opts or RunOptions()
@@ -38,6 +39,8 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     check_group_layouts(cfg, read_model_config(model_path))
     check_prompt_lengths(cfg, load_tokenizer(model_path, cfg.data.chat_template))
     lock = claim(run_dir, resume_dir is not None, overwrite)
+    if rewind_to is not None:
+        rewind(run_dir, rewind_to)
     (run_dir / "config.yaml").write_text(dump_config(
         cfg, read_model_config(model_path).describe()))
     if resume_dir is not None:

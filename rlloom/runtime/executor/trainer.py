@@ -29,7 +29,7 @@ from rlloom.runtime.executor.ray_plan import (
     loop_problems,
     world_size,
 )
-from rlloom.runtime.run_dir import claim, record_resume
+from rlloom.runtime.run_dir import claim, record_resume, rewind
 from rlloom.runtime.stages.batch import encode
 
 
@@ -124,14 +124,18 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
 
 
 def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | None = None,
-          overwrite: bool = False, changes: dict[str, list] | None = None) -> dict[str, float]:
-    """`changes`: what `--resume`'s overrides change (`run_dir.resume_changes`)."""
+          overwrite: bool = False, changes: dict[str, list] | None = None,
+          rewind_to: int | None = None) -> dict[str, float]:
+    """`changes`: what `--resume`'s overrides change (`run_dir.resume_changes`); `rewind_to`:
+    the checkpoint step `--resume` named, when it named one."""
     lock = None
     try:
         run_dir = resume_dir or new_run_dir(cfg)
         loop = local_loop(cfg, run_dir, opts)  # validates everything before the run directory
         if loop.main:
             lock = claim(run_dir, resume_dir is not None, overwrite)
+            if rewind_to is not None:
+                rewind(run_dir, rewind_to)
             architecture = read_model_config(loop.model_path).describe()
             (run_dir / "config.yaml").write_text(dump_config(cfg, architecture))
             if resume_dir is not None:
