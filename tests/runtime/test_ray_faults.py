@@ -3,6 +3,10 @@ roles and rank named; with restarts allowed the run resumes from its last checkp
 import json
 import math
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -98,3 +102,25 @@ def test_a_worker_that_cannot_start_is_not_restarted():
     assert isinstance(err, CheckpointError) and str(err) == "reward model r has a vocabulary of 5"
     other = start_error(RayActorError(None, "died\nOSError: disk full", True), None)
     assert isinstance(other, RuntimeError) and "failed to start: OSError: disk full" in str(other)
+
+
+def test_sigterm_on_ray_stops_at_a_step_boundary_and_resumes(tmp_path, tiny):
+    """Preemption (SIGTERM to the driver) on the Ray runtime: the step finishes, every group
+    is checkpointed, the driver exits 143 naming the step; the run resumes from it."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlloom", "train", *tiny, "train.steps=200",
+                             "checkpoint.every=100", "eval.every=100",
+                             "plan.placement=disaggregated", f"run_dir={run}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ((run / "metrics.jsonl").exists()
+               and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    step = len(_rows(run))
+    assert f"SIGTERM received: stopped after step {step} of 200" in err
+    main(["train", "--resume", str(run), f"train.steps={step + 1}"])
+    assert [r["step"] for r in _rows(run)] == list(range(1, step + 2))
