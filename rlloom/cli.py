@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlloom.algos.presets import PRESETS
-from rlloom.config import ConfigError, RunConfig, dump_config, load_config
+from rlloom.config import ConfigError, dump_config, load_config
 from rlloom.data.row_files import DataError
 from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
 from rlloom.runtime.stages.nonfinite import NonFiniteStop
@@ -47,15 +47,6 @@ def _split(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return args.config, list(args.overrides)
 
 
-def _resolve(args: argparse.Namespace, resume: Path | None = None) -> RunConfig:
-    path, overrides = _split(args)
-    if resume is not None:
-        if path:
-            raise ConfigError("--resume reads the run's own config.yaml; pass only overrides")
-        path = str(resume / "config.yaml")
-    return load_config(path, overrides)
-
-
 def _group_cpus(text: str | None) -> dict[str, float]:
     """`--group-cpus 2` (every group) or `--group-cpus rollout=2,actor=1`."""
     if not text:
@@ -69,62 +60,34 @@ def _group_cpus(text: str | None) -> dict[str, float]:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    resume = Path(args.resume) if args.resume else None
-    rewind = None
-    if resume is not None and resume.parent.name == "checkpoints":
-        # --resume RUN_DIR/checkpoints/step_N: continue from that checkpoint
-        from rlloom.runtime.run_dir import checkpoint_of
-        rewind, resume = checkpoint_of(resume), resume.parent.parent
-    if resume is not None and not (resume / "config.yaml").is_file():
-        raise ConfigError(f"--resume {resume}: no config.yaml there; is it a run directory?")
-    if resume is not None and args.overwrite:
-        raise ConfigError("--resume continues a run and --overwrite replaces it: pass one")
-    cfg = _resolve(args, resume)
-    changes = None
-    if resume is not None:  # refused before anything is written when it cannot apply
-        from rlloom.runtime.run_dir import resume_changes
-        changes = resume_changes(load_config(resume / "config.yaml"), cfg, resume)
+    from rlloom import api
+    config, overrides = _split(args)
+    run = api.prepare(config, overrides, resume=args.resume, overwrite=args.overwrite)
     if args.print_config:
-        print(dump_config(cfg), end="")
+        print(dump_config(run.cfg), end="")
         return
+    from rlloom.runtime.executor.ray_plan import RunOptions
     if args.dry_run:
         from rlloom.runtime.executor.dry_run import dry_run
-        from rlloom.runtime.executor.ray_plan import RunOptions
-        print(dry_run(cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus))))
+        print(dry_run(run.cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus))))
         print("dry run: every check passed; nothing was built or run")
         return
-    from rlloom.runtime.executor import ray_plan
-    if args.ray or args.ray_address or ray_plan.needs_ray(cfg):
-        from rlloom.runtime.executor import ray_launch as rr
-        from rlloom.runtime.executor.ray_cluster import WorkerFailure
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ConfigError("this run needs the Ray runtime (plan.placement="
-                              f"{cfg.plan.placement}, plan.schedule={cfg.plan.schedule}); "
-                              "install it with pip install 'rlloom[ray]'") from None
-        cpus = _group_cpus(args.group_cpus)
-        if "*" in cpus:
-            cpus = {g.name: cpus["*"] for g in ray_plan.group_specs(cfg)}
-        try:
-            rr.train_ray(cfg, resume, ray_plan.RunOptions(
-                address=args.ray_address, worker_timeout_s=args.worker_timeout,
-                max_restarts=args.max_restarts, group_cpus=cpus,
-                fused_chunks=args.fused_chunks,
-                fault=os.environ.get("RLLOOM_RAY_FAULT") or None),  # a test hook
-                args.overwrite, changes, rewind)
-        except WorkerFailure as e:  # restarts used up: say who failed, no traceback
-            print(f"error: {e}\nthe run can continue from its last checkpoint with "
-                  f"rlloom train --resume {e.run_dir}", file=sys.stderr)
-            sys.exit(1)
-        return
-    from rlloom.runtime.executor.trainer import train
-    train(cfg, resume, overwrite=args.overwrite, changes=changes, rewind_to=rewind)
+    from rlloom.runtime.executor.ray_cluster import WorkerFailure
+    try:
+        api.launch(run, overwrite=args.overwrite, ray=args.ray, options=RunOptions(
+            address=args.ray_address, worker_timeout_s=args.worker_timeout,
+            max_restarts=args.max_restarts, group_cpus=_group_cpus(args.group_cpus),
+            fused_chunks=args.fused_chunks,
+            fault=os.environ.get("RLLOOM_RAY_FAULT") or None))  # a test hook
+    except WorkerFailure as e:  # restarts used up: say who failed, no traceback
+        print(f"error: {e}\nthe run can continue from its last checkpoint with "
+              f"rlloom train --resume {e.run_dir}", file=sys.stderr)
+        sys.exit(1)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
     from rlloom.runtime.default_model import warm_start
-    cfg = _resolve(args)
+    cfg = load_config(*_split(args))
     if args.print_config:
         print(dump_config(cfg), end="")
         return

@@ -425,6 +425,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         apply_override(data, item)
     source = " + ".join(([str(path)] if path else ["defaults"]) +
                         ([f"overrides {list(overrides)}"] if overrides else []))
+    return validate_config(data, source)
+
+
+def validate_config(data: dict[str, Any], source: str) -> RunConfig:
+    """`data` as a RunConfig; ConfigError naming `source` and each problem otherwise."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

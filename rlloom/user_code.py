@@ -1,6 +1,7 @@
-"""User Python named in a config, as `module.path:function` (imported) or
-`path/to/file.py:function` (loaded from the file). Relative file paths are resolved when the
-config is read, so every worker of a run, whatever its directory, loads the same file."""
+"""User Python named in a config, as `module.path:function` (imported),
+`path/to/file.py:function` (loaded from the file) or `path/to/fn.pkl:function` (a function
+pickled by value, as `rlloom.train` stores callables). Relative file paths are resolved when
+the config is read, so every worker of a run, whatever its directory, loads the same file."""
 from __future__ import annotations
 
 import importlib
@@ -24,7 +25,7 @@ def resolve_spec(spec: str, base: Path, what: str,
     if not sep or not where or not name.isidentifier():
         raise error(f"{what} {spec!r}: give it as module.path:function or "
                     "path/to/file.py:function")
-    if where.endswith(".py"):
+    if where.endswith((".py", ".pkl")):
         path = Path(where).expanduser()
         return f"{path if path.is_absolute() else (base / path).resolve()}:{name}"
     return spec
@@ -39,6 +40,19 @@ def load(spec: str, what: str, error: type[Exception] = UserCodeError
          ) -> tuple[str, Callable[..., Any]]:
     """(name, function) of a resolved spec."""
     where, _, name = spec.rpartition(":")
+    if where.endswith(".pkl"):
+        import cloudpickle
+        try:
+            fn = cloudpickle.loads(Path(where).read_bytes())
+        except FileNotFoundError:
+            raise error(f"{what} {spec!r}: file {where} not found") from None
+        except Exception as e:  # noqa: BLE001 - unpickling runs the user's code
+            raise error(f"{what} {spec!r}: cannot unpickle ({type(e).__name__}: {e}); the "
+                        "function needs the same Python and packages as when it was stored"
+                        ) from None
+        if not callable(fn):
+            raise error(f"{what} {spec!r}: {where} holds no function")
+        return name, fn
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():

@@ -10,9 +10,10 @@ an estimate for the samples' true distribution without the variance of an uncapp
 model (the extra forward, perf/compose.py) alike."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from rlloom.algos.kl import LOG_RATIO_CLAMP
+if TYPE_CHECKING:  # the cost model imports `recomputes_behaviour` and must not load torch
+    import torch
 
 ROLLOUT_IS = ("none", "token_tis", "seq_tis")
 
@@ -27,6 +28,9 @@ def tis_weights(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: to
                 mode: str, cap: float) -> torch.Tensor:
     """Detached weights [n, T], 0 on padding: `token_tis` min(pi_trainer / pi_sampler, cap)
     per token, `seq_tis` min(prod_t pi_trainer / pi_sampler, cap) per sequence, `none` 1."""
+    import torch
+
+    from rlloom.algos.kl import LOG_RATIO_CLAMP
     keep = mask > 0
     if mode == "none":
         return keep.to(trainer_logp.dtype)
@@ -43,6 +47,9 @@ def mismatch_stats(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
     KL(sampler || trainer), the tokens being the sampler's); `mismatch_max_ratio`: the
     largest pi_trainer / pi_sampler over tokens; `tis_mean` and `tis_capped` (share of tokens
     at the cap) of the weights applied."""
+    import torch
+
+    from rlloom.algos.kl import LOG_RATIO_CLAMP
     keep = mask > 0
     tokens = keep.sum().clamp(min=1)
     diff = torch.where(keep, sampler_logp - trainer_logp, 0.0)

@@ -45,7 +45,7 @@ def test_a_bf16_run_trains_fp32_masters(tmp_path, tiny):
     run = tmp_path / "run"
     main(["train", *tiny, "algo=ppo", "train.steps=2", "train.compute_dtype=bfloat16",
           "algo.overlong=penalty", f"run_dir={run}"])
-    state = load_latest(run)
+    _, state = load_latest(run)
     assert {v.dtype for v in state["policy"].values()} == {torch.float32}
     moments = [s["exp_avg"] for s in state["optimizer"]["state"].values()]
     assert moments and {m.dtype for m in moments} == {torch.float32}

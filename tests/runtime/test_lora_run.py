@@ -33,7 +33,7 @@ def test_a_lora_run_trains_adapters_against_the_base_model(tmp_path, tiny):
     assert rows[-1]["kl"] > 1e-5
     base = ensure_default_model(load_config(None, tiny))
     start = load_file(str(base / "model.safetensors"))
-    state = load_latest(run)["policy"]
+    state = load_latest(run)[1]["policy"]
     adapters = {k for k in state if k.endswith(("lora_A", "lora_B"))}
     assert len(adapters) == 2 * 7 * 2  # 7 projections per layer, 2 layers
     for name, value in start.items():  # the base weights did not move

@@ -362,14 +362,18 @@ class StepLoop:
                     self.metrics.append(row)
                 for tracker in trackers:
                     tracker.log(row, self.step)
+                halt = self.main and any([cb(dict(row)) is False for cb in self.opts.callbacks])
                 if (self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps
-                        or signals.received):
+                        or signals.received or halt):
                     self.checkpoint()
                 else:
                     self.tracer.events += self.ex.spans()
                 tokens = sum(row.get("response_lens", ()))
                 bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS},
                             tok_per_s=tokens / row["step_s"] if tokens else None)
+                if halt and self.step < cfg.train.steps:
+                    print(f"a callback stopped the run after step {self.step}")
+                    break
                 if signals.received and self.step < cfg.train.steps:
                     raise Stopped(f"{signals.name} received: stopped after step {self.step} of "
                                   f"{cfg.train.steps}, checkpoint written to "

@@ -4,7 +4,9 @@ what it cannot run (imports no Ray)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig
@@ -33,6 +35,9 @@ class RunOptions:
     num_cpus: float | None = None   # CPUs of a started instance (default: cores or more)
     fused_chunks: int = 2           # generation requests per step of a fused schedule
     fault: str | None = None        # test hook "kill|stop:<group>[/rank]:<step>", first try
+    # called on the driver with each step's metrics row; one returning False stops the run
+    # after that step (rlloom.train's callbacks)
+    callbacks: tuple[Callable[[dict[str, Any]], Any], ...] = ()
 
     def cpus(self, group: str) -> float:
         return float(self.group_cpus.get(group, 1.0))
