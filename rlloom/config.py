@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from rlloom import trl_names
 from rlloom.algos.presets import PRESETS
 from rlloom.config_sections import (
     DataSection,
@@ -263,6 +264,15 @@ class RunConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _trl_names(cls, data: Any) -> Any:
+        """TRL's and verl's top-level names, mapped or refused (rlloom/trl_names.py)."""
+        if not isinstance(data, dict):
+            return data
+        return trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
+                                   AlgoSection.model_fields["beta"].default)
+
+    @model_validator(mode="before")
+    @classmethod
     def _eval_length_follows_rollout(cls, data: Any) -> Any:
         """Evaluation decodes as long as training samples, unless told otherwise."""
         if not isinstance(data, dict):
@@ -324,25 +334,12 @@ class RunConfig(Strict):
         return self
 
 
-# the names TRL and verl users type, and rlloom's key for each
-PEER_NAMES = {"num_generations": "rollout.n_samples", "n": "rollout.n_samples",
-              "max_completion_length": "rollout.max_new_tokens",
-              "response_length": "rollout.max_new_tokens",
-              "max_response_length": "rollout.max_new_tokens",
-              "learning_rate": "train.lr", "kl_loss_coef": "algo.kl_coef",
-              "num_iterations": "algo.epochs",
-              "ppo_epochs": "algo.epochs", "epsilon": "algo.clip_low",
-              "epsilon_high": "algo.clip_high", "clip_ratio_high": "algo.clip_high",
-              "lr_scheduler_type": "train.lr_schedule", "warmup_ratio": "train.warmup_steps",
-              "max_grad_norm": "train.grad_clip", "reward_funcs": "reward.functions",
-              "reward_weights": "reward.weights", "report_to": "log.trackers",
-              "train_batch_size": "train.prompts_per_step"}
-
-
 def _closest(key: str, options: list[str]) -> str:
     prefix, _, name = key.rpartition(".")
-    if name in PEER_NAMES:
-        return f"; rlloom calls it {PEER_NAMES[name]!r}"
+    if trl_names.rlloom_key(name):
+        return f"; rlloom calls it {trl_names.rlloom_key(name)!r}"
+    if name in trl_names.REFUSED:
+        return f"; that is TRL's: {trl_names.REFUSED[name]}"
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     if match:
         return f"; did you mean {'.'.join(filter(None, [prefix, match[0]]))!r}?"
@@ -445,6 +442,8 @@ def dump_config(cfg: RunConfig, architecture: str | None = None) -> str:
     """The configuration as YAML. With model.path set the built-in model's fields are left
     out (they would describe a model that is not trained), and `architecture`, a line
     describing the checkpoint trained, heads the file as a comment."""
-    exclude = {"model": BUILT_IN_MODEL_FIELDS} if cfg.model.path else None
-    text = yaml.safe_dump(cfg.model_dump(mode="json", exclude=exclude), sort_keys=False)
+    exclude: dict[str, Any] = {"model": BUILT_IN_MODEL_FIELDS} if cfg.model.path else {}
+    if PRESETS[cfg.algo.name].online:  # DPO's beta means nothing here (rlloom/trl_names.py)
+        exclude["algo"] = {"beta"}
+    text = yaml.safe_dump(cfg.model_dump(mode="json", exclude=exclude or None), sort_keys=False)
     return f"# model trained: {architecture}\n{text}" if architecture else text

@@ -1,0 +1,130 @@
+"""TRL's (and verl's) config names, meaning what their users mean.
+
+A TRL user writes `learning_rate=1e-6 beta=0.04 num_generations=8` or puts those keys at the top
+of a YAML file. Each name in `NAMES` is either mapped onto rlloom's key (with the value
+converted where the meaning differs: `warmup_ratio` is a share of the steps, `bf16` a compute
+dtype) or refused with the rlloom way to say it, where rlloom has no such knob or decides it
+otherwise. `beta` depends on the algorithm, as in TRL: the KL coefficient for GRPO-family
+(online) presets, DPO's inverse temperature for offline ones. `algo.beta` is DPO's only: set
+on an online preset it is refused, naming `algo.kl_coef` (a config.yaml of an older run, which
+holds the default 0.1 there, still reads). README "TRL's names" lists the table.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# TRL/verl name -> rlloom key (value as given), or (rlloom key, conversion)
+MAPPED: dict[str, str | tuple[str, Callable[[Any, dict[str, Any]], Any]]] = {
+    "learning_rate": "train.lr",
+    "num_generations": "rollout.n_samples",
+    "max_completion_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens",
+    "num_iterations": "algo.epochs",
+    "epsilon": "algo.clip_low",
+    "epsilon_high": "algo.clip_high",
+    "max_grad_norm": "train.grad_clip",
+    "lr_scheduler_type": "train.lr_schedule",
+    "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep",
+    "eval_steps": "eval.every",
+    "max_steps": "train.steps",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "min_p": "rollout.min_p",
+    "reward_weights": "reward.weights",
+    "report_to": "log.trackers",
+    "output_dir": "run_dir",
+    # verl's
+    "kl_loss_coef": "algo.kl_coef",
+    "ppo_epochs": "algo.epochs",
+    "clip_ratio_high": "algo.clip_high",
+    "response_length": "rollout.max_new_tokens",
+    "max_response_length": "rollout.max_new_tokens",
+    "n": "rollout.n_samples",
+    "train_batch_size": "train.prompts_per_step",
+    "reward_funcs": "reward.functions",
+    "warmup_ratio": ("train.warmup_steps",
+                     lambda v, data: round(float(v) * _steps(data))),
+    "bf16": ("train.compute_dtype", lambda v, _: "bfloat16" if v else "params"),
+    "scale_rewards": ("algo.advantage", lambda v, _: _scale_rewards(v)),
+}
+
+REFUSED = {
+    "gradient_accumulation_steps": "rlloom accumulates on its own: train.micro_batch_tokens "
+                                   "bounds the padded tokens of one forward/backward and every "
+                                   "mini-batch (algo.minibatches per epoch) is one optimizer step",
+    "per_device_train_batch_size": "a step trains on train.prompts_per_step x rollout.n_samples "
+                                   "rollouts (split across devices by the plan); "
+                                   "train.micro_batch_tokens sizes one forward/backward",
+    "logging_steps": "every step is logged (metrics.jsonl, the progress bar, log.trackers)",
+    "loss_type": "set algo.loss_agg (token-mean: TRL's dapo/bnpo, seq-mean-token-mean: grpo, "
+                 "seq-mean-token-sum-norm: dr_grpo) or choose the dr_grpo / dapo preset "
+                 "(algo=dr_grpo)",
+    "use_vllm": "set rollout.engine=vllm (docs/vllm.md)",
+    "fp16": "rlloom computes in fp32 or bf16 (train.compute_dtype); fp16 is not supported",
+}
+
+
+def _steps(data: dict[str, Any]) -> int:
+    from rlloom.config import TrainSection
+    train = data.get("train") if isinstance(data.get("train"), dict) else {}
+    return int(train.get("steps", TrainSection.model_fields["steps"].default))
+
+
+def _scale_rewards(value: Any) -> str:
+    if value in (True, "group"):
+        return "grpo"
+    if value in (False, "none"):
+        return "dr_grpo"
+    raise ValueError(f"scale_rewards={value!r}: rlloom scales by the group's std (true, "
+                     "'group': algo.advantage=grpo) or not at all (false, 'none': dr_grpo)")
+
+
+def _set(data: dict[str, Any], key: str, value: Any, name: str) -> None:
+    node = data
+    *sections, last = key.split(".")
+    for part in sections:
+        node = node.setdefault(part, {})
+        if isinstance(node, str):  # `algo: ppo`
+            node = data[part] = {"name": node}
+    if last in node and node[last] != value:
+        raise ValueError(f"{name}={value!r} is TRL's name for {key}, which is also set to "
+                         f"{node[last]!r}; give one")
+    node[last] = value
+
+
+def translate(data: dict[str, Any], online: Callable[[str], bool],
+              dpo_beta: float) -> dict[str, Any]:
+    """`data` (a config as a nested dict) with TRL's top-level names moved to rlloom's keys;
+    ValueError for a refused name. `online(preset)` says whether a preset samples;
+    `dpo_beta` is algo.beta's default."""
+    data = dict(data)
+    for name in [k for k in data if k in REFUSED]:
+        raise ValueError(f"{name!r} is TRL's; {REFUSED[name]}")
+    algo = data.get("algo")
+    preset = algo if isinstance(algo, str) else (algo or {}).get("name", "grpo")
+    if "beta" in data:
+        beta = data.pop("beta")
+        _set(data, "algo.kl_coef" if online(preset) else "algo.beta", beta, "beta")
+    if isinstance(algo, dict) and online(preset) and algo.get("beta", dpo_beta) != dpo_beta:
+        raise ValueError(f"algo.beta is DPO's inverse temperature and does nothing for "
+                         f"algo={preset}; the KL coefficient (TRL's GRPO beta) is "
+                         "algo.kl_coef, or write beta=... at the top level")
+    # plain names first: a conversion may read one of them (warmup_ratio reads the steps)
+    names = sorted((k for k in data if k in MAPPED), key=lambda k: isinstance(MAPPED[k], tuple))
+    for name in names:
+        target = MAPPED[name]
+        value = data.pop(name)
+        if isinstance(target, tuple):
+            target, convert = target
+            value = convert(value, data)
+        _set(data, target, value, name)
+    return data
+
+
+def rlloom_key(name: str) -> str | None:
+    """rlloom's key for a TRL/verl name (for hints on a nested key), if it has one."""
+    target = MAPPED.get(name)
+    return target[0] if isinstance(target, tuple) else target

@@ -1,0 +1,79 @@
+"""TRL's (and verl's) names mean what their users mean: each row of the table maps onto
+rlloom's key, with the value converted where the meaning differs, or is refused with the
+rlloom way to say it."""
+import pytest
+
+from rlloom.config import ConfigError, load_config
+from rlloom.trl_names import MAPPED, REFUSED
+
+
+def _get(cfg, key):
+    node = cfg
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+VALUES = {"learning_rate": 1e-6, "num_generations": 4, "max_completion_length": 48,
+          "max_prompt_length": 256, "num_iterations": 3, "epsilon": 0.25, "epsilon_high": 0.28,
+          "max_grad_norm": 0.5, "lr_scheduler_type": "cosine", "save_steps": 7,
+          "save_total_limit": 3, "eval_steps": 5, "max_steps": 12, "temperature": 0.7,
+          "top_p": 0.9, "top_k": 20, "min_p": 0.05, "reward_weights": {"correct": 2.0},
+          "report_to": ["tensorboard"], "output_dir": "runs/trl", "kl_loss_coef": 0.02,
+          "ppo_epochs": 3, "clip_ratio_high": 0.3, "response_length": 40,
+          "max_response_length": 40, "n": 4, "train_batch_size": 8, "reward_funcs": []}
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in MAPPED.items() if isinstance(v, str)))
+def test_a_trl_name_sets_rlloom_s_key(name):
+    value = VALUES[name]
+    cfg = load_config(None, [f"{name}={value!r}" if isinstance(value, str) else
+                             f"{name}={value}"])
+    assert _get(cfg, MAPPED[name]) == value
+
+
+@pytest.mark.parametrize("overrides, key, value", [
+    (["warmup_ratio=0.1", "max_steps=50"], "train.warmup_steps", 5),   # a ratio of the steps
+    (["warmup_ratio=0.25"], "train.warmup_steps", 10),                 # of the default 40
+    (["bf16=true"], "train.compute_dtype", "bfloat16"),
+    (["bf16=false"], "train.compute_dtype", "params"),
+    (["scale_rewards=true"], "algo.advantage", "grpo"),
+    (["scale_rewards=none"], "algo.advantage", "dr_grpo"),
+    (["beta=0.04"], "algo.kl_coef", 0.04),                             # GRPO: the KL coefficient
+])
+def test_converted_names(overrides, key, value):
+    assert _get(load_config(None, overrides), key) == value
+
+
+def test_beta_is_dpo_s_beta_for_an_offline_preset(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "Q:1+1=", "chosen": "A:2", "rejected": "A:3"}\n')
+    cfg = load_config(None, ["algo=dpo", "beta=0.3", f"data.preference_file={pairs}"])
+    assert (cfg.algo.beta, cfg.algo.kl_coef) == (0.3, 0.001)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_name_says_the_rlloom_way(name):
+    with pytest.raises(ConfigError, match=f"'{name}' is TRL's; "):
+        load_config(None, [f"{name}=1"])
+
+
+def test_a_trl_name_and_its_rlloom_key_must_agree():
+    with pytest.raises(ConfigError, match="learning_rate=1e-06 is TRL's name for train.lr, "
+                                          "which is also set to 0.001; give one"):
+        load_config(None, ["learning_rate=0.000001", "train.lr=0.001"])
+    with pytest.raises(ConfigError, match="scale_rewards='batch'"):
+        load_config(None, ["scale_rewards=batch"])
+
+
+def test_dpo_s_beta_on_a_grpo_preset_is_refused_naming_kl_coef():
+    with pytest.raises(ConfigError, match="algo.beta is DPO's inverse temperature and does "
+                                          "nothing for algo=grpo; .* is algo.kl_coef"):
+        load_config(None, ["algo.beta=0.04"])
+    assert load_config(None, ["algo.beta=0.1"]).algo.kl_coef == 0.001  # an older config.yaml
+
+
+def test_a_nested_trl_name_gets_a_hint():
+    with pytest.raises(ConfigError, match="unknown key 'train.learning_rate'; rlloom calls it "
+                                          "'train.lr'"):
+        load_config(None, ["train.learning_rate=1e-6"])
