@@ -243,3 +243,12 @@ def test_gae_whitens_a_constant_batch_to_zero():
     adv, ret = ADVANTAGES.get("gae")(x)
     assert torch.count_nonzero(adv) == 0
     assert torch.allclose(ret[:, :3], torch.full((24, 3), 1 / 3))
+
+
+def test_group_spread_by_hand():
+    from rlloom.runtime.stages.generation import group_spread
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.7, 0.7, 0.7, 0.7])
+    spread = group_spread(scores, torch.tensor([5, 5, 5, 5, 2, 2, 2, 2]))
+    # group 5: mean .5, unbiased var 4 * .25 / 3 = 1/3; group 2: constant
+    assert spread["reward_std"] == pytest.approx(math.sqrt(1 / 3) / 2)
+    assert spread["frac_zero_std_groups"] == 0.5

@@ -69,6 +69,7 @@ class Samples:
         r = self.rollout
         return {"reward": self.scores.mean().item(),
                 **{f"reward/{k}": v.float().mean().item() for k, v in self.terms.items()},
+                **group_spread(self.scores, self.group_ids),
                 "accuracy": self.correct.float().mean().item(),
                 "response_len": r.response_lengths.float().mean().item(),
                 "truncated": (~r.finished).float().mean().item(),
@@ -121,6 +122,15 @@ class Samples:
                        scores=self.scores[idx],
                        version_sum=maybe(lambda v: v[idx], self.version_sum),
                        tools=maybe(lambda v: v[idx.cpu()], self.tools))
+
+
+def group_spread(scores: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
+    """TRL's `reward_std` (the mean over groups of the group's unbiased reward std) and the
+    share of groups whose rewards are all equal, which give no learning signal."""
+    groups = [scores[group_ids == g] for g in group_ids.unique()]
+    return {"reward_std": sum(g.std().item() if len(g) > 1 else 0.0 for g in groups)
+            / len(groups),
+            "frac_zero_std_groups": sum(bool(g.max() == g.min()) for g in groups) / len(groups)}
 
 
 class Rewarder:
