@@ -40,7 +40,7 @@ from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.stages.batch import response_logprobs
-from rlloom.runtime.stages.evaluate import eval_problems, greedy_accuracy
+from rlloom.runtime.stages.evaluate import eval_problems, evaluate_policy
 from rlloom.runtime.stages.generation import (
     Rewarder,
     Samples,
@@ -229,11 +229,11 @@ class TrainingHost:
         return {**stats, "train_s": span["seconds"], "version": step}
 
     @_in_compute_dtype
-    def evaluate(self, step: int) -> float | None:
+    def evaluate(self, step: int) -> dict[str, float] | None:
         if not self.eval_set:
             return None
         with self.spans.span("eval", step, "eval"):
-            return greedy_accuracy(self.generator, self.tokenizer, self.eval_set, self.cfg,
+            return evaluate_policy(self.generator, self.tokenizer, self.eval_set, self.cfg,
                                    self.pool, self.tools)
 
     def state(self) -> dict[str, Any]:

@@ -283,13 +283,14 @@ class StepLoop:
         received = [max(d["bytes"] for d in self.ex.answers(call)) for call in calls[1::2]]
         return time.perf_counter() - t0, sum(received)
 
-    def evaluate(self) -> float | None:
-        """Held-out greedy accuracy now, or None when the run has no held-out problems."""
+    def evaluate(self) -> dict[str, float] | None:
+        """The held-out scores now (`stages/evaluate.py`), or None when the run has no
+        held-out problems; the accuracy joins the eval history."""
         train = self._host("training")
-        acc = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
-        if acc is not None:
-            self.eval_history.append((self.step, acc))
-        return acc
+        scores = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
+        if scores is not None:
+            self.eval_history.append((self.step, scores["accuracy"]))
+        return scores
 
     def _online_step(self, step: int) -> dict[str, Any]:
         exp, ginfo, ainfo, infos = (self._fused(step) if self.cfg.plan.schedule == "fused"
@@ -336,7 +337,8 @@ class StepLoop:
         if self.step == 0 and not self.eval_history:
             before = self.evaluate()
             if self.main:
-                print(f"held-out greedy accuracy before RL: {before:.3f}" if before is not None
+                print(f"held-out {self._eval_kind} accuracy before RL: {before['accuracy']:.3f}"
+                      if before is not None
                       else "no held-out evaluation: this run has no held-out problems (set "
                       "data.eval_file to prompts with answers to measure one)")
         trackers = (open_trackers(cfg.log.trackers, self.run_dir, cfg.model_dump(mode="json"),
@@ -355,9 +357,10 @@ class StepLoop:
                         self.step, row["nonfinite"], cfg.train.lr,
                         str(kept[-1]) if kept else None, str(self.run_dir)))
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
-                    acc = self.evaluate()
-                    if acc is not None:
-                        row["eval_accuracy"] = acc
+                    scores = self.evaluate()
+                    if scores is not None:
+                        row["eval_accuracy"] = scores.pop("accuracy")
+                        row.update(scores)
                 if self.main:
                     self.metrics.append(row)
                 for tracker in trackers:
@@ -390,10 +393,16 @@ class StepLoop:
             self._save_trace()
             plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
             if self.eval_history:
-                print(f"held-out greedy accuracy: before RL {before:.3f}, after RL "
+                print(f"held-out {self._eval_kind} accuracy: before RL {before:.3f}, after RL "
                       f"{after:.3f} ({100 * (after - before):+.1f} points)")
         self.ex.barrier()
         return {"eval_before": before, "eval_after": after, "restarts": float(self.attempt)}
+
+    @property
+    def _eval_kind(self) -> str:
+        """How the held-out accuracy is measured, for the lines a user reads."""
+        n = self.cfg.eval.n_samples
+        return "greedy" if n == 1 else f"sampled ({n} per problem)"
 
     @property
     def main(self) -> bool:

@@ -1,6 +1,9 @@
-"""Held-out greedy evaluation."""
+"""Held-out evaluation with the run's own reward terms: greedy, or sampled with pass@k."""
 from __future__ import annotations
 
+import math
+
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.presets import PRESETS
@@ -9,14 +12,15 @@ from rlloom.data.prompts import load_prompt_sets
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.rewards.tasks import task_terms
 from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.runtime.stages.batch import decode_responses, encode
-from rlloom.runtime.stages.generation import respond
+from rlloom.runtime.device import model_device
+from rlloom.runtime.stages.batch import encode
+from rlloom.runtime.stages.generation import Rewarder, respond
 
-EVAL_BATCH = 256
+EVAL_BATCH = 256  # problems per generation call (times eval.n_samples responses)
+EVAL_SEED = 424_242  # sampled evaluation draws from its own stream, the same at every eval
 
 
 def eval_problems(cfg: RunConfig) -> list[Problem]:
@@ -30,23 +34,56 @@ def eval_problems(cfg: RunConfig) -> list[Problem]:
     return load_prompt_sets(d, cfg.seed).eval
 
 
-def greedy_accuracy(model: CausalLM, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                    cfg: RunConfig, pool: SandboxPool | None = None,
-                    tools: Tools | None = None) -> float:
-    """Fraction of problems whose greedy response (at most `eval.max_new_tokens`, ended by
-    `rollout.stop` like the sampled ones; with `tools`, a greedy conversation) gets the
-    verifier's full marks."""
-    params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0,
-                            stop=tuple(cfg.rollout.stop))
-    correct = 0
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c pass (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def ks(n: int) -> list[int]:
+    """The k reported for n samples: powers of two below n, and n."""
+    return sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i < n), n})
+
+
+def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
+                    problems: list[Problem], cfg: RunConfig, pool: SandboxPool | None = None,
+                    tools: Tools | None = None) -> dict[str, float]:
+    """The held-out score: `eval.n_samples` responses per problem (greedy at the default
+    `eval.temperature` 0; at most `eval.max_new_tokens`, ended by `rollout.stop`; with `tools`
+    a conversation), scored by the run's own reward terms (the task's verifier and
+    `reward.functions`; a reward model is left out). `accuracy` is the share of responses
+    with the verifier's full marks; `eval/<term>` each term's mean and `eval/reward` their
+    weighted sum's; with n > 1, `eval/pass@k` (unbiased, for k = 1, 2, 4, ..., n) and
+    `eval/mean@n`."""
+    e = cfg.eval
+    params = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                            top_p=e.top_p, stop=tuple(cfg.rollout.stop))
+    generator = torch.Generator(device=model_device(model)).manual_seed(cfg.seed + EVAL_SEED)
+    rewarder = Rewarder(cfg, tokenizer, None, pool)
+    sums: dict[str, float] = {}
+    passed: list[int] = []
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
-        prompts = encode(tokenizer, [p.prompt for p in chunk])
+        prompts = encode(tokenizer, [p.prompt for p in chunk for _ in range(e.n_samples)])
         if tools is None:
             rollout = engine_generate(model, prompts, params, tokenizer.eos_token_id,
-                                      tokenizer.pad_token_id, decode=tokenizer.decode)
+                                      tokenizer.pad_token_id, generator,
+                                      decode=tokenizer.decode)
         else:
-            rollout, _ = respond(model, tokenizer, prompts, params, cfg, None, 0, tools)
-        terms = task_terms(chunk, decode_responses(tokenizer, rollout), cfg.data.task, pool)
-        correct += sum(c >= 1.0 for c in terms["correct"])
-    return correct / len(problems)
+            rollout, _ = respond(model, tokenizer, prompts, params, cfg, generator, 1, tools)
+        group_ids = torch.arange(len(chunk)).repeat_interleave(e.n_samples)
+        terms, total = rewarder.score(chunk, group_ids, rollout)
+        for name, values in {**terms, "reward": total}.items():
+            sums[name] = sums.get(name, 0.0) + values.float().sum().item()
+        full = (terms["correct"] >= 1.0).view(len(chunk), e.n_samples).sum(dim=1)
+        passed += full.tolist()
+    samples = len(problems) * e.n_samples
+    out = {"accuracy": sum(passed) / samples,
+           **{f"eval/{name}": total / samples for name, total in sums.items()}}
+    if e.n_samples > 1:
+        for k in ks(e.n_samples):
+            out[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, c, k) for c in passed) / len(passed)
+        out[f"eval/mean@{e.n_samples}"] = out["accuracy"]
+    return out
