@@ -55,7 +55,7 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     a conversation), scored by the run's own reward terms (the task's verifier and
     `reward.functions`; a reward model is left out). `accuracy` is the share of responses
     with the verifier's full marks; `eval/<term>` each term's mean and `eval/reward` their
-    weighted sum's; with n > 1, `eval/pass@k` (unbiased, for k = 1, 2, 4, ..., n) and
+    weighted sum's (unless it weighs the reward model); with n > 1, `eval/pass@k` (unbiased, for k = 1, 2, 4, ..., n) and
     `eval/mean@n`."""
     e = cfg.eval
     params = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
@@ -74,8 +74,11 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
         else:
             rollout, _ = respond(model, tokenizer, prompts, params, cfg, generator, 1, tools)
         group_ids = torch.arange(len(chunk)).repeat_interleave(e.n_samples)
-        terms, total = rewarder.score(chunk, group_ids, rollout)
-        for name, values in {**terms, "reward": total}.items():
+        terms = rewarder.terms(chunk, group_ids, rollout)
+        weights = cfg.reward.weights
+        if weights.keys() <= terms.keys():  # no reward model here: no total with its term
+            terms["reward"] = sum(w * terms[k] for k, w in weights.items())
+        for name, values in terms.items():
             sums[name] = sums.get(name, 0.0) + values.float().sum().item()
         full = (terms["correct"] >= 1.0).view(len(chunk), e.n_samples).sum(dim=1)
         passed += full.tolist()
