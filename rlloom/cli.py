@@ -94,6 +94,18 @@ def cmd_sft(args: argparse.Namespace) -> None:
     print(f"saved {warm_start(cfg, Path(args.out))}")
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+
+    from rlloom.runtime.stages.evaluate import evaluate_checkpoint
+    cfg = load_config(args.config, [f"model.path={args.checkpoint}", *args.overrides])
+    report = evaluate_checkpoint(cfg)
+    text = json.dumps(report, indent=1)
+    Path(args.out).write_text(text + "\n")
+    print(text)
+    print(f"report written to {args.out}")
+
+
 def cmd_setup(args: argparse.Namespace) -> None:
     from rlloom.rollout.vllm_env import default_venv, install
     venv = Path(args.dir) if args.dir else default_venv()
@@ -272,6 +284,14 @@ def main(argv: list[str] | None = None) -> None:
     _config_args(p)
     p.add_argument("--out", required=True, help="directory for the Hugging Face checkpoint")
     p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("eval", help="score a Hugging Face checkpoint on held-out prompts with "
+                       "the run's reward terms (eval.n_samples > 1: pass@k); a JSON report")
+    p.add_argument("checkpoint", help="model directory (e.g. RUN_DIR/final)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.eval_file=... "
+                   "eval.n_samples=8 eval.temperature=0.6")
+    p.add_argument("--config", help="YAML configuration (e.g. RUN_DIR/config.yaml)")
+    p.add_argument("--out", default="eval.json", help="where to write the report")
+    p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("plan", help="rank parallel plans by predicted step time (no torch)")
     _workload_args(p)
     p.add_argument("--top", type=int, default=5, help="plans to show")

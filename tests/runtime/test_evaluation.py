@@ -43,3 +43,19 @@ def test_evaluation_scores_every_reward_term_and_pass_at_k(tmp_path, tiny):
     assert row["eval/mean@4"] == pytest.approx(row["eval_accuracy"])
     assert row["eval/pass@1"] <= row["eval/pass@2"] <= row["eval/pass@4"] <= 1
     assert row["eval/reward"] == pytest.approx(row["eval/short"])  # the function weighs 1
+
+
+def test_rlloom_eval_writes_a_report_for_any_checkpoint(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    main(["train", *tiny, "train.steps=1", f"run_dir={run}"])
+    rows = tmp_path / "held_out.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Q:{a}+{a}=", "answer": str(2 * a)}) + "\n"
+                            for a in range(1, 7)))
+    out = tmp_path / "report.json"
+    main(["eval", str(run / "final"), f"data.eval_file={rows}", "eval.n_samples=4",
+          "eval.temperature=1.0", "eval.max_new_tokens=16", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["problems"] == 6 and report["n_samples"] == 4
+    assert {"accuracy", "eval/correct", "eval/pass@1", "eval/pass@4", "eval/mean@4"} <= set(report)
+    assert report["eval/pass@1"] == pytest.approx(report["accuracy"])
+    assert f"report written to {out}" in capsys.readouterr().out

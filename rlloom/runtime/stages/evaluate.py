@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.data.prompts import load_prompt_sets
+from rlloom.data.row_files import DataError
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.rewards.sandbox import SandboxPool
@@ -55,8 +56,8 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     a conversation), scored by the run's own reward terms (the task's verifier and
     `reward.functions`; a reward model is left out). `accuracy` is the share of responses
     with the verifier's full marks; `eval/<term>` each term's mean and `eval/reward` their
-    weighted sum's (unless it weighs the reward model); with n > 1, `eval/pass@k` (unbiased, for k = 1, 2, 4, ..., n) and
-    `eval/mean@n`."""
+    weighted sum's (unless it weighs the reward model); with n > 1, `eval/pass@k` (unbiased,
+    for k = 1, 2, 4, ..., n) and `eval/mean@n`."""
     e = cfg.eval
     params = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(cfg.rollout.stop))
@@ -90,3 +91,28 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
             out[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, c, k) for c in passed) / len(passed)
         out[f"eval/mean@{e.n_samples}"] = out["accuracy"]
     return out
+
+
+def evaluate_checkpoint(cfg: RunConfig) -> dict[str, object]:
+    """`rlloom eval`: `model.path` scored on the run's held-out problems (`data.eval_file`, or
+    the task's own) as `evaluate_policy` scores a training run's."""
+    from rlloom.models.hf_io import DTYPES, load_model, load_tokenizer
+    from rlloom.runtime.device import resolve_device
+    problems = eval_problems(cfg)
+    if not problems:
+        raise DataError("no held-out problems: set data.eval_file (or data.prompt_file, whose "
+                        "share data.eval_size is held out)")
+    device = resolve_device(cfg.train.device)
+    model = load_model(cfg.model.path, DTYPES[cfg.model.dtype]).to(device).eval()
+    tokenizer = load_tokenizer(cfg.model.path, cfg.data.chat_template)
+    pool = SandboxPool.for_reward(cfg.reward) if cfg.data.task == "code" else None
+    try:
+        scores = evaluate_policy(model, tokenizer, problems, cfg, pool,
+                                 Tools.of(cfg.rollout, cfg.reward.sandbox_isolation))
+    finally:
+        if pool is not None:
+            pool.close()
+    e = cfg.eval
+    return {"checkpoint": cfg.model.path, "problems": len(problems), "n_samples": e.n_samples,
+            "temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens,
+            **scores}
