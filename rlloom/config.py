@@ -182,8 +182,8 @@ class TrainSection(Strict):
         "update, counts it as nonfinite_skips in the metrics and goes on")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="learning rate over the RL steps after the warm-up: constant, "
-        "or a linear or cosine decay to lr x min_lr_ratio at the last step (algo.critic_lr "
-        "follows the same schedule)")
+        "or a linear or cosine decay towards lr x min_lr_ratio, reached one step after the "
+        "last as in transformers (algo.critic_lr follows the same schedule)")
     warmup_steps: int = Field(0, ge=0, description="RL steps of linear warm-up from lr / "
                               "warmup_steps to lr")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's final learning rate "
