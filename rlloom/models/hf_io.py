@@ -120,12 +120,19 @@ def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return model
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str | os.PathLike, chat_template: str = "auto"
                    ) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with `chat_template` (`data.chat_template`: auto keeps the
     checkpoint's, none drops it, else a jinja file replaces it); one without a pad token pads
     with EOS (as TRL does: padded positions are masked, so the id never counts)."""
     _require_dir(Path(path))
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        raise CheckpointError(f"{path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)});"
+                              " save the base model's beside the weights: AutoTokenizer."
+                              f"from_pretrained(BASE).save_pretrained({str(path)!r})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -137,6 +144,16 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str = "auto"
     elif chat_template != "auto":
         tokenizer.chat_template = Path(chat_template).read_text()
     return tokenizer
+
+
+def require_tokenizer_fits(path: str | os.PathLike, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The policy's tokenizer must not hand out ids past the model's embedding."""
+    rows = read_model_config(Path(path)).vocab_size
+    if len(tokenizer) > rows:
+        raise CheckpointError(f"the tokenizer in {path} has {len(tokenizer)} tokens, more than "
+                              f"the model's vocab_size {rows}: ids from {rows} on would index "
+                              "past its embedding; save the tokenizer the model was trained "
+                              "with, or resize the embedding (model.resize_token_embeddings)")
 
 
 def require_policy_tokenizer(path: str | os.PathLike, rows: int,

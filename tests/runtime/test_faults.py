@@ -305,3 +305,17 @@ def test_resume_from_a_named_checkpoint(finished, capsys):
     assert [r["step"] for r in _rows(finished)] == [1, 2, 3, 4]
     assert (finished / "checkpoints/.superseded_step_000003").is_dir()
     assert json.loads((finished / "resumes.jsonl").read_text())["step"] == 2
+
+
+def test_a_model_without_a_tokenizer_or_with_a_larger_one_is_named(finished, tiny, capsys):
+    model = finished.parent / "model"
+    shutil.copytree(finished / "final", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 50}))
+    _refused(["train", *tiny, f"model.path={model}", f"run_dir={finished.parent / 'a'}"],
+             capsys, f"the tokenizer in {model} has 98 tokens, more than the model's "
+                     "vocab_size 50")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        (model / name).unlink(missing_ok=True)
+    _refused(["train", *tiny, f"model.path={model}", f"run_dir={finished.parent / 'b'}"],
+             capsys, f"{model} has no tokenizer", "save_pretrained")

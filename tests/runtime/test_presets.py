@@ -50,7 +50,7 @@ def test_dynamic_sampling_drops_groups_without_signal(tmp_path, tiny):
     assert all(1 <= r["sample_rounds"] <= 2 for r in _rows(run))
 
 
-def test_dpo_on_a_preference_file(tmp_path, tiny):
+def test_dpo_on_a_preference_file(tmp_path, tiny, capsys):
     pairs = tmp_path / "pairs.jsonl"
     with pairs.open("w") as f:
         for p in generate("arith", 40, seed=3, difficulty=1):
@@ -65,6 +65,9 @@ def test_dpo_on_a_preference_file(tmp_path, tiny):
     assert [r["step"] for r in rows] == [1, 2, 3]
     # the implicit reward starts at zero margin and must move towards the chosen responses
     assert rows[-1]["margin"] > 0
+    # the console line leads with the loss and the reward accuracy
+    line = next(x for x in capsys.readouterr().out.splitlines() if " 3/3 " in x)
+    assert "loss=" in line and "pref_accuracy=" in line and "margin=" in line, line
 
 
 def test_dpo_on_own_model_with_conversational_parquet_pairs(tmp_path, tiny, capsys):

@@ -49,6 +49,9 @@ from rlloom.runtime.outputs.trackers import closing_all, open_trackers
 from rlloom.runtime.stages.nonfinite import NonFiniteStop, stop_message
 from rlloom.runtime.stop_signals import Stopped, StopSignals
 
+# the offline (DPO) line leads with its loss and reward accuracy; online lines with rewards
+OFFLINE_PROGRESS_KEYS = ("loss", "pref_accuracy", "margin", "eval_accuracy", "step_s",
+                         "train_s")
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "tool_calls",
                  "step_s", "gen_s", "assess_s", "train_s", "staleness")
 
@@ -372,7 +375,8 @@ class StepLoop:
                 else:
                     self.tracer.events += self.ex.spans()
                 tokens = sum(row.get("response_lens", ()))
-                bar.advance(**{k: row.get(k) for k in PROGRESS_KEYS},
+                keys = PROGRESS_KEYS if self.online else OFFLINE_PROGRESS_KEYS
+                bar.advance(**{k: row.get(k) for k in keys},
                             tok_per_s=tokens / row["step_s"] if tokens else None)
                 if halt and self.step < cfg.train.steps:
                     print(f"a callback stopped the run after step {self.step}")

@@ -9,7 +9,7 @@ import torch
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig, dump_config
-from rlloom.models.hf_io import load_tokenizer, read_model_config
+from rlloom.models.hf_io import load_tokenizer, read_model_config, require_tokenizer_fits
 from rlloom.runtime.checkpoint import checkpoint_dirs, checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.executor.loop import StepLoop
@@ -37,7 +37,9 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     model_path = (Path(cfg.model.path) if cfg.model.path
                   else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU
     check_group_layouts(cfg, read_model_config(model_path))
-    check_prompt_lengths(cfg, load_tokenizer(model_path, cfg.data.chat_template))
+    tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
+    require_tokenizer_fits(model_path, tokenizer)
+    check_prompt_lengths(cfg, tokenizer)
     lock = claim(run_dir, resume_dir is not None, overwrite)
     if rewind_to is not None:
         rewind(run_dir, rewind_to)

@@ -14,7 +14,7 @@ from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.chat import is_chat
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets
-from rlloom.models.hf_io import load_tokenizer, read_model_config
+from rlloom.models.hf_io import load_tokenizer, read_model_config, require_tokenizer_fits
 from rlloom.runtime.checkpoint import checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device, torchrun_device
@@ -112,6 +112,7 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
         join_torchrun(cfg.train.device)
     model_path = Path(cfg.model.path) if cfg.model.path else _default_model(cfg, device)
     tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
+    require_tokenizer_fits(model_path, tokenizer)
     if tokenizer.eos_token_id is None:
         raise DataError(f"the tokenizer in {model_path} has no EOS token; set eos_token in "
                         "its tokenizer_config.json (responses end at EOS)")
