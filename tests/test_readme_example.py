@@ -11,10 +11,10 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def worked_example() -> str:
+def worked_example(marker: str = "worked-example:", language: str = "bash") -> str:
     text = README.read_text()
-    after = text.split("<!-- worked-example", 1)[1]
-    return after.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    after = text.split(f"<!-- {marker}", 1)[1]
+    return after.split(f"```{language}\n", 1)[1].split("\n```", 1)[0]
 
 
 def test_the_worked_example_runs_as_written(tmp_path):
@@ -28,9 +28,22 @@ def test_the_worked_example_runs_as_written(tmp_path):
             (tmp_path / "runs/worked/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert {"reward/exact", "reward/short", "lr"} <= set(rows[0])
-    # warm-up over 2 steps, then cosine decay to 0 at step 6
-    assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4, 8.535534e-5, 5e-5,
-                                                     1.464466e-5, 0.0], rel=1e-5)
+    # warm-up over 2 steps, then cosine decay from the peak at step 3 (transformers'
+    # convention: it would reach 0 one step after the last)
+    assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4, 1e-4, 8.535534e-5, 5e-5,
+                                                     1.464466e-5], rel=1e-5)
     assert list((tmp_path / "runs/worked/tensorboard").iterdir())
     # step 5 loaded final/ in transformers and printed the greedy reply's repr
-    assert done.stdout.strip().splitlines()[-1].startswith("'")
+    # (a reply holding a ' is repr'd in double quotes; the random model may write one)
+    assert done.stdout.strip().splitlines()[-1].startswith(("'", '"'))
+
+    # the Python block, in the same directory: the same run through rlloom.train
+    python = subprocess.run([sys.executable, "-c", worked_example("worked-example-python",
+                                                                  "python")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert python.returncode == 0, python.stderr[-3000:]
+    lines = python.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == \
+        [f"step {i}" for i in range(1, 7)]
+    assert lines[-1].startswith("held-out eval/exact at steps 3 and 6: [")
+    assert lines[-1].endswith("model in runs/worked_py/final")
