@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,19 @@ def _reward_spec(fn: Any) -> str:
         raise ConfigError(f"reward function {fn!r}: give a named function (def or "
                           "functools.wraps), or 'file.py:function'")
     import cloudpickle
-    return f"{_stored(cloudpickle.dumps(fn), 'functions', name, '.pkl')}:{name}"
+    module = sys.modules.get(getattr(fn, "__module__", ""))
+    # by value even when its module is importable here: a worker (or a later --resume) may
+    # not have that module (a test file, a notebook's helper) on its path
+    by_value = module is not None and module.__name__ != "__main__" and \
+        not module.__name__.startswith(("rlloom.", "builtins"))
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        data = cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+    return f"{_stored(data, 'functions', name, '.pkl')}:{name}"
 
 
 def _overrides(overrides: dict[str, Any] | list[str] | None) -> list[str]:
