@@ -156,10 +156,14 @@ class RewardSection(Strict):
     def _known_terms(self) -> "RewardSection":
         # fails early, naming the function
         names = [reward_functions.load(s)[0] for s in self.functions]
-        clash = {n for n in names if names.count(n) > 1 or n in REWARD_TERMS}
-        if clash:
-            raise ValueError(f"reward.functions: {sorted(clash)} named twice or like a "
-                             f"built-in term ({', '.join(REWARD_TERMS)}); rename the function")
+        twice = {n for n in names if names.count(n) > 1}
+        if twice:
+            raise ValueError(f"reward.functions: {sorted(twice)} named twice; rename one")
+        # a function named like a verifier term (correct, format) replaces it, accuracy
+        # included; the reward model's term is the one name that cannot be shared
+        if "model" in names and self.model_path:
+            raise ValueError("reward.functions: a function named 'model' and reward.model_path "
+                             "would both be the term 'model'; rename the function")
         unknown = set(self.weights) - set(REWARD_TERMS) - set(names)
         if unknown:
             raise ValueError(f"reward.weights has unknown terms {sorted(unknown)}; terms are "

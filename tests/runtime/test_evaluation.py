@@ -59,3 +59,16 @@ def test_rlloom_eval_writes_a_report_for_any_checkpoint(tmp_path, tiny, capsys):
     assert {"accuracy", "eval/correct", "eval/pass@1", "eval/pass@4", "eval/mean@4"} <= set(report)
     assert report["eval/pass@1"] == pytest.approx(report["accuracy"])
     assert f"report written to {out}" in capsys.readouterr().out
+
+
+def test_a_reward_function_named_correct_replaces_the_verifier_everywhere(tmp_path, tiny):
+    rewards = tmp_path / "mine.py"
+    rewards.write_text("def correct(prompts, completions, **kw):\n"
+                       "    return [1.0 if c.startswith('A') else 0.0 for c in completions]\n")
+    run = tmp_path / "run"
+    main(["train", *tiny, f"reward.functions=[{rewards}:correct]", "train.steps=2",
+          f"run_dir={run}"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:  # accuracy is the share of full marks by the user's `correct`
+        assert row["accuracy"] == pytest.approx(row["reward/correct"])
+    assert rows[-1]["eval_accuracy"] == pytest.approx(rows[-1]["eval/correct"])

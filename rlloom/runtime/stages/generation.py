@@ -134,8 +134,9 @@ def group_spread(scores: torch.Tensor, group_ids: torch.Tensor) -> dict[str, flo
 
 
 class Rewarder:
-    """Reward terms of responses: the task's verifier (with a sandbox pool for code) and an
-    optional reward model, combined by `reward.weights`."""
+    """Reward terms of responses: the task's verifier (with a sandbox pool for code), the
+    user's functions (one named like a verifier term, `correct` or `format`, replaces it,
+    `accuracy` included) and an optional reward model, combined by `reward.weights`."""
 
     def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
                  reward_model: ValueModel | None, pool: SandboxPool | None) -> None:
