@@ -9,6 +9,6 @@ _API = ("train", "prepare", "launch", "RunResult")
 
 def __getattr__(name: str) -> object:
     if name in _API:
-        from rlloom import api
+        import rlloom.api as api
         return getattr(api, name)
     raise AttributeError(f"module 'rlloom' has no attribute {name!r}")

@@ -60,7 +60,7 @@ def _group_cpus(text: str | None) -> dict[str, float]:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from rlloom import api
+    import rlloom.api as api
     config, overrides = _split(args)
     run = api.prepare(config, overrides, resume=args.resume, overwrite=args.overwrite)
     if args.print_config:

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from rlloom import trl_names
+import rlloom.trl_names as trl_names
 from rlloom.algos.presets import PRESETS
 from rlloom.config_sections import (
     DataSection,
@@ -285,7 +285,8 @@ class RunConfig(Strict):
         if not isinstance(data, dict):
             return data
         return trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
-                                   AlgoSection.model_fields["beta"].default)
+                                   AlgoSection.model_fields["beta"].default,
+                                   TrainSection.model_fields["steps"].default)
 
     @model_validator(mode="before")
     @classmethod

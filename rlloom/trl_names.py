@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# TRL/verl name -> rlloom key (value as given), or (rlloom key, conversion)
-MAPPED: dict[str, str | tuple[str, Callable[[Any, dict[str, Any]], Any]]] = {
+# TRL/verl name -> rlloom key (value as given), or (rlloom key, conversion(value, steps))
+MAPPED: dict[str, str | tuple[str, Callable[[Any, int], Any]]] = {
     "learning_rate": "train.lr",
     "num_generations": "rollout.n_samples",
     "max_completion_length": "rollout.max_new_tokens",
@@ -46,7 +46,7 @@ MAPPED: dict[str, str | tuple[str, Callable[[Any, dict[str, Any]], Any]]] = {
     "train_batch_size": "train.prompts_per_step",
     "reward_funcs": "reward.functions",
     "warmup_ratio": ("train.warmup_steps",
-                     lambda v, data: round(float(v) * _steps(data))),
+                     lambda v, steps: round(float(v) * steps)),
     "bf16": ("train.compute_dtype", lambda v, _: "bfloat16" if v else "params"),
     "scale_rewards": ("algo.advantage", lambda v, _: _scale_rewards(v)),
 }
@@ -65,12 +65,6 @@ REFUSED = {
     "use_vllm": "set rollout.engine=vllm (docs/vllm.md)",
     "fp16": "rlloom computes in fp32 or bf16 (train.compute_dtype); fp16 is not supported",
 }
-
-
-def _steps(data: dict[str, Any]) -> int:
-    from rlloom.config import TrainSection
-    train = data.get("train") if isinstance(data.get("train"), dict) else {}
-    return int(train.get("steps", TrainSection.model_fields["steps"].default))
 
 
 def _scale_rewards(value: Any) -> str:
@@ -95,11 +89,11 @@ def _set(data: dict[str, Any], key: str, value: Any, name: str) -> None:
     node[last] = value
 
 
-def translate(data: dict[str, Any], online: Callable[[str], bool],
-              dpo_beta: float) -> dict[str, Any]:
+def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: float,
+              steps: int) -> dict[str, Any]:
     """`data` (a config as a nested dict) with TRL's top-level names moved to rlloom's keys;
     ValueError for a refused name. `online(preset)` says whether a preset samples;
-    `dpo_beta` is algo.beta's default."""
+    `dpo_beta` and `steps` are algo.beta's and train.steps's defaults."""
     data = dict(data)
     for name in [k for k in data if k in REFUSED]:
         raise ValueError(f"{name!r} is TRL's; {REFUSED[name]}")
@@ -119,7 +113,8 @@ def translate(data: dict[str, Any], online: Callable[[str], bool],
         value = data.pop(name)
         if isinstance(target, tuple):
             target, convert = target
-            value = convert(value, data)
+            train = data.get("train") if isinstance(data.get("train"), dict) else {}
+            value = convert(value, int(train.get("steps", steps)))
         _set(data, target, value, name)
     return data
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlloom import user_code
+import rlloom.user_code as user_code
 
 # Files `save_to_disk` writes: one of the first two marks a Dataset, the last a DatasetDict.
 _DATASET_MARKERS = ("dataset_info.json", "state.json")

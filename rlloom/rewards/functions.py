@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlloom import user_code
+import rlloom.user_code as user_code
 
 RewardFn = Callable[..., Any]
 

@@ -30,13 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
 from types import TracebackType
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 from rlloom.rewards.box import ISOLATIONS, SandboxLimits
 from rlloom.rewards.judge import job
-
-if TYPE_CHECKING:
-    from rlloom.config import RewardSection
 
 Tests = Union[list[str], list[dict]]
 IO_COMPARES = ("exact", "tokens", "float")
@@ -155,12 +152,6 @@ class SandboxPool:
         self._executor = ThreadPoolExecutor(max_workers=workers,
                                             thread_name_prefix="rlloom-sandbox")
         self._check()
-
-    @classmethod
-    def for_reward(cls, reward: RewardSection) -> SandboxPool:
-        """The pool a run's `reward` section asks for."""
-        return cls(reward.sandbox_workers, isolation=reward.sandbox_isolation,
-                   io_compare=reward.code_compare, float_tol=reward.code_float_tol)
 
     def _check(self) -> None:
         """Refuses up front when this machine cannot give the isolation asked for."""

@@ -7,11 +7,14 @@ into the reward, and each term is logged on its own.
 from __future__ import annotations
 
 import ast
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rlloom.data.synthetic import Problem
 from rlloom.rewards import math, synthetic
 from rlloom.rewards.sandbox import SandboxPool
+
+if TYPE_CHECKING:
+    from rlloom.config import RewardSection
 
 Terms = dict[str, list[float]]
 
@@ -56,3 +59,9 @@ def task_terms(problems: list[Problem], responses: list[str], task: str,
                pool: SandboxPool | None = None) -> Terms:
     """Reward terms of `responses[i]` to `problems[i]` under the task's verifier."""
     return TASK_TERMS[task](problems, responses, pool)
+
+
+def sandbox_pool(reward: RewardSection) -> SandboxPool:
+    """The code task's pool as a run's `reward` section asks for it."""
+    return SandboxPool(reward.sandbox_workers, isolation=reward.sandbox_isolation,
+                       io_compare=reward.code_compare, float_tol=reward.code_float_tol)

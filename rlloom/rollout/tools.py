@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlloom import user_code
+import rlloom.user_code as user_code
 from rlloom.rewards.expr import ExprError, evaluate
 from rlloom.rewards.sandbox import SandboxLimits, SandboxPool
 

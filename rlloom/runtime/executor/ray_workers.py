@@ -39,6 +39,7 @@ from rlloom.config import RunConfig
 from rlloom.models.lora import has_lora, trained_state
 from rlloom.plan import DeviceGroup
 from rlloom.rewards.sandbox import SandboxPool
+from rlloom.rewards.tasks import sandbox_pool
 from rlloom.runtime.executor.hosts import (
     AssessmentHost,
     Batch,
@@ -82,7 +83,7 @@ class GroupWorker:
         self.ranks = RankGroup.join(self.device, self.rank, group.ranks, address, timeout_s)
         needs_pool = cfg.data.task == "code" and (group.runs("generation")
                                                   or group.runs("training"))
-        self.pool = SandboxPool.for_reward(cfg.reward) if needs_pool else None
+        self.pool = sandbox_pool(cfg.reward) if needs_pool else None
         online = PRESETS[cfg.algo.name].online
         if group.runs("training"):
             self.training = TrainingHost(cfg, self.path, self.spans, self.pool, self.ranks,

@@ -13,6 +13,7 @@ from rlloom.data.row_files import DataError
 from rlloom.data.synthetic import Problem
 from rlloom.models.transformer import CausalLM
 from rlloom.rewards.sandbox import SandboxPool
+from rlloom.rewards.tasks import sandbox_pool
 from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.sampling import SamplingParams
@@ -105,7 +106,7 @@ def evaluate_checkpoint(cfg: RunConfig) -> dict[str, object]:
     device = resolve_device(cfg.train.device)
     model = load_model(cfg.model.path, DTYPES[cfg.model.dtype]).to(device).eval()
     tokenizer = load_tokenizer(cfg.model.path, cfg.data.chat_template)
-    pool = SandboxPool.for_reward(cfg.reward) if cfg.data.task == "code" else None
+    pool = sandbox_pool(cfg.reward) if cfg.data.task == "code" else None
     try:
         scores = evaluate_policy(model, tokenizer, problems, cfg, pool,
                                  Tools.of(cfg.rollout, cfg.reward.sandbox_isolation))
