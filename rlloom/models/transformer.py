@@ -1,7 +1,7 @@
 """Plain-PyTorch decoder for the Llama / Qwen2 / Qwen3 family (dense, and Qwen3-MoE).
 
 Module names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`, ...) so a
-state dict loads without renaming. No distributed code lives here (DESIGN.md): parallel
+state dict loads without renaming. No distributed code lives here (docs/design.md): parallel
 layouts are applied to these modules from outside.
 """
 from __future__ import annotations

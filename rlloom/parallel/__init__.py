@@ -1,4 +1,4 @@
-"""Intra-model parallelism applied to plain models from outside (DESIGN.md).
+"""Intra-model parallelism applied to plain models from outside (docs/design.md).
 
 `mesh` builds the device mesh of a `Layout` and validates it against a model; the other
 modules each apply one technique (tensor + sequence parallel, activation checkpointing, data

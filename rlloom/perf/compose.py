@@ -1,5 +1,5 @@
 """Price a Plan: stage costs per role, memory per device group, and the step time composed by
-placement and schedule (PERF_MODEL.md's composition table).
+placement and schedule (docs/performance-model.md's composition).
 
 Groups are `plan.device_groups`: the runtime starts the same ones. Within a group stages run
 one after another (sums); across groups they run concurrently (maxima), so colocated-sync is

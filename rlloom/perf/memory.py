@@ -44,8 +44,8 @@ FP32_ADAM = (4, 4, 8)
 def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
                       precision: tuple[int, int, int] = MIXED_ADAM, lora_rank: int = 0,
                       offloaded: bool = False) -> float:
-    """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (PERF_MODEL.md's
-    4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz in elements, here in bytes with the precisions above).
+    """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (in elements
+    4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz; here in bytes with the precisions above).
     `precision` is bytes per parameter of (parameters, gradients, optimizer state). With
     `lora_rank`, a trained model is its frozen base plus LoRA adapters trained in full (the
     runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device).

@@ -21,7 +21,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool = False
-    gated_mlp: bool = True  # SwiGLU: three d x d_ff matrices instead of PERF_MODEL.md's two
+    gated_mlp: bool = True  # SwiGLU: three d x d_ff matrices instead of a plain MLP's two
     qkv_bias: bool = False
     n_experts: int = 0
     experts_per_token: int = 0
@@ -42,7 +42,7 @@ class ModelShape:
 
     @property
     def attn_params(self) -> int:
-        """Per layer: Q, K, V, O projections (PERF_MODEL.md's 4 d^2 when there is no GQA)."""
+        """Per layer: Q, K, V, O projections (4 d^2 when there is no GQA)."""
         d = self.hidden
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
         return 2 * d * self.q_width + 2 * d * self.kv_width + bias
@@ -75,7 +75,7 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """|M|. Adds to PERF_MODEL.md's L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
+        """|M|. Adds to the plain L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
         QKV biases, MoE experts and router, two RMSNorm vectors per layer plus a final one,
         and a separate output embedding when it is not tied."""
         d = self.hidden
