@@ -15,9 +15,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the cost model imports `recomputes_behaviour` and must not load torch
     import torch
 
-ROLLOUT_IS = ("none", "token_tis", "seq_tis")
-
-
 def recomputes_behaviour(engine: str, rollout_is: str) -> bool:
     """Whether the trainer recomputes the behaviour log-probs: always for another engine
     (`rollout.engine=vllm`), and whenever a correction is asked for (`algo.rollout_is`)."""

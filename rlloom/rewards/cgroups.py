@@ -10,7 +10,6 @@ caller's own cgroup, so a limit set on the trainer still bounds them all.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -112,11 +111,3 @@ class BoxCgroup:
                 except OSError:
                     time.sleep(0.001)
 
-
-def unavailable() -> str | None:
-    """Why per-program cgroups cannot be made here, or None when they can."""
-    try:
-        BoxCgroup.create(f"rlloom-probe-{os.getpid()}", 64 << 20, 4).remove()
-    except OSError as e:
-        return f"cgroups: {e}"
-    return None

@@ -150,9 +150,7 @@ def _judge_asserts(box: Box, code: str, tests: list[str]) -> tuple[list[bool], s
         try:
             exec(compile(test, f"<test {i}>", "exec"), scope)
             ok = True
-        except BoxDied:
-            ok = False
-        except Exception:  # noqa: BLE001 - a failing test just doesn't count
+        except (BoxDied, Exception):  # noqa: BLE001 - a failing test just doesn't count
             ok = False
         if box.reason:  # the box died inside the test, even if the test swallowed it
             passed += [False] * (len(tests) - i)

@@ -7,11 +7,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
+from interrupt import signal_after_two_steps
 from safetensors.torch import load_file
 
 from rlloom.cli import main
@@ -206,17 +205,9 @@ def test_a_bad_metrics_line_is_reported_and_the_rows_after_it_kept(finished, cap
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, tiny, sig, code):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rlloom", "train", *tiny, "train.steps=300",
-                             "checkpoint.every=100", "eval.every=100", f"run_dir={run}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not ((run / "metrics.jsonl").exists()
-               and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
+    status, err = signal_after_two_steps(
+        [*tiny, "train.steps=300", "checkpoint.every=100", "eval.every=100"], run, sig, 120)
+    assert status == code, err
     step = len(_rows(run))
     assert 2 <= step < 300
     name = signal.Signals(sig).name

@@ -4,11 +4,9 @@ import json
 import math
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
+from interrupt import signal_after_two_steps
 
 from rlloom.cli import main
 
@@ -108,18 +106,10 @@ def test_sigterm_on_ray_stops_at_a_step_boundary_and_resumes(tmp_path, tiny):
     """Preemption (SIGTERM to the driver) on the Ray runtime: the step finishes, every group
     is checkpointed, the driver exits 143 naming the step; the run resumes from it."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rlloom", "train", *tiny, "train.steps=200",
-                             "checkpoint.every=100", "eval.every=100",
-                             "plan.placement=disaggregated", f"run_dir={run}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not ((run / "metrics.jsonl").exists()
-               and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
+    status, err = signal_after_two_steps(
+        [*tiny, "train.steps=200", "checkpoint.every=100", "eval.every=100",
+         "plan.placement=disaggregated"], run, signal.SIGTERM, 180)
+    assert status == 143, err
     step = len(_rows(run))
     assert f"SIGTERM received: stopped after step {step} of 200" in err
     main(["train", "--resume", str(run), f"train.steps={step + 1}"])
