@@ -209,3 +209,18 @@ def train(config: str | Path | RunConfig | None = None,
     if callbacks:
         opts.callbacks = (*opts.callbacks, *callbacks)
     return launch(run, overwrite=overwrite, ray=ray, options=opts)
+
+
+def evaluate(checkpoint: str | Path, config: str | Path | RunConfig | None = None,
+             overrides: dict[str, Any] | list[str] | None = None, *,
+             reward_funcs: list[Any] | None = None, eval_dataset: Any = None
+             ) -> dict[str, Any]:
+    """Score a Hugging Face checkpoint as `rlloom eval` does: `eval_dataset` (else the
+    config's `data.eval_file`, or its task's held-out problems) with the config's reward
+    terms and `reward_funcs`; `eval.n_samples` > 1 adds pass@k. Returns the report: `score`
+    (what `score_name` says it is), `eval/<term>`, `eval_accuracy` where a verifier defines
+    it, and the settings it ran with."""
+    from rlloom.runtime.stages.evaluate import evaluate_checkpoint
+    extra = [f"model.path={json.dumps(str(checkpoint))}", *_overrides(overrides)]
+    run = prepare(config, extra, reward_funcs=reward_funcs, eval_dataset=eval_dataset)
+    return evaluate_checkpoint(run.cfg)

@@ -97,9 +97,8 @@ def cmd_sft(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
-    from rlloom.runtime.stages.evaluate import evaluate_checkpoint
-    cfg = load_config(args.config, [f"model.path={args.checkpoint}", *args.overrides])
-    report = evaluate_checkpoint(cfg)
+    from rlloom.api import evaluate
+    report = evaluate(args.checkpoint, args.config, args.overrides)
     text = json.dumps(report, indent=1)
     Path(args.out).write_text(text + "\n")
     print(text)

@@ -225,6 +225,11 @@ class EvalSection(Strict):
     temperature: float = Field(0.0, ge=0, description="0: greedy; sampled evaluation (with "
                                "eval.n_samples > 1) needs a temperature above 0")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the evaluation")
+    score: str | None = Field(None, description="the reward term whose held-out value is the "
+                              "run's score (eval before/after, the progress line; pass@k counts "
+                              "a response with the term's full marks, >= 1): null = the "
+                              "verifier's accuracy, or with data.task=none the first of "
+                              "reward.functions")
 
     @model_validator(mode="after")
     def _samples_need_sampling(self) -> "EvalSection":
@@ -324,6 +329,9 @@ class RunConfig(Strict):
         if self.data.task == "math" and not (self.data.prompt_file and self.model.path):
             raise ValueError("data.task=math has no built-in problems or model; set "
                              "data.prompt_file (a jsonl of prompt/answer rows) and model.path")
+        problems = task_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")
@@ -349,6 +357,32 @@ class RunConfig(Strict):
                              f"{batch} rollouts per step (train.prompts_per_step x "
                              "rollout.n_samples)")
         return self
+
+
+def task_problems(cfg: RunConfig) -> list[str]:
+    """What `data.task` and `eval.score` leave unscored: without a verifier (task none) only
+    the user's functions or reward model give a reward, and the score must be a term the
+    held-out evaluation computes (a reward model's is not)."""
+    d, r = cfg.data, cfg.reward
+    names = [reward_functions.load(s)[0] for s in r.functions]
+    problems = []
+    if d.task == "none":
+        if not (d.prompt_file and cfg.model.path) and PRESETS[cfg.algo.name].online:
+            problems.append("data.task=none has no built-in problems or model; set "
+                            "data.prompt_file and model.path")
+        if not (names or r.model_path):
+            problems.append("data.task=none has no verifier, so nothing rewards a response; "
+                            "set reward.functions (or reward.model_path)")
+        idle = sorted(set(r.weights) & {"correct", "format"} - set(names))
+        if idle and (names or r.model_path):
+            problems.append(f"data.task=none has no verifier, so reward.weights' {idle} "
+                            f"score nothing; weigh {names + (['model'] if r.model_path else [])}")
+    scored = names + ([] if d.task == "none" else ["correct", "format"])
+    if cfg.eval.score is not None and cfg.eval.score not in scored:
+        problems.append(f"eval.score={cfg.eval.score!r} is not a term the evaluation scores; "
+                        f"choose one of {sorted(set(scored))} (a reward model is not scored "
+                        "on held-out prompts)")
+    return problems
 
 
 def _closest(key: str, options: list[str]) -> str:

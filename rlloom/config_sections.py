@@ -64,10 +64,11 @@ class ModelSection(Strict):
 
 
 class DataSection(Strict):
-    task: Literal["arith", "countdown", "code", "math", "multiply"] = Field(
+    task: Literal["arith", "countdown", "code", "math", "multiply", "none"] = Field(
         "arith", description="task, which selects the verifier: arith, countdown, code and "
         "multiply (with the calculator tool) are built in; math needs data.prompt_file "
-        "(prompt, answer rows)")
+        "(prompt, answer rows); none: no verifier, rows need only a prompt and "
+        "reward.functions score alone")
     difficulty: int | dict[int, float] = Field(5, description="task difficulty (arith: "
                                                "operations, countdown: numbers), or a mixture "
                                                "{level: weight}, e.g. {1: 0.95, 16: 0.05} for "

@@ -23,6 +23,7 @@ REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "countdown": {"numbers": list, "target": int},
     "math": {"answer": (str, int, float)},
     "multiply": {"answer": (str, int)},
+    "none": {},  # no verifier: the user's reward functions read the row's columns
 }
 
 
@@ -78,8 +79,10 @@ def _row_to_problem(row: Any, task: str, where: str, columns: dict[str, str] | N
     prompt = with_system(read_prompt(row["prompt"], where), system)
     for name, kind in REQUIRED_FIELDS[task].items():
         if name not in row:
-            raise DataError(f"{where}: missing field {name!r} required by task {task!r}; "
-                            f"the row has columns {list(row)}")
+            raise DataError(f"{where}: missing field {name!r} required by task {task!r} (its "
+                            f"verifier); the row has columns {list(row)}; map a column with "
+                            "data.columns, or set data.task=none to score only with "
+                            "reward.functions")
         if not isinstance(row[name], kind) or isinstance(row[name], bool):
             raise DataError(f"{where}: field {name!r} has type {type(row[name]).__name__}, "
                             f"task {task!r} needs {getattr(kind, '__name__', kind)}")
@@ -89,7 +92,7 @@ def _row_to_problem(row: Any, task: str, where: str, columns: dict[str, str] | N
         _check_tests(row["tests"], where)
         answer = ""  # the tests, kept in meta, are what a response is checked against
     else:
-        answer = str(row["target"] if task == "countdown" else row["answer"])
+        answer = str(row["target"] if task == "countdown" else row.get("answer", ""))
     meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
     return Problem(prompt=prompt, answer=answer, solution=str(row.get("solution", "")),
                    meta=meta, source=where)

@@ -1,7 +1,8 @@
 """Reward terms of each task, computed for a whole batch of responses.
 
-Every task yields the terms "correct" (1/0, or the fraction of unit tests passed for code) and
-"format" (1 when the final answer is well-formed); the run's `reward.weights` combine terms
+Every task but `none` yields the terms "correct" (1/0, or the fraction of unit tests passed for
+code) and "format" (1 when the final answer is well-formed); `none` has no verifier and yields
+no term (the user's reward functions score alone); the run's `reward.weights` combine terms
 into the reward, and each term is logged on its own.
 """
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _code(problems: list[Problem], responses: list[str], pool: SandboxPool | Non
 TASK_TERMS: dict[str, Callable[[list[Problem], list[str], SandboxPool | None], Terms]] = {
     "arith": _synthetic("arith"), "countdown": _synthetic("countdown"), "math": _math,
     "multiply": _synthetic("multiply"),
-    "code": _code}
+    "code": _code,
+    "none": lambda problems, responses, pool: {}}
 
 
 def task_terms(problems: list[Problem], responses: list[str], task: str,

@@ -46,19 +46,81 @@ def test_evaluation_scores_every_reward_term_and_pass_at_k(tmp_path, tiny):
 
 
 def test_rlloom_eval_writes_a_report_for_any_checkpoint(tmp_path, tiny, capsys):
+    """A score term that gives rows 1 and 4 of 6 full marks on every sample: mean@4, pass@1
+    and pass@4 are all 2/6 by hand, and the verifier's accuracy is reported beside it."""
     run = tmp_path / "run"
     main(["train", *tiny, "train.steps=1", f"run_dir={run}"])
     rows = tmp_path / "held_out.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"Q:{a}+{a}=", "answer": str(2 * a)}) + "\n"
-                            for a in range(1, 7)))
+    rows.write_text("".join(json.dumps({"prompt": f"Q:{a}+{a}=", "answer": str(2 * a),
+                                        "easy": a in (1, 4)}) + "\n" for a in range(1, 7)))
+    rewards = tmp_path / "marks.py"
+    rewards.write_text("def easy(prompts, completions, easy, **kw):\n"
+                       "    return [float(e) for e in easy]\n")
     out = tmp_path / "report.json"
     main(["eval", str(run / "final"), f"data.eval_file={rows}", "eval.n_samples=4",
-          "eval.temperature=1.0", "eval.max_new_tokens=16", "--out", str(out)])
+          "eval.temperature=1.0", "eval.max_new_tokens=16", f"reward.functions=[{rewards}:easy]",
+          "eval.score=easy", "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["problems"] == 6 and report["n_samples"] == 4
-    assert {"accuracy", "eval/correct", "eval/pass@1", "eval/pass@4", "eval/mean@4"} <= set(report)
-    assert report["eval/pass@1"] == pytest.approx(report["accuracy"])
+    assert report["score_name"].startswith("sampled (4 per problem) eval/easy (eval.score")
+    for key in ("score", "eval/easy", "eval/mean@4", "eval/pass@1", "eval/pass@2",
+                "eval/pass@4"):
+        assert report[key] == pytest.approx(2 / 6), key
+    assert {"eval_accuracy", "eval/correct"} <= set(report)
     assert f"report written to {out}" in capsys.readouterr().out
+
+
+def test_a_task_without_verifier_scores_with_the_first_function_and_says_so(tmp_path, tiny,
+                                                                           capsys):
+    """data.task=none: rows need only a prompt, no accuracy is logged anywhere, and the run
+    names the term it treats as its score."""
+    import rlloom
+    from rlloom.runtime.default_model import ensure_default_model
+
+    model = ensure_default_model(load_config(None, tiny))
+
+    def short(prompts, completions, completion_ids, **kw):
+        return [float(len(ids) <= 8) for ids in completion_ids]
+
+    def polite(prompts, completions, **kw):
+        return [0.5] * len(completions)
+
+    rows = [{"prompt": f"Q:{a}+1="} for a in range(40)]
+    result = rlloom.train(overrides=[*tiny, "data.task=none", "train.steps=2",
+                                     f"model.path={model}",
+                                     f"run_dir={tmp_path / 'run'}"],
+                          reward_funcs=[short, polite], train_dataset=rows[:32],
+                          eval_dataset=rows[32:])
+    out = capsys.readouterr().out
+    assert ("held-out greedy eval/short (the first of reward.functions; eval.score chooses "
+            "another) before RL:") in out
+    assert not any("accuracy" in k for r in result.metrics for k in r)
+    assert result.metrics[-1]["eval/polite"] == pytest.approx(0.5)
+    assert result.eval_after == pytest.approx(result.metrics[-1]["eval/short"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.task=none", "data.prompt_file=ROWS", "model.path=ROWS"],
+     "nothing rewards a response; set reward.functions"),
+    (["data.task=none"], "data.task=none has no built-in problems or model; set "
+                         "data.prompt_file and model.path"),
+    (["eval.score=model"], "eval.score='model' is not a term the evaluation scores"),
+])
+def test_unscored_tasks_are_refused(tmp_path, overrides, message):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [o.replace("ROWS", str(rows)) for o in overrides])
+
+
+def test_a_row_without_the_verifiers_field_names_task_none(tmp_path):
+    from rlloom.data.prompts import read_prompt_file
+    from rlloom.data.row_files import DataError
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(DataError, match="missing field 'answer' required by task 'arith'.*"
+                                        "set data.task=none"):
+        read_prompt_file(rows, "arith")
 
 
 def test_a_reward_function_named_correct_replaces_the_verifier_everywhere(tmp_path, tiny):

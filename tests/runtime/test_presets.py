@@ -101,6 +101,54 @@ def test_dpo_on_own_model_with_conversational_parquet_pairs(tmp_path, tiny, caps
     assert "hidden_size" not in recorded and "kv_heads" not in recorded
 
 
+def test_dpo_scores_held_out_pairs_from_the_eval_file(tmp_path, tiny, capsys):
+    """TRL's DPO evaluation: before training the policy is the reference, so every implicit
+    reward is 0 (pair accuracy 0: ties); training on the evaluated pairs (the tiny model does
+    not generalise to new ones) lowers their loss below log 2 and moves the margin to the
+    chosen responses."""
+    import math
+
+    import rlloom
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({
+        "prompt": p.prompt, "chosen": p.solution,
+        "rejected": p.solution.replace(f"A:{p.answer}", f"A:{int(p.answer) + 1}")}) + "\n"
+        for p in generate("arith", 16, seed=3, difficulty=1)))
+    result = rlloom.train(overrides=[*tiny, "algo=dpo", "train.lr=3e-3", "eval.every=2",
+                                     "train.steps=6", "train.prompts_per_step=8",
+                                     f"data.preference_file={pairs}",
+                                     f"run_dir={tmp_path / 'dpo'}"],
+                          eval_dataset=str(pairs))
+    assert "held-out pair accuracy" in capsys.readouterr().out
+    assert result.eval_before == 0.0
+    evals = [r for r in result.metrics if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6]
+    assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] and evals[-1]["eval/loss"] < math.log(2)
+    for row in evals:
+        assert row["eval/margin"] == pytest.approx(row["eval/chosen_reward"]
+                                                   - row["eval/rejected_reward"])
+        assert "eval_accuracy" not in row
+    assert evals[-1]["eval/margin"] > 0 and result.eval_after == evals[-1]["eval/pref_accuracy"]
+
+
+def test_preference_eval_of_the_reference_itself_by_hand(tiny):
+    from rlloom.config import load_config
+    from rlloom.data.preferences import PreferencePair
+    from rlloom.models.hf_io import load_model, load_tokenizer
+    from rlloom.runtime.default_model import ensure_default_model
+    from rlloom.runtime.stages.offline import preference_eval
+
+    cfg = load_config(None, [*tiny, "algo.preference_loss=ipo"])
+    path = ensure_default_model(cfg)
+    model, tok = load_model(path), load_tokenizer(path)
+    pairs = [PreferencePair(f"Q:{a}+1=", f"A:{a + 1}", f"A:{a + 2}") for a in range(70)]
+    out = preference_eval(model, model, tok, pairs, cfg.algo)
+    # IPO's loss at zero margin is (0 - 1 / (2 beta))^2, over 70 pairs in two batches
+    assert out["eval/loss"] == pytest.approx((1 / (2 * cfg.algo.beta)) ** 2)
+    assert out["eval/margin"] == 0.0 and out["eval/pref_accuracy"] == 0.0 == out["score"]
+
+
 def test_dpo_without_preference_file_is_refused(tiny, capsys):
     with pytest.raises(SystemExit):
         main(["train", *tiny, "algo=dpo"])

@@ -48,7 +48,7 @@ from rlloom.runtime.stages.generation import (
     generate_group,
     greedy_baseline,
 )
-from rlloom.runtime.stages.offline import preference_step
+from rlloom.runtime.stages.offline import preference_eval, preference_step
 from rlloom.runtime.stages.online import Experience, assess_from, behaviour_kl, optimise, scores
 from rlloom.runtime.stages.pipelined import pipelined_logprobs
 
@@ -437,6 +437,8 @@ class PreferenceHost:
         d = cfg.data
         self.pairs = PromptStream(read_preference_file(d.preference_file, d.transform,
                                                        d.system_prompt), cfg.seed)
+        self.eval_pairs = (read_preference_file(d.eval_file, d.transform, d.system_prompt)
+                           if d.eval_file else [])
 
     @_in_compute_dtype
     def train(self, step: int) -> dict[str, Any]:
@@ -449,6 +451,13 @@ class PreferenceHost:
                                     cfg.train.on_nonfinite)
         t.version = step
         return {**stats, "lr": lr, "train_s": span["seconds"]}
+
+    @_in_compute_dtype
+    def evaluate(self, step: int) -> dict[str, float]:
+        t = self.training
+        with self.spans.span("eval", step, "eval"):
+            return preference_eval(t.policy, self.assessment.reference, t.tokenizer,
+                                   self.eval_pairs, self.cfg.algo)
 
     def state(self) -> dict[str, Any]:
         return {"data_position": self.pairs.position}

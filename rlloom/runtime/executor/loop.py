@@ -46,13 +46,13 @@ from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
 from rlloom.runtime.outputs.tracing import Tracer
 from rlloom.runtime.outputs.trackers import closing_all, open_trackers
+from rlloom.runtime.stages.evaluate import score_name, score_term
 from rlloom.runtime.stages.nonfinite import NonFiniteStop, stop_message
 from rlloom.runtime.stop_signals import Stopped, StopSignals
 
 # the offline (DPO) line leads with its loss and reward accuracy; online lines with rewards
-OFFLINE_PROGRESS_KEYS = ("loss", "pref_accuracy", "margin", "eval_accuracy", "step_s",
-                         "train_s")
-PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "eval_accuracy", "tool_calls",
+OFFLINE_PROGRESS_KEYS = ("loss", "pref_accuracy", "margin", "step_s", "train_s")
+PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "tool_calls",
                  "step_s", "gen_s", "assess_s", "train_s", "staleness")
 
 
@@ -292,7 +292,7 @@ class StepLoop:
         train = self._host("training")
         scores = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
         if scores is not None:
-            self.eval_history.append((self.step, scores["accuracy"]))
+            self.eval_history.append((self.step, scores.pop("score")))
         return scores
 
     def _online_step(self, step: int) -> dict[str, Any]:
@@ -340,10 +340,11 @@ class StepLoop:
         if self.step == 0 and not self.eval_history:
             before = self.evaluate()
             if self.main:
-                print(f"held-out {self._eval_kind} accuracy before RL: {before['accuracy']:.3f}"
-                      if before is not None
-                      else "no held-out evaluation: this run has no held-out problems (set "
-                      "data.eval_file to prompts with answers to measure one)")
+                print(f"held-out {score_name(cfg)} before {self._phase}: "
+                      f"{self.eval_history[-1][1]:.3f}" if before is not None
+                      else "no held-out evaluation: this run has no held-out problems, or "
+                      "nothing to score them with (set data.eval_file to rows your reward "
+                      "functions or the task's verifier can score)")
         trackers = (open_trackers(cfg.log.trackers, self.run_dir, cfg.model_dump(mode="json"),
                                   dump_config(cfg), cfg.log.project, self.step + 1)
                     if self.main else [])
@@ -362,7 +363,6 @@ class StepLoop:
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
                     scores = self.evaluate()
                     if scores is not None:
-                        row["eval_accuracy"] = scores.pop("accuracy")
                         row.update(scores)
                 if self.main:
                     self.metrics.append(row)
@@ -376,7 +376,9 @@ class StepLoop:
                     self.tracer.events += self.ex.spans()
                 tokens = sum(row.get("response_lens", ()))
                 keys = PROGRESS_KEYS if self.online else OFFLINE_PROGRESS_KEYS
+                evaluated = self.eval_history and self.eval_history[-1][0] == self.step
                 bar.advance(**{k: row.get(k) for k in keys},
+                            eval=self.eval_history[-1][1] if evaluated else None,
                             tok_per_s=tokens / row["step_s"] if tokens else None)
                 if halt and self.step < cfg.train.steps:
                     print(f"a callback stopped the run after step {self.step}")
@@ -397,16 +399,18 @@ class StepLoop:
             self._save_trace()
             plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
             if self.eval_history:
-                print(f"held-out {self._eval_kind} accuracy: before RL {before:.3f}, after RL "
-                      f"{after:.3f} ({100 * (after - before):+.1f} points)")
+                # an accuracy (the verifier's, or DPO's pair accuracy) changes in points
+                share = score_term(self.cfg) == "correct" or not self.online
+                change = f"{100 * (after - before):+.1f} points" if share else \
+                    f"{after - before:+.3f}"
+                print(f"held-out {score_name(self.cfg)}: before {self._phase} {before:.3f}, "
+                      f"after {self._phase} {after:.3f} ({change})")
         self.ex.barrier()
         return {"eval_before": before, "eval_after": after, "restarts": float(self.attempt)}
 
     @property
-    def _eval_kind(self) -> str:
-        """How the held-out accuracy is measured, for the lines a user reads."""
-        n = self.cfg.eval.n_samples
-        return "greedy" if n == 1 else f"sampled ({n} per problem)"
+    def _phase(self) -> str:
+        return "RL" if self.online else "training"
 
     @property
     def main(self) -> bool:

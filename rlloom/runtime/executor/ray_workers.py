@@ -149,7 +149,9 @@ class GroupWorker:
     def train_preferences(self, step: int) -> dict:
         return self.preferences.train(step)
 
-    def evaluate(self, step: int) -> float:
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        if self.preferences is not None and self.preferences.eval_pairs:
+            return self.preferences.evaluate(step)
         return self.training.evaluate(step)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.contracts import algo_problems
+from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.data.chat import is_chat
 from rlloom.data.preferences import read_preference_file
@@ -31,6 +32,7 @@ from rlloom.runtime.executor.ray_plan import (
 )
 from rlloom.runtime.run_dir import claim, record_resume, rewind
 from rlloom.runtime.stages.batch import encode
+from rlloom.runtime.stages.evaluate import eval_problems
 
 
 def check_runnable(cfg: RunConfig, world: int = 1, opts: RunOptions | None = None) -> None:
@@ -57,11 +59,12 @@ def check_runnable(cfg: RunConfig, world: int = 1, opts: RunOptions | None = Non
 def check_prompt_lengths(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Refuse, before any work, prompts the tokenizer cannot render (chat turns without a chat
     template) or longer than `data.max_prompt_tokens` once rendered."""
-    d = cfg.data
-    sets = load_prompt_sets(d, cfg.seed)
-    problems: list = sets.train + sets.eval
-    if d.preference_file:
-        problems += read_preference_file(d.preference_file, d.transform, d.system_prompt)
+    d, online = cfg.data, PRESETS[cfg.algo.name].online
+    problems: list = load_prompt_sets(d, cfg.seed).train if online else []
+    problems += eval_problems(cfg)
+    for pairs in (d.preference_file, None if online else d.eval_file):
+        if pairs:
+            problems += read_preference_file(pairs, d.transform, d.system_prompt)
     source = d.prompt_file or d.preference_file or f"built-in task {d.task}"
     chat = next((p for p in problems if is_chat(p.prompt)), None)
     if chat is not None and not tokenizer.chat_template:

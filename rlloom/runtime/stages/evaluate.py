@@ -20,6 +20,7 @@ from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.device import model_device
 from rlloom.runtime.stages.batch import encode
 from rlloom.runtime.stages.generation import Rewarder, respond
+from rlloom.user_code import function_name
 
 EVAL_BATCH = 256  # problems per generation call (times eval.n_samples responses)
 EVAL_SEED = 424_242  # sampled evaluation draws from its own stream, the same at every eval
@@ -29,10 +30,11 @@ def eval_problems(cfg: RunConfig) -> list[Problem]:
     """The held-out problems: the eval file's, a share of the prompt file's, or the built-in
     task's, except for an offline run on the user's model without prompts of its own (its
     preference pairs carry no answers, and the built-in task says nothing about that model)."""
-    d = cfg.data
-    if not (PRESETS[cfg.algo.name].online or d.prompt_file or d.eval_file
-            or cfg.model.path is None):
+    d, online = cfg.data, PRESETS[cfg.algo.name].online
+    if not (online or d.prompt_file or d.eval_file or cfg.model.path is None):
         return []
+    if (not online and d.eval_file) or score_term(cfg) is None:
+        return []  # the offline run's eval file holds pairs (stages/offline.py scores them)
     return load_prompt_sets(d, cfg.seed).eval
 
 
@@ -49,23 +51,51 @@ def ks(n: int) -> list[int]:
     return sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i < n), n})
 
 
+def score_term(cfg: RunConfig) -> str | None:
+    """The reward term whose held-out value is the run's score: `eval.score`, else the
+    verifier's `correct` (scored as accuracy), else with `data.task=none` the first of
+    `reward.functions`; None when nothing held out can be scored (a reward model alone)."""
+    names = [function_name(s) for s in cfg.reward.functions]
+    if cfg.eval.score is not None:
+        return cfg.eval.score
+    return "correct" if cfg.data.task != "none" else next(iter(names), None)
+
+
+def score_name(cfg: RunConfig) -> str:
+    """What the run's held-out score is, for the lines a user reads."""
+    n = cfg.eval.n_samples
+    kind = "greedy" if n == 1 else f"sampled ({n} per problem)"
+    if not PRESETS[cfg.algo.name].online and cfg.data.eval_file:
+        return "pair accuracy (eval/pref_accuracy, the share of held-out pairs whose chosen " \
+               "response gets the higher implicit reward)"
+    term = score_term(cfg)
+    if term == "correct":
+        return f"{kind} accuracy"
+    why = "eval.score" if cfg.eval.score else "the first of reward.functions; eval.score " \
+                                              "chooses another"
+    return f"{kind} eval/{term} ({why})"
+
+
 def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
                     problems: list[Problem], cfg: RunConfig, pool: SandboxPool | None = None,
                     tools: Tools | None = None) -> dict[str, float]:
-    """The held-out score: `eval.n_samples` responses per problem (greedy at the default
+    """The held-out metrics: `eval.n_samples` responses per problem (greedy at the default
     `eval.temperature` 0; at most `eval.max_new_tokens`, ended by `rollout.stop`; with `tools`
     a conversation), scored by the run's own reward terms (the task's verifier and
-    `reward.functions`; a reward model is left out). `accuracy` is the share of responses
-    with the verifier's full marks; `eval/<term>` each term's mean and `eval/reward` their
-    weighted sum's (unless it weighs the reward model); with n > 1, `eval/pass@k` (unbiased,
-    for k = 1, 2, 4, ..., n) and `eval/mean@n`."""
-    e = cfg.eval
+    `reward.functions`; a reward model is left out). `eval_accuracy` is the share of
+    responses with the verifier's full marks (where a verifier defines it); `eval/<term>`
+    each term's mean and `eval/reward` their weighted sum's (unless it weighs the reward
+    model); with n > 1, `eval/pass@k` (unbiased, k = 1, 2, 4, ..., n; a response passes with
+    the score term's full marks) and `eval/mean@n`. `score` is the run's score (`score_term`):
+    accuracy for the verifier's term, else the term's mean."""
+    e, term = cfg.eval, score_term(cfg)
     params = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(cfg.rollout.stop))
     generator = torch.Generator(device=model_device(model)).manual_seed(cfg.seed + EVAL_SEED)
     rewarder = Rewarder(cfg, tokenizer, None, pool)
     sums: dict[str, float] = {}
-    passed: list[int] = []
+    passed: list[int] = []  # per problem, its responses with the score term's full marks
+    verified = 0  # responses with the verifier's full marks
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
         prompts = encode(tokenizer, [p.prompt for p in chunk for _ in range(e.n_samples)])
@@ -82,15 +112,18 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
             terms["reward"] = sum(w * terms[k] for k, w in weights.items())
         for name, values in terms.items():
             sums[name] = sums.get(name, 0.0) + values.float().sum().item()
-        full = (terms["correct"] >= 1.0).view(len(chunk), e.n_samples).sum(dim=1)
-        passed += full.tolist()
+        passed += (terms[term] >= 1.0).view(len(chunk), e.n_samples).sum(dim=1).tolist()
+        if "correct" in terms:
+            verified += int((terms["correct"] >= 1.0).sum())
     samples = len(problems) * e.n_samples
-    out = {"accuracy": sum(passed) / samples,
-           **{f"eval/{name}": total / samples for name, total in sums.items()}}
+    out = {f"eval/{name}": total / samples for name, total in sums.items()}
+    if "correct" in sums:
+        out["eval_accuracy"] = verified / samples
+    out["score"] = out["eval_accuracy"] if term == "correct" else out[f"eval/{term}"]
     if e.n_samples > 1:
         for k in ks(e.n_samples):
             out[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, c, k) for c in passed) / len(passed)
-        out[f"eval/mean@{e.n_samples}"] = out["accuracy"]
+        out[f"eval/mean@{e.n_samples}"] = sum(passed) / samples
     return out
 
 
@@ -101,8 +134,9 @@ def evaluate_checkpoint(cfg: RunConfig) -> dict[str, object]:
     from rlloom.runtime.device import resolve_device
     problems = eval_problems(cfg)
     if not problems:
-        raise DataError("no held-out problems: set data.eval_file (or data.prompt_file, whose "
-                        "share data.eval_size is held out)")
+        raise DataError("no held-out problems: set data.eval_file to prompt rows (or "
+                        "data.prompt_file, whose share data.eval_fraction is held out); a DPO "
+                        "run's held-out pairs are scored during training (eval/pref_accuracy)")
     device = resolve_device(cfg.train.device)
     model = load_model(cfg.model.path, DTYPES[cfg.model.dtype]).to(device).eval()
     tokenizer = load_tokenizer(cfg.model.path, cfg.data.chat_template)
@@ -116,4 +150,4 @@ def evaluate_checkpoint(cfg: RunConfig) -> dict[str, object]:
     e = cfg.eval
     return {"checkpoint": cfg.model.path, "problems": len(problems), "n_samples": e.n_samples,
             "temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens,
-            **scores}
+            "score_name": score_name(cfg), **scores}

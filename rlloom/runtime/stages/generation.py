@@ -59,18 +59,15 @@ class Samples:
     # single-turn); metrics, so they stay on the CPU
     tools: torch.Tensor | None = None
 
-    @property
-    def correct(self) -> torch.Tensor:
-        """[n] bool: the verifier's full marks."""
-        return self.terms["correct"] >= 1.0
-
     def stats(self) -> dict[str, Any]:
         """The per-step sample metrics of metrics.jsonl (the lengths feed `perf validate`)."""
         r = self.rollout
         return {"reward": self.scores.mean().item(),
                 **{f"reward/{k}": v.float().mean().item() for k, v in self.terms.items()},
                 **group_spread(self.scores, self.group_ids),
-                "accuracy": self.correct.float().mean().item(),
+                # the share with the verifier's full marks, where a verifier defines it
+                **({"accuracy": (self.terms["correct"] >= 1.0).float().mean().item()}
+                   if "correct" in self.terms else {}),
                 "response_len": r.response_lengths.float().mean().item(),
                 "truncated": (~r.finished).float().mean().item(),
                 "sample_rounds": self.rounds,

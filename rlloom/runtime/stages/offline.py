@@ -26,18 +26,37 @@ def sequence_logprobs(model: CausalLM, batch: Rollout) -> torch.Tensor:
     return (logp * batch.response_mask).sum(1)
 
 
-def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.optim.Optimizer,
-                    tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair],
-                    algo: AlgoSection, grad_clip: float, on_nonfinite: str = "stop"
-                    ) -> dict[str, float]:
+EVAL_PAIRS = 64  # held-out pairs per forward pass
+
+
+def _logratios(policy: CausalLM, reference: CausalLM, tokenizer: PreTrainedTokenizerBase,
+               pairs: list[PreferencePair]) -> tuple[torch.Tensor, ...]:
+    """Sequence log-probs [n] of the chosen and rejected responses under the policy, then
+    under the reference."""
     batch = pair_batch(tokenizer, pairs).to(model_device(policy))
     n = len(pairs)
     # a LoRA policy is its own reference, with its adapters off
     with torch.no_grad(), adapters_disabled(reference):
         ref = sequence_logprobs(reference, batch)
     pol = sequence_logprobs(policy, batch)
-    loss = PREFERENCE_LOSSES.get(algo.preference_loss)(pol[:n], pol[n:], ref[:n], ref[n:],
-                                                       algo.beta).mean()
+    return pol[:n], pol[n:], ref[:n], ref[n:]
+
+
+def _pair_stats(algo: AlgoSection, pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor,
+                rr: torch.Tensor) -> dict[str, float]:
+    """Sums over the pairs (TRL's rewards/*: beta times the log-ratio to the reference)."""
+    chosen, rejected = algo.beta * (pc - rc).detach(), algo.beta * (pr - rr).detach()
+    return {"pref_accuracy": preference_accuracy(pc, pr, rc, rr).item() * len(pc),
+            "margin": (chosen - rejected).sum().item(),
+            "chosen_reward": chosen.sum().item(), "rejected_reward": rejected.sum().item()}
+
+
+def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.optim.Optimizer,
+                    tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair],
+                    algo: AlgoSection, grad_clip: float, on_nonfinite: str = "stop"
+                    ) -> dict[str, float]:
+    pc, pr, rc, rr = _logratios(policy, reference, tokenizer, pairs)
+    loss = PREFERENCE_LOSSES.get(algo.preference_loss)(pc, pr, rc, rr, algo.beta).mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
@@ -46,7 +65,22 @@ def preference_step(policy: CausalLM, reference: CausalLM, optimizer: torch.opti
         return ({"nonfinite": nonfinite.code("preference loss or gradient norm")}
                 if on_nonfinite == "stop" else {"nonfinite_skips": 1.0})
     optimizer.step()
-    margin = ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:])).detach()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(),
-            "pref_accuracy": preference_accuracy(pol[:n], pol[n:], ref[:n], ref[n:]).item(),
-            "margin": algo.beta * margin.mean().item()}
+    stats = {k: v / len(pairs) for k, v in _pair_stats(algo, pc, pr, rc, rr).items()}
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats}
+
+
+@torch.no_grad()
+def preference_eval(policy: CausalLM, reference: CausalLM, tokenizer: PreTrainedTokenizerBase,
+                    pairs: list[PreferencePair], algo: AlgoSection) -> dict[str, float]:
+    """Held-out pairs as TRL's DPO evaluates them: `eval/loss`, `eval/pref_accuracy` (the
+    run's score), `eval/margin`, `eval/chosen_reward` and `eval/rejected_reward`, means over
+    the pairs."""
+    sums: dict[str, float] = {}
+    for start in range(0, len(pairs), EVAL_PAIRS):
+        part = pairs[start:start + EVAL_PAIRS]
+        pc, pr, rc, rr = _logratios(policy, reference, tokenizer, part)
+        losses = PREFERENCE_LOSSES.get(algo.preference_loss)(pc, pr, rc, rr, algo.beta)
+        for k, v in {"loss": losses.sum().item(), **_pair_stats(algo, pc, pr, rc, rr)}.items():
+            sums[k] = sums.get(k, 0.0) + v
+    out = {f"eval/{k}": v / len(pairs) for k, v in sums.items()}
+    return {**out, "score": out["eval/pref_accuracy"]}
