@@ -343,7 +343,8 @@ class RunConfig(Strict):
                              "plan.actor_critic=separate, or drop model.critic_path")
         r = self.rollout
         if r.engine == "vllm":
-            problems = vllm_problems(r.temperature, r.top_p, r.top_k, r.min_p)
+            problems = vllm_problems(r.temperature, r.top_p, r.top_k, r.min_p,
+                                     r.repetition_penalty)
             if r.tools or r.partial_tokens:
                 problems.append("rollout.engine=vllm does not run multi-turn tool rollouts "
                                 "or partial rollouts yet; use rollout.engine=rlloom for "

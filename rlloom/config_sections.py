@@ -132,6 +132,10 @@ class RolloutSection(Strict):
     max_new_tokens: int = Field(64, ge=1, description="response length limit")
     min_p: float = Field(0.0, ge=0, lt=1, description="drop tokens below min_p x the most "
                          "likely token's probability; 0 = off")
+    repetition_penalty: float = Field(1.0, gt=0, description="above 1, tokens already in the "
+                                      "sequence are sampled less often (transformers' and "
+                                      "vLLM's rule); like top_p it shapes what is sampled, "
+                                      "not the log-probs trained on; 1 = off")
     stop: list[str] = Field([], description="strings that end a response like EOS (they stay "
                             "in it, and the response counts as finished)")
     max_batch: int = Field(0, ge=0, description="rollouts decoding at once per generation "

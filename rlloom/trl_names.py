@@ -33,6 +33,7 @@ MAPPED: dict[str, str | tuple[str, Callable[[Any, int], Any]]] = {
     "top_p": "rollout.top_p",
     "top_k": "rollout.top_k",
     "min_p": "rollout.min_p",
+    "repetition_penalty": "rollout.repetition_penalty",
     "reward_weights": "reward.weights",
     "report_to": "log.trackers",
     "output_dir": "run_dir",

@@ -18,7 +18,8 @@ VALUES = {"learning_rate": 1e-6, "num_generations": 4, "max_completion_length": 
           "max_prompt_length": 256, "num_iterations": 3, "epsilon": 0.25, "epsilon_high": 0.28,
           "max_grad_norm": 0.5, "lr_scheduler_type": "cosine", "save_steps": 7,
           "save_total_limit": 3, "eval_steps": 5, "max_steps": 12, "temperature": 0.7,
-          "top_p": 0.9, "top_k": 20, "min_p": 0.05, "reward_weights": {"correct": 2.0},
+          "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+          "reward_weights": {"correct": 2.0},
           "report_to": ["tensorboard"], "output_dir": "runs/trl", "kl_loss_coef": 0.02,
           "ppo_epochs": 3, "clip_ratio_high": 0.3, "response_length": 40,
           "max_response_length": 40, "n": 4, "train_batch_size": 8, "reward_funcs": []}

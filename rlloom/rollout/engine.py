@@ -176,6 +176,13 @@ class _Run:
         # active: decoding; held: holding a sequence, decoding or parked on a tool call
         self.active, self.held = zeros.clone(), zeros.clone()
         self.seq = torch.full((slots,), n, dtype=torch.long, device=dev)
+        # [n + 1, vocab]: the tokens each sequence holds (prompt, response, tool output), for
+        # a repetition penalty only; row n is the idle slots' target
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(n + 1, c.vocab_size, dtype=torch.bool, device=dev)
+            for i, q in enumerate(prompts):
+                self.seen[i, torch.tensor(q, device=dev)] = True
 
         self.slot_seq = [-1] * slots
         self.free = list(range(slots))        # kept sorted: low slots first keep rows small
@@ -325,7 +332,11 @@ class _Run:
         that ended. `slots` lists the slot of each row when `idx` is a tensor."""
         seq, gen = self.seq[idx], self.gen[idx]
         u = None if self.seed is None else uniforms(self.seed, seq, gen)
-        tok, lp = sample_with_uniforms(logits, self.params, u)
+        seen = None if self.seen is None else self.seen[seq]
+        tok, lp = sample_with_uniforms(logits, self.params, u, seen)
+        if self.seen is not None:  # parked and idle rows decode along; their tokens are not
+            live = act.bool()
+            self.seen[seq[live], tok[live]] = True
         self.out_tok[seq, gen] = tok
         self.out_lp[seq, gen] = lp
         self.next_tok[idx] = tok
@@ -398,6 +409,8 @@ class _Run:
             m = len(ids)
             self.out_tok[s, used:used + m] = torch.tensor(ids, device=self.device)
             self.out_inj[s, used:used + m] = 1
+            if self.seen is not None:
+                self.seen[s, torch.tensor(ids, device=self.device)] = True
             logits = self._extend(slot, [int(self.out_tok[s, used - 1]), *ids])
             idx = torch.tensor([slot], device=self.device)
             self.gen[idx] = used + m

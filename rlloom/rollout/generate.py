@@ -119,6 +119,7 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     out_lp = torch.zeros(n, t_max, device=dev)
     live = torch.ones(n, dtype=torch.bool, device=dev)
     step_ids, step_mask = prompt_ids, prompt_mask
+    seen = None  # [n, vocab]: the tokens each sequence holds, for a repetition penalty
     for t in range(t_max):
         if use_cache:
             logits = model(step_ids, step_mask, cache)[:, -1]
@@ -126,8 +127,14 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
             full_ids = torch.cat([prompt_ids, out_ids[:, :t]], 1)
             full_mask = torch.cat([prompt_mask, out_mask[:, :t]], 1)
             logits = model(full_ids, full_mask)[:, -1]
-        tokens, lp = _sample(logits, params, generator)
+        if params.repetition_penalty != 1.0 and seen is None:
+            seen = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+            rows, cols = prompt_mask.nonzero(as_tuple=True)
+            seen[rows, prompt_ids[rows, cols]] = True
+        tokens, lp = _sample(logits, params, generator, seen)
         tokens = torch.where(live, tokens, pad_id)
+        if seen is not None:
+            seen[live, tokens[live]] = True
         out_ids[:, t] = tokens
         out_mask[:, t] = live.long()
         out_lp[:, t] = torch.where(live, lp, 0.0)
@@ -147,11 +154,11 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
                    out_lp[:, :used], ~live)
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+            seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample`; a generator on another device than the logits (the trainer's CPU generator
     with a model on a GPU) draws the uniforms on its own device, which then move."""
     if generator is None or params.greedy or generator.device == logits.device:
-        return sample(logits, params, generator)
+        return sample(logits, params, generator, seen)
     u = torch.rand(logits.shape[0], generator=generator, device=generator.device)
-    return sample_with_uniforms(logits, params, u.to(logits.device))
+    return sample_with_uniforms(logits, params, u.to(logits.device), seen)

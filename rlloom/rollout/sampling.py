@@ -15,6 +15,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0               # 0 disables top-k
     min_p: float = 0.0           # drop tokens below min_p * the top token's probability
+    # above 1, tokens already in the sequence (prompt and response) are made less likely:
+    # their logit divided by it when positive, multiplied when negative (CTRL; transformers'
+    # and vLLM's rule), before temperature
+    repetition_penalty: float = 1.0
     # Stops end a sequence like EOS (it counts as finished) and stay in the response, since
     # the trainer needs every sampled token. Token stops match the response's last ids; text
     # stops need a decode callback (the engine's `decode`).
@@ -60,14 +64,31 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [batch] and their policy log-probs [batch] from logits [batch, vocab]."""
+def _shaped(logits: torch.Tensor, logp: torch.Tensor, params: SamplingParams,
+            seen: torch.Tensor | None) -> torch.Tensor:
+    """The tempered log-probs that sampling draws from: `logp`, or with a repetition penalty
+    those of the penalised logits (seen [batch, vocab] bool: tokens already in the sequence).
+    Like top-k and top-p, the penalty only shapes what is sampled: the log-prob recorded is
+    the policy's, which the trainer recomputes."""
+    if params.repetition_penalty == 1.0:
+        return logp
+    if seen is None:
+        raise ValueError("a repetition penalty needs the tokens each sequence has seen")
+    x = logits.float()
+    penalised = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+    return policy_logprobs(torch.where(seen, penalised, x), params.temperature)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch] and their policy log-probs [batch] from logits [batch, vocab];
+    `seen` [batch, vocab] bool is needed with a repetition penalty."""
     logp = policy_logprobs(logits, params.temperature)
+    shaped = _shaped(logits, logp, params, seen)
     if params.greedy:
-        tokens = logp.argmax(-1)
+        tokens = shaped.argmax(-1)
     else:
-        filtered = logp.clone()
+        filtered = shaped.clone()
         if params.top_k > 0:
             kth = filtered.topk(min(params.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
             filtered[filtered < kth] = float("-inf")
@@ -87,8 +108,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def sample_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor,
+                         seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` by inverting the CDF at given uniforms u [batch] in [0, 1).
 
     The same distribution as `sample`, but each row's draw depends only on its own uniform,
@@ -96,15 +117,16 @@ def sample_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.
     uniform drawn up front, so its output does not depend on slot scheduling.
     """
     logp = policy_logprobs(logits, params.temperature)         # [batch, vocab]
+    shaped = _shaped(logits, logp, params, seen)
     if params.greedy:
-        tokens = logp.argmax(-1)
+        tokens = shaped.argmax(-1)
     elif params.top_p < 1.0 or params.top_k > 0:
         if params.top_p < 1.0:
-            weights, order = logp.exp().sort(-1, descending=True)
+            weights, order = shaped.exp().sort(-1, descending=True)
             if params.top_k > 0:
                 weights, order = weights[:, :params.top_k], order[:, :params.top_k]
         else:
-            weights, order = logp.exp().topk(min(params.top_k, logp.shape[-1]), -1)
+            weights, order = shaped.exp().topk(min(params.top_k, logp.shape[-1]), -1)
         if params.top_p < 1.0:
             cum = weights.cumsum(-1)
             # mass before a token reaching top_p of the (top-k renormalised) total drops it
@@ -113,7 +135,7 @@ def sample_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.
             weights = weights.masked_fill(weights < params.min_p * weights[:, :1], 0.0)
         tokens = order.gather(-1, _invert_cdf(weights, u)[:, None]).squeeze(-1)
     else:
-        weights = logp.exp()
+        weights = shaped.exp()
         if params.min_p > 0.0:
             weights = weights.masked_fill(
                 weights < params.min_p * weights.max(-1, keepdim=True).values, 0.0)

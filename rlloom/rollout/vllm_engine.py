@@ -10,8 +10,8 @@ counters, so the trainer need not say when it stepped.
 
 Log-probs follow rlloom's convention (`sampling.policy_logprobs`: the tempered, unfiltered
 distribution): vLLM reports them after temperature when nothing filters the distribution
-(top_p 1, top_k 0, min_p 0), and before temperature (its raw ones) at temperature 1;
-other settings are refused before the run starts (`vllm_env.config_problems`).
+(top_p 1, top_k 0, min_p 0, repetition_penalty 1), and before temperature (its raw ones) at
+temperature 1; other settings are refused before the run starts (`vllm_env.config_problems`).
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ class VLLMEngine:
                             "token each, or a stop string (rollout.stop)")
         base = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
                 "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
-                "min_p": params.min_p,
+                "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
                 "stop_token_ids": [eos_id, *(s[0] for s in params.stop_token_ids)],
                 "stop": list(params.stop), "include_stop_str_in_output": True}
         outs = self._call({"op": "generate", "prompts": prompts,

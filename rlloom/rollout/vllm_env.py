@@ -53,13 +53,15 @@ def resolve_python(setting: str) -> str:
     return str(python) if python.exists() else sys.executable
 
 
-def config_problems(temperature: float, top_p: float, top_k: int, min_p: float) -> list[str]:
+def config_problems(temperature: float, top_p: float, top_k: int, min_p: float,
+                    repetition_penalty: float = 1.0) -> list[str]:
     """Why these sampling settings cannot run on vLLM with rlloom's log-prob convention."""
-    filtered = top_p < 1.0 or top_k > 0 or min_p > 0.0
+    filtered = top_p < 1.0 or top_k > 0 or min_p > 0.0 or repetition_penalty != 1.0
     if filtered and temperature not in (0.0, 1.0):
-        return [f"rollout.engine=vllm with temperature={temperature} and top_p/top_k/min_p "
-                "filtering: vLLM reports log-probs of the filtered distribution, rlloom trains "
-                "on the tempered unfiltered one; use temperature 1, or no filtering"]
+        return [f"rollout.engine=vllm with temperature={temperature} and top_p/top_k/min_p/"
+                "repetition_penalty shaping: vLLM reports log-probs of the shaped distribution, "
+                "rlloom trains on the tempered unshaped one; use temperature 1, or no "
+                "shaping"]
     return []
 
 

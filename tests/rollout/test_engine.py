@@ -66,9 +66,12 @@ def test_sampling_is_reproducible_and_does_not_depend_on_scheduling(model):
     assert not torch.equal(other.response_ids, runs[0].response_ids)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_teacher_forced_forward(model, temperature):
-    params = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=0.9)
+@pytest.mark.parametrize("temperature, penalty", [(1.0, 1.0), (0.7, 1.0), (0.7, 1.3)])
+def test_logprobs_match_teacher_forced_forward(model, temperature, penalty):
+    """The recorded log-probs are the policy's, which the trainer recomputes, whatever shapes
+    the sampling (top_p, a repetition penalty)."""
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=0.9,
+                            repetition_penalty=penalty)
     out = engine_generate(model, PROMPTS, params, eos_mid_response(model), 0,
                           torch.Generator().manual_seed(1), EngineConfig(max_batch=7))
     rows = torch.arange(len(PROMPTS))
@@ -83,6 +86,29 @@ def test_logprobs_match_teacher_forced_forward(model, temperature):
             print(f"\n{model.config.family} T={temperature}: logprob |engine - {name}| "
                   f"max {diff.max():.2e}, mean {diff.sum() / n:.2e} over {int(n)} tokens")
             assert diff.max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["default", "refill", "no-prefix-sharing", "compact"])
+def test_a_repetition_penalty_equals_the_reference_and_repeats_less(model, name):
+    eos = eos_mid_response(model)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, repetition_penalty=1.8)
+    ref = generate(model, PROMPTS, params, eos, 0)
+    out = engine_generate(model, PROMPTS, params, eos, 0, config=CONFIGS[name])
+    for field in ["response_ids", "response_mask", "finished"]:
+        assert torch.equal(getattr(out, field), getattr(ref, field)), field
+    plain = engine_generate(model, PROMPTS, SamplingParams(14, temperature=0.0), eos, 0)
+
+    def repeats(r):  # response tokens already in the prompt or earlier in the response
+        n = 0
+        for p, ids, mask in zip(r.prompt_ids.tolist(), r.response_ids.tolist(),
+                                r.response_mask.tolist()):
+            held = {t for t in p if t != 0}
+            for t, m in zip(ids, mask):
+                n += m and t in held
+                held.add(t)
+        return n
+
+    assert repeats(out) < repeats(plain)
 
 
 def test_top_k_1_equals_greedy(model):
@@ -213,6 +239,29 @@ def test_truncation_goldens(params, expected):
     # evenly spaced uniforms give the kept, renormalised probabilities to within 1/N
     assert torch.allclose(freq_at_grid(params), torch.tensor(expected, dtype=torch.float64),
                           atol=1.5 / N)
+
+
+def test_repetition_penalty_golden():
+    """Seen tokens' logits divided by the penalty when positive, multiplied when negative
+    (1.0 -> 0.5, -1.0 -> -2.0), the unseen one kept; the log-prob stays the policy's."""
+    logits = torch.tensor([[1.0, -1.0, 0.5]])
+    seen = torch.tensor([[True, True, False]])
+    params = SamplingParams(repetition_penalty=2.0)
+    expected = torch.tensor([0.5, -2.0, 0.5], dtype=torch.float64).softmax(-1)
+    tokens, lp = sample_with_uniforms(logits.expand(N, 3), params, GRID, seen.expand(N, 3))
+    freq = torch.bincount(tokens, minlength=3).double() / N
+    assert torch.allclose(freq, expected, atol=1.5 / N)
+    assert torch.allclose(lp[tokens == 1], logits.log_softmax(-1)[0, 1])
+    g = torch.Generator().manual_seed(0)
+    tokens, _ = sample(logits.expand(N, 3), params, g, seen.expand(N, 3))
+    freq = torch.bincount(tokens, minlength=3).double() / N
+    assert torch.allclose(freq, expected, atol=0.03)
+    # greedy picks the mode of the penalised logits: token 0 ties with 2, argmax takes 0;
+    # at penalty 4 token 0 falls to 0.25 and 2 wins
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=4.0)
+    assert sample(logits, greedy, None, seen)[0].tolist() == [2]
+    with pytest.raises(ValueError, match="needs the tokens each sequence has seen"):
+        sample(logits, params, None)
 
 
 def test_reference_sampler_applies_min_p_too():

@@ -109,9 +109,10 @@ def test_a_response_that_samples_eos_ends_with_it_as_finished(engine):
 
 
 def test_what_vllm_does_not_run_is_refused_before_the_run(tmp_path, capsys):
-    assert config_problems(0.8, 0.9, 0, 0.0)
+    assert config_problems(0.8, 0.9, 0, 0.0) and config_problems(0.8, 1.0, 0, 0.0, 1.2)
     assert not config_problems(1.0, 0.9, 20, 0.0) and not config_problems(0.8, 1.0, 0, 0.0)
-    for extra, words in ((["rollout.temperature=0.8", "rollout.top_p=0.9"], "filtered"),
+    assert not config_problems(1.0, 1.0, 0, 0.0, 1.2)
+    for extra, words in ((["rollout.temperature=0.8", "rollout.top_p=0.9"], "shaped"),
                          (["rollout.tools=[calculator]", "rollout.max_turns=2"], "tool"),
                          (["plan.layouts.actor.tp=2"], "tensor-parallel")):
         with pytest.raises(SystemExit):

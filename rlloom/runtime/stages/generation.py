@@ -190,7 +190,7 @@ class Rewarder:
 def _params(cfg: RunConfig, max_new_tokens: int) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
-                          stop=tuple(r.stop))
+                          r.repetition_penalty, stop=tuple(r.stop))
 
 
 def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
