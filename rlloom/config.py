@@ -368,9 +368,10 @@ def task_problems(cfg: RunConfig) -> list[str]:
     names = [reward_functions.load(s)[0] for s in r.functions]
     problems = []
     if d.task == "none":
-        if not (d.prompt_file and cfg.model.path) and PRESETS[cfg.algo.name].online:
+        if not ((d.prompt_file or d.eval_file) and cfg.model.path):
             problems.append("data.task=none has no built-in problems or model; set "
-                            "data.prompt_file and model.path")
+                            "data.prompt_file (or for rlloom eval data.eval_file) and "
+                            "model.path")
         if not (names or r.model_path):
             problems.append("data.task=none has no verifier, so nothing rewards a response; "
                             "set reward.functions (or reward.model_path)")

@@ -36,6 +36,12 @@ def test_the_worked_example_runs_as_written(tmp_path):
     # step 5 loaded final/ in transformers and printed the greedy reply's repr
     # (a reply holding a ' is repr'd in double quotes; the random model may write one)
     assert done.stdout.strip().splitlines()[-1].startswith(("'", '"'))
+    # the score is the user's function (no verifier: no accuracy), and the warm start of
+    # step 3 makes it more than 0
+    said = "held-out greedy eval/exact (the first of reward.functions; eval.score chooses " \
+           "another) before RL: "
+    before = float(done.stdout.split(said, 1)[1].split()[0])
+    assert 0 < before <= 1 and not any("accuracy" in k for r in rows for k in r)
 
     # the Python block, in the same directory: the same run through rlloom.train
     python = subprocess.run([sys.executable, "-c", worked_example("worked-example-python",
@@ -45,5 +51,7 @@ def test_the_worked_example_runs_as_written(tmp_path):
     lines = python.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("step ")] == \
         [f"step {i}" for i in range(1, 7)]
-    assert lines[-1].startswith("held-out eval/exact at steps 3 and 6: [")
-    assert lines[-1].endswith("model in runs/worked_py/final")
+    assert lines[-2].startswith("held-out eval/exact: before RL ")
+    assert lines[-1].startswith("pass@1 ") and lines[-1].endswith("model in runs/worked_py/final")
+    pass1, pass4 = (float(w.strip(",;")) for w in lines[-1].split()[1:4:2])
+    assert 0 <= pass1 <= pass4 <= 1

@@ -130,6 +130,8 @@ def load_prompt_sets(d: DataSection, seed: int) -> PromptSets:
         n_eval = max(1, round(len(rows) * d.eval_fraction)) if len(rows) > 1 else 0
         return PromptSets(train=[rows[i] for i in order[n_eval:]],
                           eval=[rows[i] for i in order[:n_eval]])
+    if d.task == "none":  # no built-in problems: only held-out ones, for `rlloom eval`
+        return PromptSets(train=[], eval=read(d.eval_file) if d.eval_file else [])
     raw = generate(d.task, d.train_size, seed=seed, difficulty=d.difficulty)
     train = [_with_system(p, d.system_prompt) for p in raw]
     if d.eval_file:

@@ -11,7 +11,7 @@ from rlloom.config_sections import DataSection
 from rlloom.data.preferences import PreferencePair, read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets, read_prompt_file
 from rlloom.models.tokenizer import build_char_tokenizer
-from rlloom.runtime.executor.trainer import check_prompt_lengths
+from rlloom.runtime.executor.trainer import check_prompts
 from rlloom.runtime.stages.batch import encode
 
 TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q:1+1="}]
@@ -128,10 +128,10 @@ def test_chat_prompts_without_a_template_are_refused_before_the_run(tmp_path):
     with pytest.raises(DataError, match=r"prompts.jsonl:\d has a prompt of chat turns, but the "
                                         r"tokenizer has no chat template \(data.chat_template="
                                         r"auto\); set data.chat_template to a jinja"):
-        check_prompt_lengths(cfg, build_char_tokenizer())
+        check_prompts(cfg, build_char_tokenizer())
     cfg = load_config(None, ["data.system_prompt=Think."])
     with pytest.raises(DataError, match="data.system_prompt makes every prompt chat turns"):
-        check_prompt_lengths(cfg, build_char_tokenizer())
+        check_prompts(cfg, build_char_tokenizer())
 
 
 def test_the_length_limit_counts_the_template(tmp_path):
@@ -140,8 +140,8 @@ def test_the_length_limit_counts_the_template(tmp_path):
     tok.chat_template = TEMPLATE
     # "u:Q:1+1=|a:" is 11 characters (plus BOS if the tokenizer adds one): 6 of them prompt
     n = len(encode(tok, ["Q:1+1="])[0])
-    check_prompt_lengths(load_config(None, [f"data.prompt_file={path}",
+    check_prompts(load_config(None, [f"data.prompt_file={path}",
                                             f"data.max_prompt_tokens={n}"]), tok)
     with pytest.raises(DataError, match=f"prompt has {n} tokens \\(chat template included\\)"):
-        check_prompt_lengths(load_config(None, [f"data.prompt_file={path}",
+        check_prompts(load_config(None, [f"data.prompt_file={path}",
                                                 f"data.max_prompt_tokens={n - 1}"]), tok)

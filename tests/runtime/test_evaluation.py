@@ -103,7 +103,7 @@ def test_a_task_without_verifier_scores_with_the_first_function_and_says_so(tmp_
     (["data.task=none", "data.prompt_file=ROWS", "model.path=ROWS"],
      "nothing rewards a response; set reward.functions"),
     (["data.task=none"], "data.task=none has no built-in problems or model; set "
-                         "data.prompt_file and model.path"),
+                         r"data.prompt_file \(or for rlloom eval data.eval_file\) and model.path"),
     (["eval.score=model"], "eval.score='model' is not a term the evaluation scores"),
 ])
 def test_unscored_tasks_are_refused(tmp_path, overrides, message):

@@ -21,7 +21,7 @@ from rlloom.runtime.executor.ray_plan import (
     group_specs,
 )
 from rlloom.runtime.executor.ray_runtime import RayExecutor
-from rlloom.runtime.executor.trainer import check_prompt_lengths, new_run_dir
+from rlloom.runtime.executor.trainer import check_prompts, new_run_dir
 from rlloom.runtime.run_dir import claim, record_resume, rewind
 
 
@@ -39,7 +39,7 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     check_group_layouts(cfg, read_model_config(model_path))
     tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
     require_tokenizer_fits(model_path, tokenizer)
-    check_prompt_lengths(cfg, tokenizer)
+    check_prompts(cfg, tokenizer)
     lock = claim(run_dir, resume_dir is not None, overwrite)
     if rewind_to is not None:
         rewind(run_dir, rewind_to)

@@ -56,11 +56,15 @@ def check_runnable(cfg: RunConfig, world: int = 1, opts: RunOptions | None = Non
         raise ConfigError("this algorithm cannot run: " + "; ".join(problems))
 
 
-def check_prompt_lengths(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Refuse, before any work, prompts the tokenizer cannot render (chat turns without a chat
-    template) or longer than `data.max_prompt_tokens` once rendered."""
+def check_prompts(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse, before any work, an online run without training prompts, and prompts the
+    tokenizer cannot render (chat turns without a chat template) or longer than
+    `data.max_prompt_tokens` once rendered."""
     d, online = cfg.data, PRESETS[cfg.algo.name].online
     problems: list = load_prompt_sets(d, cfg.seed).train if online else []
+    if online and not problems:
+        raise DataError(f"data.task={d.task} has no built-in problems to train on; set "
+                        "data.prompt_file")
     problems += eval_problems(cfg)
     for pairs in (d.preference_file, None if online else d.eval_file):
         if pairs:
@@ -121,7 +125,7 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
                         "its tokenizer_config.json (responses end at EOS)")
     if world > 1:
         check_group_layouts(cfg, read_model_config(model_path))
-    check_prompt_lengths(cfg, tokenizer)
+    check_prompts(cfg, tokenizer)
     specs = group_specs(cfg)  # colocated: one group, every stage on these ranks
     ex = LocalExecutor(cfg, model_path, specs[0], device)
     return StepLoop(cfg, run_dir, ex, model_path, specs, opts or RunOptions())

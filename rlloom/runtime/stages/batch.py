@@ -17,7 +17,7 @@ from rlloom.runtime.stages.shared_prompt import SharedPrompts
 def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt]) -> list[list[int]]:
     """Token ids of each prompt, rendered by the tokenizer's chat template when it has one
     (instruction-tuned checkpoints expect it; a text prompt is one user turn), else as plain
-    text. Chat turns need a template: `check_prompt_lengths` refuses them before a run."""
+    text. Chat turns need a template: `check_prompts` refuses them before a run."""
     if not tokenizer.chat_template:
         return [tokenizer(p)["input_ids"] for p in prompts]
     return [tokenizer.apply_chat_template(
