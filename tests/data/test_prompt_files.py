@@ -121,7 +121,8 @@ def test_missing_mapped_column_names_row_and_columns(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bad_row, message", [
     ({"prompt": "Q:2+2=", "level": 1},
-     "missing field 'answer' required by task 'arith'; the row has columns ['prompt', 'level']"),
+     "missing field 'answer' required by task 'arith' (its verifier); the row has columns "
+     "['prompt', 'level']; map a column with data.columns, or set data.task=none"),
     ({"prompt": "   ", "answer": "4", "level": 1}, "empty prompt"),
     ({"answer": "4", "level": 1},
      "missing field 'prompt' (or 'messages'); the row has columns ['answer', 'level']"),
