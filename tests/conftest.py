@@ -1,4 +1,27 @@
+from pathlib import Path
+
 import pytest
+
+# Markers, set here by where a test lives so that no test can miss one (pyproject lists them):
+# ray (starts or joins a Ray instance), vllm (the vLLM backend), slow (a module whose tests
+# take seconds each: multi-process groups, torchrun, whole runs, benchmarks). The edit-test
+# loop runs `pytest -m "not slow and not ray and not vllm" -n auto`.
+SLOW = {"test_ray_groups.py", "test_plan_contract.py", "test_torchrun.py", "test_ray_faults.py",
+        "test_readme_example.py", "test_validate.py", "test_humaneval.py", "test_ray_runtime.py",
+        "test_parallel_equivalence.py", "test_train_e2e.py", "test_faults.py",
+        "test_code_attacks.py", "test_partial_rollouts.py", "test_lora_run.py",
+        "test_published_runs.py", "test_bench_layouts.py", "test_presets.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        if name.startswith("test_ray_") or "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+        if "vllm" in name:
+            item.add_marker(pytest.mark.vllm)
+        if name in SLOW:
+            item.add_marker(pytest.mark.slow)
 
 # A model and run small enough that a full RL step takes well under a second on 2 cores.
 TINY = ["model.hidden_size=32", "model.layers=2", "model.heads=2", "model.kv_heads=1",

@@ -1,12 +1,14 @@
-"""A local Ray instance shared by the tests of one module (8 CPUs on 2 cores: groups of
-several one-thread ranks oversubscribe them, as Ray allows)."""
+"""One local Ray instance shared by every Ray test of a test process (8 CPUs on 2 cores: groups
+of several one-thread ranks oversubscribe them, as Ray allows). Starting one takes seconds, so
+it is started once per session (per xdist worker), not per module; runs that start Ray
+themselves join it (`ray_cluster.Cluster` leaves a running instance alone)."""
 import shutil
 import tempfile
 
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
     import ray
     temp = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")  # short: Ray's socket path limit
