@@ -33,8 +33,8 @@ from pathlib import Path
 from rlloom.config import load_config
 from rlloom.perf.compose import price
 from rlloom.perf.validate import load_run
+from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.ray_launch import train_ray
-from rlloom.runtime.executor.ray_plan import RunOptions
 
 WARMUP = 2
 ARMS = {  # name -> plan overrides

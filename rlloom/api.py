@@ -162,9 +162,10 @@ def launch(run: Prepared, *, overwrite: bool = False, ray: bool = False,
     """Runs a prepared run in this process (and its torchrun peers) or on Ray (`ray`,
     `options.address`, or a plan that needs it); `options` is a `RunOptions`."""
     from rlloom.runtime.executor import ray_plan
+    from rlloom.runtime.executor.interface import RunOptions
     from rlloom.runtime.executor.trainer import new_run_dir
     from rlloom.runtime.outputs.metrics import MetricsLog
-    cfg, opts = run.cfg, options or ray_plan.RunOptions()
+    cfg, opts = run.cfg, options or RunOptions()
     if run.resume is None and cfg.run_dir is None:  # named here, so the result can say where
         cfg = cfg.model_copy(update={"run_dir": str(new_run_dir(cfg))})
     run_dir = run.resume or Path(cfg.run_dir)
@@ -202,7 +203,7 @@ def train(config: str | Path | RunConfig | None = None,
     with each step's metrics row on the driver, a callback returning False stops the run
     after that step (checkpointed, final model written); `resume`: a run directory or one of
     its checkpoints; `options`: a RunOptions (Ray address, restarts, ...)."""
-    from rlloom.runtime.executor.ray_plan import RunOptions
+    from rlloom.runtime.executor.interface import RunOptions
     run = prepare(config, overrides, reward_funcs=reward_funcs, train_dataset=train_dataset,
                   eval_dataset=eval_dataset, resume=resume, overwrite=overwrite)
     opts = options or RunOptions()

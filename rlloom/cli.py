@@ -66,13 +66,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(dump_config(run.cfg), end="")
         return
-    from rlloom.runtime.executor.ray_plan import RunOptions
+    from rlloom.runtime.executor.interface import RunOptions
     if args.dry_run:
         from rlloom.runtime.executor.dry_run import dry_run
         print(dry_run(run.cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus))))
         print("dry run: every check passed; nothing was built or run")
         return
-    from rlloom.runtime.executor.ray_cluster import WorkerFailure
+    from rlloom.runtime.executor.interface import WorkerFailure
     try:
         api.launch(run, overwrite=args.overwrite, ray=args.ray, options=RunOptions(
             address=args.ray_address, worker_timeout_s=args.worker_timeout,

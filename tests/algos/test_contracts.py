@@ -7,7 +7,7 @@ from rlloom.algos.policy_losses import POLICY_LOSSES
 from rlloom.algos.presets import PRESETS
 from rlloom.algos.registry import NEEDS, Registry
 from rlloom.config import ConfigError, load_config
-from rlloom.runtime.executor.trainer import check_runnable
+from rlloom.runtime.executor.preflight import preflight
 
 
 def cfg(*overrides):
@@ -32,7 +32,7 @@ def test_every_need_has_a_provider():
 
 def test_gae_without_a_critic_is_refused_naming_key_and_fix():
     with pytest.raises(ConfigError) as err:
-        check_runnable(cfg("algo=grpo", "algo.advantage=gae"))
+        preflight(cfg("algo=grpo", "algo.advantage=gae"), "process")
     msg = str(err.value)
     assert "algo.advantage=gae needs critic" in msg
     assert "preset algo=grpo has no critic role" in msg
@@ -55,7 +55,7 @@ def test_offline_preset_ignores_online_needs():
 def test_unregistered_name_is_refused_naming_key():
     with pytest.raises(ConfigError, match=r"algo.policy_loss='ppo2' is not registered; choose "
                                           r"one of cispo, decoupled_ppo, gspo, ppo"):
-        check_runnable(cfg("algo.policy_loss=ppo2"))
+        preflight(cfg("algo.policy_loss=ppo2"), "process")
 
 
 def test_register_refuses_an_unknown_need():

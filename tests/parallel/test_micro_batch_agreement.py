@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from harness import spawn
 
-from rlloom.runtime.executor.ranks import RankGroup
+from rlloom.runtime.ranks import RankGroup
 from rlloom.runtime.stages.packing import micro_batches
 
 BUDGET = 60

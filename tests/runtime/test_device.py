@@ -5,7 +5,8 @@ import torch
 
 from rlloom.config import ConfigError, load_config
 from rlloom.runtime.device import resolve_device, torchrun_device
-from rlloom.runtime.executor.ray_plan import RunOptions, ray_problems
+from rlloom.runtime.executor.interface import RunOptions
+from rlloom.runtime.executor.ray_plan import ray_problems
 
 
 @pytest.fixture

@@ -12,10 +12,11 @@ from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
 from rlloom.perf.buckets import padded_tokens, split_sorted
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
-from rlloom.runtime.executor.ranks import Share
+from rlloom.runtime.ranks import Share
 from rlloom.runtime.stages.batch import response_logprobs, response_values
+from rlloom.runtime.stages.experience import Experience
 from rlloom.runtime.stages.generation import Samples
-from rlloom.runtime.stages.online import Experience, critic_backward, optimise, policy_backward
+from rlloom.runtime.stages.online import critic_backward, optimise, policy_backward
 from rlloom.runtime.stages.packing import micro_batches, trim
 from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
 

@@ -5,7 +5,7 @@ from rlloom.config import load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
-from rlloom.runtime.executor.ranks import RankGroup
+from rlloom.runtime.ranks import RankGroup
 from rlloom.runtime.stages.batch import joined
 from rlloom.runtime.stages.generation import Samples
 from rlloom.runtime.stages.online import assess

@@ -6,8 +6,8 @@ from __future__ import annotations
 from rlloom.config import RunConfig
 from rlloom.plan import Layout, runnable_problems
 from rlloom.runtime.device import torchrun_device
-from rlloom.runtime.executor.ranks import RankGroup
 from rlloom.runtime.executor.ray_plan import run_models, world_size
+from rlloom.runtime.ranks import RankGroup
 
 
 def distributed_problems(cfg: RunConfig, world: int) -> list[str]:

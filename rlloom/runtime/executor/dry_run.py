@@ -16,13 +16,9 @@ from rlloom.perf.validate import critic_shape, run_roles
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import generation_layout, model_layout
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.executor.ray_plan import (
-    RunOptions,
-    check_group_layouts,
-    check_ray_runnable,
-    group_specs,
-    needs_ray,
-)
+from rlloom.runtime.executor.interface import RunOptions
+from rlloom.runtime.executor.preflight import preflight
+from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, needs_ray
 
 
 def _architecture(cfg: RunConfig) -> ModelConfig:
@@ -35,13 +31,9 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None =
     """The checks' verdict and what the run would use; raises ConfigError on a problem.
     `hardware_name` prices memory per device (worst case: every prompt at
     data.max_prompt_tokens, every response at rollout.max_new_tokens)."""
-    from rlloom.runtime.executor.trainer import check_runnable
     opts = opts or RunOptions()
     on_ray = needs_ray(cfg)
-    if on_ray:
-        check_ray_runnable(cfg, opts)
-    else:
-        check_runnable(cfg)
+    preflight(cfg, "ray" if on_ray else "process", opts)
     model = _architecture(cfg)
     check_group_layouts(cfg, model)
     groups = group_specs(cfg)

@@ -36,11 +36,12 @@ from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_precision
 from rlloom.runtime.executor.policy import build_critic, build_policy
-from rlloom.runtime.executor.ranks import RankGroup, Share, reshard
 from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
+from rlloom.runtime.ranks import RankGroup, Share, reshard
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import eval_problems, evaluate_policy
+from rlloom.runtime.stages.experience import Experience
 from rlloom.runtime.stages.generation import (
     Rewarder,
     Samples,
@@ -49,7 +50,7 @@ from rlloom.runtime.stages.generation import (
     greedy_baseline,
 )
 from rlloom.runtime.stages.offline import preference_eval, preference_step
-from rlloom.runtime.stages.online import Experience, assess_from, behaviour_kl, optimise, scores
+from rlloom.runtime.stages.online import assess_from, behaviour_kl, optimise, scores
 from rlloom.runtime.stages.pipelined import pipelined_logprobs
 
 # -- batches and stage helpers (no Ray, unit-tested directly) -------------------------------

@@ -14,7 +14,7 @@ import torch
 from rlloom.config import RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
-from rlloom.runtime.executor.ray_cluster import GroupCall
+from rlloom.runtime.executor.interface import GroupCall, Method
 from rlloom.runtime.executor.ray_workers import GroupWorker
 
 
@@ -29,9 +29,9 @@ class LocalGroup:
     def name(self) -> str:
         return self.spec.name
 
-    def call(self, method: str, *args: Any, num_returns: int = 1, control: bool = False
+    def call(self, method: Method, *args: Any, num_returns: int = 1, control: bool = False
              ) -> GroupCall:
-        return GroupCall([getattr(self.worker, method)(*args)])
+        return GroupCall([method(self.worker, *args)])
 
 
 class LocalExecutor:

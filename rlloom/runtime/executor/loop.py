@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -38,9 +38,10 @@ from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.executor.hosts import step_row
+from rlloom.runtime.executor.interface import Executor, Group, RunOptions, WorkerFailure
 from rlloom.runtime.executor.policy import save_final
-from rlloom.runtime.executor.ray_cluster import GroupCall, WorkerFailure
-from rlloom.runtime.executor.ray_plan import RunOptions, state_keys
+from rlloom.runtime.executor.ray_plan import state_keys
+from rlloom.runtime.executor.ray_workers import GroupWorker
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
@@ -54,39 +55,6 @@ from rlloom.runtime.stop_signals import Stopped, StopSignals
 OFFLINE_PROGRESS_KEYS = ("loss", "pref_accuracy", "margin", "step_s", "train_s")
 PROGRESS_KEYS = ("reward", "accuracy", "pref_accuracy", "kl", "tool_calls",
                  "step_s", "gen_s", "assess_s", "train_s", "staleness")
-
-
-class Group(Protocol):
-    spec: DeviceGroup
-
-    @property
-    def name(self) -> str: ...
-
-    def call(self, method: str, *args: Any, num_returns: int = 1, control: bool = False
-             ) -> GroupCall: ...
-
-
-class Executor(Protocol):
-    """What runs the groups. `call` submits a method to every rank of a group (at once, or
-    run in place), `get` waits for answers and names a failed rank; files are written where
-    `main` is true."""
-    main: bool
-    label: str
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def group(self, name: str) -> Group: ...
-    def get(self, refs: Any, what: str, step: int, group: Group | None = None,
-            timeout_s: float | None = None) -> Any: ...
-    def answers(self, call: GroupCall) -> list[Any]: ...
-    def first_ready(self, refs: list[Any], what: str, step: int, group: Group
-                    ) -> list[int]: ...
-    def put(self, value: Any) -> Any: ...
-    def inject(self, step: int) -> None: ...
-    def spans(self) -> list[dict]: ...
-    def watch(self, on_stage: Callable[[str], None]) -> None: ...
-    def save(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> None: ...
-    def barrier(self) -> None: ...
 
 
 def weight_copies(groups: list[DeviceGroup], has_critic: bool) -> list[tuple[str, str]]:
@@ -163,7 +131,7 @@ class StepLoop:
                               f"group); group {train.name!r} has {train.spec.ranks} ranks: resume "
                               "it with plan.layouts.actor on one device, then change layouts at "
                               "the next checkpoint")
-        loads = [self.ex.group(g.name).call("load_state", {
+        loads = [self.ex.group(g.name).call(GroupWorker.load_state, {
             k: v for k, v in state.items() if k in state_keys(g.stages)}, shards)
             for g in self.specs if g.runs("training") or g.runs("generation")]
         self._get(loads, "checkpoint loading", self.step)
@@ -189,8 +157,8 @@ class StepLoop:
                 buffered.append({"step": j, "batch": self._get(item.batch, "generation", j, gen),
                                  "info": info})
         train = self._host("training")
-        tstate, gstate = self._get([train.call("training_state"),
-                                    self._host("generation").call("generation_state")],
+        tstate, gstate = self._get([train.call(GroupWorker.training_state),
+                                    self._host("generation").call(GroupWorker.generation_state)],
                                    "checkpoint", self.step)
         state = {"step": self.step, **tstate, "kl_coef": self.kl.value, **gstate,
                  "eval_history": list(self.eval_history), "buffered": buffered}
@@ -209,7 +177,7 @@ class StepLoop:
         (`_assessed`): a rank runs calls in submission order, so a prefetched assessment
         would queue ahead of the training it should overlap and wait for the next batch."""
         if batch is None:
-            call = self._host("generation").call("generate", step, num_returns=2)
+            call = self._host("generation").call(GroupWorker.generate, step, num_returns=2)
             batch, ginfo = call.part(0).lead, call.part(1)
         self.inflight[step] = InFlight(batch, ginfo, None, None)
         if self._host("assessment") is not self._host("training"):
@@ -217,8 +185,8 @@ class StepLoop:
 
     def _assessed(self, step: int, item: InFlight) -> InFlight:
         if item.exp is None:
-            call = self._host("assessment").call("assess", step, item.batch, self.kl.value,
-                                                 num_returns=2)
+            call = self._host("assessment").call(GroupWorker.assess, step, item.batch,
+                                                 self.kl.value, num_returns=2)
             item.exp, item.ainfo = call.part(0).lead, call.part(1)
         return item
 
@@ -248,7 +216,7 @@ class StepLoop:
         gen, ass = self._host("generation"), self._host("assessment")
         b = self.cfg.train.prompts_per_step
         sizes = [len(c) for c in torch.arange(b).chunk(min(self.opts.fused_chunks, b))]
-        chunks = [gen.call("generate", step, n, num_returns=2) for n in sizes]
+        chunks = [gen.call(GroupWorker.generate, step, n, num_returns=2) for n in sizes]
         self.ex.inject(step)
         pending, infos, assessed = list(range(len(chunks))), [], []
         while pending:
@@ -258,9 +226,9 @@ class StepLoop:
             pending = [c for c in pending if c not in done]
             for c in done:
                 infos.append(self._get(chunks[c].part(1), "generation", step, gen))
-                assessed.append(ass.call("assess_chunk", step, c, chunks[c].part(0).lead))
+                assessed.append(ass.call(GroupWorker.assess_chunk, step, c, chunks[c].part(0).lead))
         # the chunks' results as arguments: a failed chunk fails the merge with its error
-        merged = ass.call("finish_assessment", step, self.kl.value,
+        merged = ass.call(GroupWorker.finish_assessment, step, self.kl.value,
                           *[r for a in assessed for r in a.refs], num_returns=2)
         exp, ainfo = merged.part(0).lead, merged.part(1)
         ginfo = {"gen_s": sum(i["gen_s"] for i in infos),
@@ -279,8 +247,9 @@ class StepLoop:
         train = self._host("training")
         calls = []
         for name, what in self.copies:
-            calls += [train.call("send_weights", what),  # a collective over the training ranks
-                      self.ex.group(name).call("receive_weights", what, step, step,
+            # a collective over the training ranks, and the copy's ranks receiving
+            calls += [train.call(GroupWorker.send_weights, what),
+                      self.ex.group(name).call(GroupWorker.receive_weights, what, step, step,
                                                self.opts.worker_timeout_s, control=True)]
         self._get(calls, "weight sync", step, self.ex.group(self.copies[0][0]))
         received = [max(d["bytes"] for d in self.ex.answers(call)) for call in calls[1::2]]
@@ -290,7 +259,8 @@ class StepLoop:
         """The held-out scores now (`stages/evaluate.py`), or None when the run has no
         held-out problems; the accuracy joins the eval history."""
         train = self._host("training")
-        scores = self._get(train.call("evaluate", self.step), "evaluation", self.step, train)
+        scores = self._get(train.call(GroupWorker.evaluate, self.step), "evaluation", self.step,
+                           train)
         if scores is not None:
             self.eval_history.append((self.step, scores.pop("score")))
         return scores
@@ -299,7 +269,7 @@ class StepLoop:
         exp, ginfo, ainfo, infos = (self._fused(step) if self.cfg.plan.schedule == "fused"
                                     else self._generated(step))
         train = self._host("training")
-        stats = train.call("train", step, exp, self.kl.value, self.correct)
+        stats = train.call(GroupWorker.train, step, exp, self.kl.value, self.correct)
         ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
         stats = self._get(stats, "training", step, train)
         sync_s, sync_bytes = self._sync(step)
@@ -325,7 +295,7 @@ class StepLoop:
 
     def _offline_step(self, step: int) -> dict[str, Any]:
         train = self._host("training")
-        stats = self._get(train.call("train_preferences", step), "training", step, train)
+        stats = self._get(train.call(GroupWorker.train_preferences, step), "training", step, train)
         return {**stats, "gen_s": 0.0, "assess_s": 0.0}
 
     def train_step(self) -> dict[str, Any]:
@@ -391,7 +361,7 @@ class StepLoop:
 
     def _final(self) -> dict[str, float]:
         train = self._host("training")
-        weights = self._get(train.call("policy_weights"), "the final weights", self.step)
+        weights = self._get(train.call(GroupWorker.policy_weights), "the final weights", self.step)
         evals = self.eval_history or [(0, math.nan)]
         before, after = evals[0][1], evals[-1][1]
         if self.main:

@@ -16,7 +16,7 @@ from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
 from rlloom.parallel.mesh import LayoutError
 from rlloom.plan import DeviceGroup
-from rlloom.runtime.executor.ray_plan import RunOptions
+from rlloom.runtime.executor.interface import GroupCall, Method, RunOptions, WorkerFailure
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
 USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)
@@ -72,42 +72,6 @@ class Cluster:
 
 # -- faults ----------------------------------------------------------------------------------
 
-class WorkerFailure(RuntimeError):
-    """A worker died or stopped answering; names its group, the stages it runs and its rank."""
-
-    def __init__(self, group: str, rank: int, stages: tuple[str, ...], state: str, what: str,
-                 step: int, cause: str, detected_after_s: float | None = None) -> None:
-        self.group, self.rank, self.stages, self.state = group, rank, stages, state
-        self.what, self.step, self.cause = what, step, cause
-        self.detected_after_s = detected_after_s
-        self.run_dir: Path | None = None  # set by train_ray
-        super().__init__(
-            f"worker rank {rank} of group {group!r} (stages: {', '.join(stages)}) {state} while "
-            f"the driver waited for {what} of step {step}: {cause}")
-
-    def record(self) -> dict[str, Any]:
-        return {"group": self.group, "rank": self.rank, "stages": list(self.stages),
-                "state": self.state, "what": self.what, "step": self.step,
-                "cause": self.cause[:500], "detected_after_s": self.detected_after_s}
-
-
-@dataclass
-class GroupCall:
-    """One method called on every rank of a group: `refs[rank]` is that rank's ObjectRef, or
-    its tuple of refs for several returns. The group's answer is rank 0's; the others are
-    waited on too, so a rank that fails is seen even while rank 0 waits for it in a
-    collective."""
-    refs: list[Any]
-
-    @property
-    def lead(self) -> Any:
-        return self.refs[0]
-
-    def part(self, i: int) -> "GroupCall":
-        """The i-th of several returns, on every rank."""
-        return GroupCall([r[i] for r in self.refs])
-
-
 @dataclass
 class WorkerGroup:
     spec: DeviceGroup
@@ -119,12 +83,13 @@ class WorkerGroup:
     def name(self) -> str:
         return self.spec.name
 
-    def call(self, method: str, *args: Any, num_returns: int = 1, control: bool = False
+    def call(self, method: Method, *args: Any, num_returns: int = 1, control: bool = False
              ) -> GroupCall:
         opts: dict[str, Any] = {"num_returns": num_returns}
         if control:
             opts["concurrency_group"] = "control"
-        return GroupCall([getattr(a, method).options(**opts).remote(*args) for a in self.actors])
+        return GroupCall([getattr(a, method.__name__).options(**opts).remote(*args)
+                          for a in self.actors])
 
 
 def worker_device(requested: str, cluster_gpus: float) -> torch.device:

@@ -12,14 +12,11 @@ from rlloom.config import RunConfig, dump_config
 from rlloom.models.hf_io import load_tokenizer, read_model_config, require_tokenizer_fits
 from rlloom.runtime.checkpoint import checkpoint_dirs, checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
+from rlloom.runtime.executor.interface import RunOptions, WorkerFailure
 from rlloom.runtime.executor.loop import StepLoop
-from rlloom.runtime.executor.ray_cluster import Cluster, WorkerFailure
-from rlloom.runtime.executor.ray_plan import (
-    RunOptions,
-    check_group_layouts,
-    check_ray_runnable,
-    group_specs,
-)
+from rlloom.runtime.executor.preflight import preflight
+from rlloom.runtime.executor.ray_cluster import Cluster
+from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs
 from rlloom.runtime.executor.ray_runtime import RayExecutor
 from rlloom.runtime.executor.trainer import check_prompts, new_run_dir
 from rlloom.runtime.run_dir import claim, record_resume, rewind
@@ -32,7 +29,7 @@ def train_ray(cfg: RunConfig, resume_dir: Path | None = None,
     """`rlloom train` on Ray: validate, claim the run directory, start or join a cluster,
     run, shut down."""
     opts = opts or RunOptions()
-    check_ray_runnable(cfg, opts)
+    preflight(cfg, "ray", opts)
     run_dir = resume_dir or new_run_dir(cfg)
     model_path = (Path(cfg.model.path) if cfg.model.path
                   else ensure_default_model(cfg, torch.device("cpu")))  # Ray runs on the CPU

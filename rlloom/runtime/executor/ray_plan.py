@@ -4,9 +4,6 @@ what it cannot run (imports no Ray)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig
@@ -14,33 +11,13 @@ from rlloom.models.config import ModelConfig
 from rlloom.parallel.mesh import layout_problems
 from rlloom.plan import (
     DeviceGroup,
-    Plan,
     device_groups,
     generation_layout,
     lora_problems,
     model_layout,
     runnable_problems,
 )
-
-
-@dataclass
-class RunOptions:
-    """How the executor runs (the plan says what runs where); the cluster, CPU and fault
-    fields are the Ray executor's."""
-    address: str | None = None      # join this cluster ("auto", "host:6379"); None: start one
-    worker_timeout_s: float = 600.0  # longest wait for any worker answer once started
-    startup_timeout_s: float = 600.0  # longest wait for a group's resources and models
-    max_restarts: int = 0           # times the driver may recreate the groups after a fault
-    group_cpus: dict[str, float] = field(default_factory=dict)  # group -> CPUs per rank (1)
-    num_cpus: float | None = None   # CPUs of a started instance (default: cores or more)
-    fused_chunks: int = 2           # generation requests per step of a fused schedule
-    fault: str | None = None        # test hook "kill|stop:<group>[/rank]:<step>", first try
-    # called on the driver with each step's metrics row; one returning False stops the run
-    # after that step (rlloom.train's callbacks)
-    callbacks: tuple[Callable[[dict[str, Any]], Any], ...] = ()
-
-    def cpus(self, group: str) -> float:
-        return float(self.group_cpus.get(group, 1.0))
+from rlloom.runtime.executor.interface import RunOptions
 
 
 def run_models(cfg: RunConfig) -> tuple[str, ...]:
@@ -102,16 +79,6 @@ def ray_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
     if any(c <= 0 for c in opts.group_cpus.values()):
         problems.append("group CPUs must be > 0")
     return problems
-
-
-def check_ray_runnable(cfg: RunConfig, opts: RunOptions) -> None:
-    from rlloom.runtime.executor.trainer import check_runnable
-    problems = ray_problems(cfg, opts)
-    if problems:
-        raise ConfigError("the Ray runtime cannot run this configuration: " + "; ".join(problems))
-    # the registry checks of the single-process runtime, for a plan it can run
-    check_runnable(cfg.model_copy(update={"plan": Plan(actor_critic=cfg.plan.actor_critic)}),
-                   opts=opts)
 
 
 def check_group_layouts(cfg: RunConfig, model: ModelConfig) -> None:

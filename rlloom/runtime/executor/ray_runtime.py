@@ -20,11 +20,10 @@ from typing import Any
 from rlloom.config import ConfigError, RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
+from rlloom.runtime.executor.interface import GroupCall, RunOptions, WorkerFailure
 from rlloom.runtime.executor.loop import weight_copies
 from rlloom.runtime.executor.ray_cluster import (
     USER_ERRORS,
-    GroupCall,
-    WorkerFailure,
     WorkerGroup,
     diagnose,
     first_line,
@@ -33,7 +32,6 @@ from rlloom.runtime.executor.ray_cluster import (
     start_error,
     worker_device,
 )
-from rlloom.runtime.executor.ray_plan import RunOptions
 from rlloom.runtime.executor.ray_workers import GroupWorker
 
 PING_S = 5.0
@@ -149,7 +147,7 @@ class RayExecutor:
             address = (self.get(g.actors[0].address.options(concurrency_group="control")
                                 .remote(), "start-up", self.step, g,
                                 self.opts.startup_timeout_s) if g.spec.ranks > 1 else None)
-            started[name] = g.call("start", address, self.opts.worker_timeout_s)
+            started[name] = g.call(GroupWorker.start, address, self.opts.worker_timeout_s)
         for name, call in started.items():  # building the models happens here
             g = self.groups[name]
             self.get(call, "start-up", self.step, g, self.opts.startup_timeout_s)
@@ -216,7 +214,7 @@ class RayExecutor:
         train = next(g for g in self.groups.values() if g.spec.runs("training"))
 
         def shards(tmp: Path) -> None:
-            self.get(train.call("save_shards", str(tmp)), "checkpoint", step, train)
+            self.get(train.call(GroupWorker.save_shards, str(tmp)), "checkpoint", step, train)
         save_state(run_dir, step, state, keep, write=shards if train.spec.ranks > 1 else None)
 
     def barrier(self) -> None:

@@ -47,11 +47,11 @@ from rlloom.runtime.executor.hosts import (
     PreferenceHost,
     TrainingHost,
 )
-from rlloom.runtime.executor.ranks import RankGroup, free_address, leave_world
 from rlloom.runtime.executor.weight_channel import WeightChannel
 from rlloom.runtime.executor.weight_sync import SyncStats
 from rlloom.runtime.outputs.spans import SpanLog
-from rlloom.runtime.stages.online import Experience
+from rlloom.runtime.ranks import RankGroup, free_address, leave_world
+from rlloom.runtime.stages.experience import Experience
 
 # -- the process ----------------------------------------------------------------------------
 

@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlloom.algos.contracts import algo_problems
 from rlloom.algos.presets import PRESETS
-from rlloom.config import ConfigError, RunConfig, dump_config
+from rlloom.config import RunConfig, dump_config
 from rlloom.data.chat import is_chat
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets
@@ -19,41 +18,16 @@ from rlloom.models.hf_io import load_tokenizer, read_model_config, require_token
 from rlloom.runtime.checkpoint import checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device, torchrun_device
-from rlloom.runtime.executor.distributed import distributed_problems, join_torchrun
+from rlloom.runtime.executor.distributed import join_torchrun
+from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.local import LocalExecutor
 from rlloom.runtime.executor.loop import StepLoop
-from rlloom.runtime.executor.ranks import leave_world
-from rlloom.runtime.executor.ray_plan import (
-    RunOptions,
-    check_group_layouts,
-    group_specs,
-    loop_problems,
-    world_size,
-)
+from rlloom.runtime.executor.preflight import preflight
+from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, world_size
+from rlloom.runtime.ranks import leave_world
 from rlloom.runtime.run_dir import claim, record_resume, rewind
 from rlloom.runtime.stages.batch import encode
 from rlloom.runtime.stages.evaluate import eval_problems
-
-
-def check_runnable(cfg: RunConfig, world: int = 1, opts: RunOptions | None = None) -> None:
-    """Refuse, before any work, what this process (or torchrun world) cannot execute."""
-    if world > 1:
-        problems = distributed_problems(cfg, world)
-        if problems:
-            raise ConfigError(f"this plan cannot run under torchrun with {world} processes: "
-                              + "; ".join(problems))
-    else:
-        problems = cfg.plan.single_process_problems()
-        if problems:
-            raise ConfigError("the single-process runtime cannot run this plan: " +
-                              "; ".join(problems) + " (launch it with torchrun "
-                              "--nproc_per_node N -m rlloom train, or use the Ray runtime)")
-    problems = loop_problems(cfg, opts or RunOptions())
-    if problems:
-        raise ConfigError("the step loop cannot run this plan: " + "; ".join(problems))
-    problems = algo_problems(cfg)
-    if problems:
-        raise ConfigError("this algorithm cannot run: " + "; ".join(problems))
 
 
 def check_prompts(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -113,7 +87,7 @@ def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) ->
     """The step loop over this process (and its torchrun peers), after every check; nothing
     is built until it starts."""
     world = world_size()
-    check_runnable(cfg, world, opts)
+    preflight(cfg, "torchrun" if world > 1 else "process", opts, world)
     device = torchrun_device(cfg.train.device) if world > 1 else resolve_device(cfg.train.device)
     if world > 1:
         join_torchrun(cfg.train.device)

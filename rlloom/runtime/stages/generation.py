@@ -34,7 +34,7 @@ from rlloom.rollout.tools import CALL_END
 from rlloom.rollout.vllm_engine import VLLMEngine
 from rlloom.rollout.vllm_env import resolve_python
 from rlloom.runtime.device import kv_budget_bytes, model_device
-from rlloom.runtime.executor.ranks import RankGroup, Share
+from rlloom.runtime.ranks import RankGroup, Share
 from rlloom.runtime.stages.batch import (
     decode_responses,
     encode,

@@ -16,7 +16,7 @@ from rlloom.rollout.generate import Rollout
 from rlloom.runtime.stages.packing import Agree, micro_batches, trim
 
 if TYPE_CHECKING:
-    from rlloom.runtime.stages.online import Experience
+    from rlloom.runtime.stages.experience import Experience
 
 
 def micro_rows(exp: Experience, idx: torch.Tensor, budget: int | None,

@@ -3,7 +3,6 @@ and KL placement come from the registries by name); Generation is generation.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,9 +19,10 @@ from rlloom.models.transformer import CausalLM
 from rlloom.parallel.data_parallel import before_backward
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
-from rlloom.runtime.executor.ranks import RankGroup, Share
+from rlloom.runtime.ranks import RankGroup, Share
 from rlloom.runtime.stages import nonfinite
 from rlloom.runtime.stages.batch import response_logprobs, response_values
+from rlloom.runtime.stages.experience import Experience
 from rlloom.runtime.stages.generation import Samples
 from rlloom.runtime.stages.objective import micro_rows, token_loss
 from rlloom.runtime.stages.packing import Agree, micro_batches, trim
@@ -33,23 +33,6 @@ from rlloom.runtime.stages.pipelined import (
     pipelined_values,
 )
 from rlloom.runtime.stages.shared_prompt import SharedPrompts, prompt_chunks
-
-
-@dataclass
-class Experience:
-    samples: Samples
-    loss_mask: torch.Tensor         # [n, T] response tokens that train (overlong filter applied)
-    ref_logp: torch.Tensor | None   # [n, T]
-    old_values: torch.Tensor | None  # [n, T]
-    advantages: torch.Tensor        # [n, T]
-    returns: torch.Tensor           # [n, T]
-
-    def to(self, device: torch.device | str) -> "Experience":
-        def move(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.to(device)
-        return Experience(self.samples.to(device), self.loss_mask.to(device),
-                          move(self.ref_logp), move(self.old_values),
-                          self.advantages.to(device), self.returns.to(device))
 
 
 @torch.no_grad()
@@ -163,7 +146,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
     ranks: as many plain micro-batches as every other rank), accumulating the mini-batch's
     gradient. In a group every rank holds the whole batch and draws the same shuffle; each
     trains on its data-parallel `share` of every mini-batch (`critic_share` for the critic's
-    layout) with the whole mini-batch's normalisers over dp (runtime/executor/ranks.py). A
+    layout) with the whole mini-batch's normalisers over dp (runtime/ranks.py). A
     pipelined actor trains each micro-batch with a 1F1B schedule (stages/pipelined.py)."""
     r = exp.samples.rollout
     budget = cfg.train.micro_batch_tokens

@@ -28,7 +28,7 @@ from rlloom.runtime.stages.objective import micro_rows, token_loss
 from rlloom.runtime.stages.packing import Agree
 
 if TYPE_CHECKING:
-    from rlloom.runtime.stages.online import Experience
+    from rlloom.runtime.stages.experience import Experience
 
 # the per-token inputs of the loss, in the order they are packed into the schedule's target
 # (a shared actor-critic's value loss adds the old values and the returns)
