@@ -4,14 +4,16 @@ This file imports neither torch nor Ray, so the performance model can read plans
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# "rollout" is the actor's generation layout when it differs from its training layout (a
-# hybrid layout, or the separate generation group of an asynchronous plan).
-Role = Literal["actor", "reference", "reward", "critic", "rollout"]
+# "generation" is the actor's generation layout when it differs from its training layout (a
+# hybrid layout, or the separate generation group of an asynchronous plan). Plans before
+# 2026-12 called it "rollout", which still reads as "generation" (`Plan._old_names`).
+Role = Literal["actor", "reference", "reward", "critic", "generation"]
 
 
 class Strict(BaseModel):
@@ -59,7 +61,25 @@ class Plan(Strict):
         "apart", description="disaggregated: the reference on a group of its own, or on the "
         "training group beside the actor (verl's one-step-off and NeMo RL's async layout)")
     layouts: dict[Role, Layout] = Field(default_factory=dict,
-                                        description="per-role layout; missing roles use 1 device")
+                                        description="per-role layout (actor, critic, reference, "
+                                        "reward, and generation: the actor's layout for "
+                                        "generation when it differs); missing roles use 1 "
+                                        "device")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """plan.layouts.rollout, the generation layout's old name, read as generation."""
+        layouts = data.get("layouts") if isinstance(data, dict) else None
+        if isinstance(layouts, dict) and "rollout" in layouts:
+            if "generation" in layouts:
+                raise ValueError("plan.layouts has both rollout and generation: they are one "
+                                 "layout (rollout is its old name); keep generation")
+            warnings.warn("plan.layouts.rollout is now plan.layouts.generation (the stage it "
+                          "lays out); the old name still works", FutureWarning, stacklevel=2)
+            data = {**data, "layouts": {("generation" if k == "rollout" else k): v
+                                        for k, v in layouts.items()}}
+        return data
 
     @model_validator(mode="after")
     def _staleness_needs_async(self) -> "Plan":
@@ -157,7 +177,7 @@ def stage_group(groups: list[DeviceGroup], stage: str) -> DeviceGroup:
 
 
 def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
-    """The layout `model` has on `group`. Generation runs in the "rollout" layout when the plan
+    """The layout `model` has on `group`. Generation runs in the "generation" layout when the plan
     gives one, else the actor's; a critic that trains takes its own layout or the actor's; a
     model the plan gives no layout runs data-parallel over the group's ranks."""
     if model == "actor" and not group.runs("training"):
@@ -170,11 +190,11 @@ def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
 
 
 def generation_layout(plan: Plan) -> Layout:
-    """The layout generation runs in: the plan's "rollout" layout, else the actor's, with
+    """The layout generation runs in: the plan's "generation" layout, else the actor's, with
     pipeline stages as data-parallel replicas and every expert on each rank (decoding runs on
     whole copies: each rank of a pipeline samples its own prompts instead of holding some
     layers)."""
-    layout = plan.layouts.get("rollout", plan.layout("actor"))
+    layout = plan.layouts.get("generation", plan.layout("actor"))
     if layout.pp > 1 or layout.ep > 1:
         layout = layout.model_copy(update={"dp": layout.dp * layout.pp, "pp": 1, "ep": 1})
     return layout
@@ -200,7 +220,7 @@ def placement_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
         for model in g.models:
             got = model_layout(plan, g, model).world_size
             if got != g.ranks:
-                key = "rollout" if model == "actor" and not g.runs("training") else model
+                key = "generation" if model == "actor" and not g.runs("training") else model
                 problems.append(f"plan.layouts.{key} uses {got} ranks but group {g.name!r} has "
                                 f"{g.ranks} (set by plan.layouts.{_sizer(plan, g)}); make "
                                 f"dp x tp x pp x cp = {g.ranks}")
@@ -210,7 +230,7 @@ def placement_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
 def _sizer(plan: Plan, group: DeviceGroup) -> str:
     if group.runs("training"):
         return "actor"
-    return "rollout" if group.runs("generation") and "rollout" in plan.layouts else (
+    return "generation" if group.runs("generation") and "generation" in plan.layouts else (
         "actor" if group.runs("generation") else "reference")
 
 
@@ -233,7 +253,7 @@ def engine_problems(engine: str, plan: Plan) -> list[str]:
     runtime and the planner both ask."""
     if engine == "vllm" and generation_layout(plan).tp > 1:
         return ["rollout.engine=vllm runs whole copies of the policy; a tensor-parallel "
-                "generation layout runs on rlloom's engine: set the rollout (or actor) "
+                "generation layout runs on rlloom's engine: set the generation (or actor) "
                 "layout's tp=1, or rollout.engine=rlloom"]
     return []
 
@@ -257,9 +277,9 @@ def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:
                             "and cp or not) run the actor (a shared actor-critic too), a "
                             "separate critic and the reference (with a critic copy beside "
                             "it); set pp=1 here")
-    rollout = plan.layouts.get("rollout")
-    if rollout is not None and rollout.zero:
-        problems.append(f"plan.layouts.rollout.zero={rollout.zero}: a generation layout holds "
-                        "no optimizer state and its replicas decode for different numbers of "
-                        "steps, so it is not sharded over dp; set zero=0")
+    generation = plan.layouts.get("generation")
+    if generation is not None and generation.zero:
+        problems.append(f"plan.layouts.generation.zero={generation.zero}: a generation "
+                        "layout holds no optimizer state and its replicas decode for different "
+                        "numbers of steps, so it is not sharded over dp; set zero=0")
     return problems

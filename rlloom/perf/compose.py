@@ -79,13 +79,13 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     """Predict one RL step of `plan`; `models` maps each role the algorithm needs to its shape.
     The groups, which stages each runs and which weights each holds come from
     `plan.device_groups`, the same mapping the runtime starts its groups from.
-    `gen_layout` is the generation ("rollout") layout, when not already in the plan.
+    `gen_layout` is the generation layout, when not already in the plan.
     A colocated actor generates on its own copy, resharded every step, where the runtime
     makes one (`plan.needs_generation_copy`).
     Offline (DPO) steps generate nothing: the workload's K samples are the chosen and rejected
     responses, scored by the reference and trained on."""
     if gen_layout is not None:
-        plan = plan.model_copy(update={"layouts": {**plan.layouts, "rollout": gen_layout}})
+        plan = plan.model_copy(update={"layouts": {**plan.layouts, "generation": gen_layout}})
     shared = plan.actor_critic == "shared"
     active = {r: m for r, m in models.items() if m is not None and not (shared and r == "critic")}
     groups = {g.name: g for g in device_groups(plan, tuple(active))}

@@ -48,9 +48,9 @@ class Search:
     def add(self, p: Priced) -> None:
         problems = list(p.problems)
         if self.runnable:
-            models = tuple(r for r in p.plan.layouts if r != "rollout")
+            models = tuple(r for r in p.plan.layouts if r != "generation")
             problems += runnable_problems(p.plan, models)
-            gen = {"rollout": p.gen_layout} if p.gen_layout is not None else {}
+            gen = {"generation": p.gen_layout} if p.gen_layout is not None else {}
             if p.workload.lora_rank:
                 problems += lora_problems({**p.plan.layouts, **gen})
             problems += engine_problems(p.workload.engine, p.plan.model_copy(
@@ -109,12 +109,12 @@ def describe(p: Plan, gen: Layout | None, micro_batch: int) -> str:
         s += (f"xcp{x.cp}" if x.cp > 1 else "") + (f"-ep{x.ep}" if x.ep > 1 else "")
         ckpt = "-ckpt" if x.activation_checkpointing else ""
         return s + (f"-z{x.zero}" if x.zero else "") + ckpt + ("-offload" if x.offload else "")
-    roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items() if r != "rollout")
-    gen = gen or p.layouts.get("rollout")
-    rollout = f", rollout={short(gen)}" if gen else ""
+    roles = ", ".join(f"{r}={short(x)}" for r, x in p.layouts.items() if r != "generation")
+    gen = gen or p.layouts.get("generation")
+    generation = f", generation={short(gen)}" if gen else ""
     beside = "+ref" if p.reference == "with_actor" else ""
     return (f"{p.placement}{beside}/{p.schedule}/{p.actor_critic}/mb{micro_batch}: "
-            f"{roles}{rollout}")
+            f"{roles}{generation}")
 
 
 def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,

@@ -124,13 +124,13 @@ def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str |
     priced workload of an online algorithm (prompts per step, samples per prompt, the longest
     response), which `rlloom train` accepts (other settings keep their defaults; the plan's
     generation replicas need that many prompts); the generation group, when separate, is the
-    "rollout" layout. The token budget is the priced micro-batch at the longest context, so
+    "generation" layout. The token budget is the priced micro-batch at the longest context, so
     no micro-batch the runtime cuts holds more padded tokens.
     `algo`: the algorithm priced (`algo.name`); `critic_path`: the checkpoint the priced
     critic starts from (`model.critic_path`)."""
     plan = p.plan.model_copy(deep=True)
     if p.gen_layout is not None:
-        plan.layouts["rollout"] = p.gen_layout
+        plan.layouts["generation"] = p.gen_layout
     wl = p.workload
     budget = math.ceil(p.micro_batch * wl.max_context)
     config: dict = {"plan": plan.model_dump(mode="json"),

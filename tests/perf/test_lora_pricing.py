@@ -51,7 +51,7 @@ def test_weight_sync_ships_adapters_and_the_reference_is_the_actor():
     models = {"actor": shape, "reference": shape}
     apart = Plan(placement="disaggregated", reference="with_actor",
                  layouts={"actor": Layout(dp=4, zero=3), "reference": Layout(dp=4, zero=3),
-                          "rollout": Layout(dp=4)})
+                          "generation": Layout(dp=4)})
     full_sync = price(apart, models, wl, hw).sync_s
     lora_sync = price(apart, models, lora, hw).sync_s
     # both broadcasts at the same bandwidth: the ratio is the bytes' (latency aside)

@@ -289,7 +289,7 @@ def test_rollout_layout_in_the_plan_is_the_generation_layout():
     layouts = {"actor": Layout(dp=4, zero=1), "reference": Layout(dp=4)}
     gen = Layout(dp=2, tp=2)
     given = price(Plan(placement="disaggregated", layouts=layouts), models, wl, hw, gen)
-    in_plan = price(Plan(placement="disaggregated", layouts={**layouts, "rollout": gen}),
+    in_plan = price(Plan(placement="disaggregated", layouts={**layouts, "generation": gen}),
                     models, wl, hw)
     assert in_plan.gen_s == given.gen_s and in_plan.step_s == given.step_s
 
@@ -346,7 +346,7 @@ def test_hybrid_colocated_layout_pays_resharding():
     wl = Workload(64, 8, 512, Lengths("fixed", 1024))
     models = role_models(shape, ("actor",))
     train, gen = Layout(dp=8, zero=3), Layout(dp=4, tp=2)
-    hybrid = price(Plan(layouts={"actor": train, "rollout": gen}), models, wl, hw)
+    hybrid = price(Plan(layouts={"actor": train, "generation": gen}), models, wl, hw)
     plain = price(Plan(layouts={"actor": train}), models, wl, hw)
     share = mem.PARAM_B * shape.params / 2
     alpha, bw = hw.intra_node_latency, hw.intra_node_bw * hw.comm_eff

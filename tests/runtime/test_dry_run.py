@@ -30,7 +30,7 @@ def test_the_planners_64_gpu_plan_passes_the_executors_checks(tmp_path, capsys):
     assert (best.plan.placement, best.plan.schedule) == ("disaggregated", "async")
     assert "runs on Ray: generation (40 ranks), actor (24 ranks)" in out
     for role, x in best.plan.layouts.items():  # the generation group holds an actor copy
-        name = "actor" if role == "rollout" else role
+        name = "actor" if role == "generation" else role
         assert f"{name} pp={x.pp} dp={x.dp} cp={x.cp} tp={x.tp} ep={x.ep} zero={x.zero}" in out
     assert "resources: 64 ranks, 64 CPUs" in out and "memory per device on h100" in out
     assert "dry run: every check passed" in out

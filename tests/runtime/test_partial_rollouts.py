@@ -54,7 +54,7 @@ def test_two_generation_replicas_decode_what_one_process_decodes(tmp_path, tiny)
             "algo.overlong=penalty", "train.steps=3"]
     single = _run(tmp_path, "single", args)
     ray_run = tmp_path / "ray"
-    main(["train", *args, "plan.placement=disaggregated", "plan.layouts.rollout.dp=2",
+    main(["train", *args, "plan.placement=disaggregated", "plan.layouts.generation.dp=2",
           f"run_dir={ray_run}", "--worker-timeout", "300"])
     got, expected = _rows(ray_run, ["sync_bytes"]), _rows(single, ["sync_bytes"])
     assert [r["response_lens"] for r in got] == [r["response_lens"] for r in expected]

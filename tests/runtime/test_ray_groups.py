@@ -19,7 +19,7 @@ RAY_ONLY = {"staleness", "staleness_hist", "dropped", "behaviour_kl", "sync_s", 
 EXACT = ["model.kv_heads=2", "model.dtype=float64", "rollout.engine=plain",
          "algo.overlong=penalty", "train.steps=3"]
 DISAGGREGATED = ["plan.placement=disaggregated", "plan.layouts.actor.dp=2",
-                 "plan.layouts.actor.zero=3", "plan.layouts.rollout.tp=2"]
+                 "plan.layouts.actor.zero=3", "plan.layouts.generation.tp=2"]
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -85,19 +85,19 @@ def test_context_parallel_training_group_matches_one_process(tmp_path, tiny, sin
     evaluation run on a whole copy resharded after every step."""
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, "plan.placement=disaggregated",
-          "plan.layouts.actor.cp=2", f"plan.layouts.actor.tp={tp}", "plan.layouts.rollout.dp=1",
+          "plan.layouts.actor.cp=2", f"plan.layouts.actor.tp={tp}", "plan.layouts.generation.dp=1",
           f"run_dir={run}", "--worker-timeout", "300"])
     _assert_same(single(algo, tiny), _rows(run))
 
 
 @pytest.mark.parametrize("algo, plan", [
     ("grpo", ["plan.placement=disaggregated", "plan.layouts.actor.dp=2",
-              "plan.layouts.actor.zero=3", "plan.layouts.rollout.dp=1"]),
+              "plan.layouts.actor.zero=3", "plan.layouts.generation.dp=1"]),
     ("ppo", ["plan.placement=disaggregated", "plan.layouts.actor.tp=2",
-             "plan.layouts.rollout.dp=1"]),
-    ("ppo", ["plan.placement=colocated", "plan.layouts.rollout.tp=2"]),
+             "plan.layouts.generation.dp=1"]),
+    ("ppo", ["plan.placement=colocated", "plan.layouts.generation.tp=2"]),
     ("grpo", ["plan.placement=disaggregated", "plan.layouts.actor.cp=2",
-              "plan.layouts.rollout.dp=1"]),
+              "plan.layouts.generation.dp=1"]),
 ])
 def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, single, algo,
                                                               plan):
@@ -107,7 +107,7 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     2 TP ranks (4 ranks), and colocated its stages also score the values, while generation
     runs on a TP copy of the same 2 ranks; GRPO's stages also each over 2 cp ranks holding
     half of every sequence (4 ranks).
-    (Without a rollout layout each pipeline rank would sample its own prompts as a
+    (Without a generation layout each pipeline rank would sample its own prompts as a
     data-parallel replica, with its own stream: valid, but not the one process's samples.)"""
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, "plan.layouts.actor.pp=2", *plan,
@@ -119,7 +119,7 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     ("ppo", ["plan.placement=disaggregated", "plan.layouts.reference.pp=2"]),
     ("ppo", ["plan.placement=disaggregated", "plan.layouts.reference.cp=2"]),
     ("grpo", ["plan.placement=colocated", "plan.layouts.actor.dp=2",
-              "plan.layouts.reference.pp=2", "plan.layouts.rollout.tp=2"]),
+              "plan.layouts.reference.pp=2", "plan.layouts.generation.tp=2"]),
 ])
 def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, algo, plan):
     """The frozen reference scores on 2 pipeline stages (a forward-only schedule, one layer
@@ -142,7 +142,7 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
     run = tmp_path / "ray"
     main(["train", *tiny, "algo=ppo", *EXACT, "plan.placement=disaggregated",
           "plan.reference=with_actor", "plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
-          "plan.layouts.reference.dp=2", "plan.layouts.rollout.tp=2", f"run_dir={run}",
+          "plan.layouts.reference.dp=2", "plan.layouts.generation.tp=2", f"run_dir={run}",
           "--worker-timeout", "300"])
     _assert_same(single("ppo", tiny), _rows(run))
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
@@ -166,7 +166,7 @@ def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo
     run = tmp_path / "ray"
     main(["train", *moe, "plan.placement=disaggregated", f"plan.layouts.actor.dp={dp}",
           f"plan.layouts.actor.{split}", "plan.layouts.actor.ep=2",
-          f"plan.layouts.actor.zero={zero}", "plan.layouts.rollout.dp=1", f"run_dir={run}",
+          f"plan.layouts.actor.zero={zero}", "plan.layouts.generation.dp=1", f"run_dir={run}",
           "--worker-timeout", "300"])
     _assert_same(_rows(tmp_path / "single"), _rows(run))
 
@@ -177,7 +177,7 @@ def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
     Ray without being asked."""
     run = tmp_path / "ray"
     main(["train", *tiny, "algo=grpo", *EXACT, "plan.layouts.actor.dp=2",
-          "plan.layouts.actor.zero=2", "plan.layouts.rollout.tp=2", f"run_dir={run}",
+          "plan.layouts.actor.zero=2", "plan.layouts.generation.tp=2", f"run_dir={run}",
           "--worker-timeout", "300"])
     _assert_same(single("grpo", tiny), _rows(run))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -186,11 +186,11 @@ def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
 
 @pytest.mark.parametrize("algo, plan", [
     ("ppo", ["plan.actor_critic=shared", "plan.layouts.actor.dp=2",
-             "plan.layouts.rollout.tp=2"]),
+             "plan.layouts.generation.tp=2"]),
     ("ppo", ["plan.actor_critic=shared", "plan.layouts.actor.pp=2",
-             "plan.layouts.rollout.tp=2"]),
-    ("dapo", ["plan.placement=disaggregated", "plan.layouts.rollout.tp=2",
-              "plan.layouts.rollout.dp=2", "train.prompts_per_step=4", "rollout.stop=['1']"]),
+             "plan.layouts.generation.tp=2"]),
+    ("dapo", ["plan.placement=disaggregated", "plan.layouts.generation.tp=2",
+              "plan.layouts.generation.dp=2", "train.prompts_per_step=4", "rollout.stop=['1']"]),
 ])
 def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, single, algo,
                                                                 plan):
@@ -215,9 +215,9 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
 
 @pytest.mark.parametrize("group, layout", [
     ("actor", DISAGGREGATED[1:]),
-    ("generation", ["plan.layouts.rollout.dp=2"]),
-    ("actor", ["plan.layouts.rollout.dp=1", "plan.layouts.actor.pp=2"]),
-    ("actor", ["plan.layouts.rollout.dp=1", "model.family=qwen3_moe", "plan.layouts.actor.dp=2",
+    ("generation", ["plan.layouts.generation.dp=2"]),
+    ("actor", ["plan.layouts.generation.dp=1", "plan.layouts.actor.pp=2"]),
+    ("actor", ["plan.layouts.generation.dp=1", "model.family=qwen3_moe", "plan.layouts.actor.dp=2",
                "plan.layouts.actor.ep=2", "plan.layouts.actor.zero=3"]),
 ])
 def test_a_killed_rank_resumes_as_if_uninterrupted(tmp_path, tiny, single, monkeypatch, capsys,

@@ -135,10 +135,10 @@ def test_dpo_on_a_ray_group_equals_one_process(tmp_path, tiny):
 
 def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):
-        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.rollout.pp=2",
+        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.generation.pp=2",
               "plan.layouts.actor.ep=2", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert "plan.layouts.rollout.pp=2: pipeline stages (with tp and cp or not) run the" in err
+    assert "plan.layouts.generation.pp=2: pipeline stages (with tp and cp or not) run the" in err
     assert "plan.layouts.actor.ep=2: the executor spreads the experts" in err
     assert "--price-only" in err
     assert not (tmp_path / "run").exists()
@@ -146,7 +146,7 @@ def test_layouts_the_executor_does_not_run_are_refused_before_start(tmp_path, ti
 
 def test_a_cluster_too_small_for_the_groups_is_refused_at_once(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):  # 8 + 1 + 1 ranks of one CPU on a 8-CPU cluster
-        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.rollout.dp=8",
+        main(["train", *tiny, "plan.placement=disaggregated", "plan.layouts.generation.dp=8",
               "train.prompts_per_step=8", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert "need 10 CPUs" in err and "generation: 8 ranks" in err and "has 8 CPUs" in err

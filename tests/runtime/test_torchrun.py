@@ -14,7 +14,7 @@ LAYOUTS = {
     "fsdp": ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3"],
     "tp": ["plan.layouts.actor.tp=2"],
     "hybrid": ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
-               "plan.layouts.rollout.tp=2"],
+               "plan.layouts.generation.tp=2"],
     # the executor's roles run here too: pipeline stages, generation on 2 whole copies
     "pp": ["plan.layouts.actor.pp=2"],
     # LoRA adapters beside frozen base weights in the same ZeRO-3 shards

@@ -18,9 +18,9 @@ def distributed_problems(cfg: RunConfig, world: int) -> list[str]:
     if plan.placement != "colocated":
         problems.append(f"plan.placement={plan.placement}: torchrun runs colocated plans, one "
                         "group over its world (use the Ray runtime for groups of their own)")
-    for role in ("actor", "rollout"):
+    for role in ("actor", "generation"):
         layout = plan.layouts.get(role)
-        if layout is None and role == "rollout":
+        if layout is None and role == "generation":
             continue
         layout = layout or Layout()
         if layout.world_size != world:

@@ -88,7 +88,7 @@ def check_group_layouts(cfg: RunConfig, model: ModelConfig) -> None:
     for g in group_specs(cfg):
         layouts = {m: model_layout(cfg.plan, g, m) for m in g.models if m != "reward"}
         if g.runs("generation") and g.runs("training"):
-            layouts["rollout"] = generation_layout(cfg.plan)
+            layouts["generation"] = generation_layout(cfg.plan)
         for m, layout in layouts.items():
             problems += [f"group {g.name!r}, {m}: {p}"
                          for p in layout_problems(layout, model, g.ranks)]
