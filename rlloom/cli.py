@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker-timeout", type=float, default=600.0, metavar="S", help="Ray: "
                    "seconds to wait for any worker answer before calling it failed")
     p.add_argument("--group-cpus", metavar="N|GROUP=N,...", help="Ray: CPUs per device group "
-                   "(default 1 each; groups: all | trainable, frozen | generation, actor, reference)")
+                   "(default 1 each; groups: all | trainable, frozen | generation, actor, "
+                   "reference)")
     p.add_argument("--fused-chunks", type=int, default=2, metavar="N", help="Ray, fused "
                    "schedule: generation requests per step, each assessed as it arrives")
     p.set_defaults(fn=cmd_train)
