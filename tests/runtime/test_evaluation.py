@@ -28,15 +28,20 @@ def test_sampled_evaluation_needs_a_temperature():
         load_config(None, ["eval.n_samples=4"])
 
 
-def test_evaluation_scores_every_reward_term_and_pass_at_k(tmp_path, tiny):
+def rows_trained_with(tmp_path, tiny, source, name, *overrides):
+    """The metrics rows of two steps rewarded by the function `name` defined in `source`."""
     rewards = tmp_path / "rewards.py"
-    rewards.write_text("def short(prompts, completions, **kw):\n"
-                       "    return [float(len(c) < 8) for c in completions]\n")
+    rewards.write_text(source)
     run = tmp_path / "run"
-    main(["train", *tiny, f"reward.functions=[{rewards}:short]", "eval.n_samples=4",
-          "eval.temperature=1.0", "train.steps=2", f"run_dir={run}"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    row = rows[-1]
+    main(["train", *tiny, f"reward.functions=[{rewards}:{name}]", "train.steps=2", *overrides,
+          f"run_dir={run}"])
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_evaluation_scores_every_reward_term_and_pass_at_k(tmp_path, tiny):
+    row = rows_trained_with(tmp_path, tiny, "def short(prompts, completions, **kw):\n"
+                            "    return [float(len(c) < 8) for c in completions]\n", "short",
+                            "eval.n_samples=4", "eval.temperature=1.0")[-1]
     assert {"eval/correct", "eval/format", "eval/short", "eval/reward", "eval/pass@1",
             "eval/pass@2", "eval/pass@4", "eval/mean@4"} <= set(row)
     assert row["eval/pass@1"] == pytest.approx(row["eval_accuracy"])
@@ -124,13 +129,9 @@ def test_a_row_without_the_verifiers_field_names_task_none(tmp_path):
 
 
 def test_a_reward_function_named_correct_replaces_the_verifier_everywhere(tmp_path, tiny):
-    rewards = tmp_path / "mine.py"
-    rewards.write_text("def correct(prompts, completions, **kw):\n"
-                       "    return [1.0 if c.startswith('A') else 0.0 for c in completions]\n")
-    run = tmp_path / "run"
-    main(["train", *tiny, f"reward.functions=[{rewards}:correct]", "train.steps=2",
-          f"run_dir={run}"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = rows_trained_with(tmp_path, tiny, "def correct(prompts, completions, **kw):\n"
+                             "    return [1.0 if c.startswith('A') else 0.0 for c in "
+                             "completions]\n", "correct")
     for row in rows:  # accuracy is the share of full marks by the user's `correct`
         assert row["accuracy"] == pytest.approx(row["reward/correct"])
     assert rows[-1]["eval_accuracy"] == pytest.approx(rows[-1]["eval/correct"])
