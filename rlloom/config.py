@@ -23,6 +23,7 @@ import rlloom.trl_names as trl_names
 from rlloom.algos.presets import PRESETS
 from rlloom.config_sections import (
     DataSection,
+    EvalSection,
     FilePath,
     ModelSection,
     RolloutSection,
@@ -216,29 +217,6 @@ class TrainSection(Strict):
         return v
 
 
-class EvalSection(Strict):
-    every: int = Field(10, ge=1, description="evaluate every N steps (and before step 1)")
-    max_new_tokens: int = Field(64, ge=1, description="greedy response length limit "
-                                "(default: rollout.max_new_tokens)")
-    n_samples: int = Field(1, ge=1, description="responses per held-out problem; above 1 the "
-                           "run logs eval/pass@k (unbiased, k = 1, 2, 4, ..., n) and eval/mean@n")
-    temperature: float = Field(0.0, ge=0, description="0: greedy; sampled evaluation (with "
-                               "eval.n_samples > 1) needs a temperature above 0")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the evaluation")
-    score: str | None = Field(None, description="the reward term whose held-out value is the "
-                              "run's score (eval before/after, the progress line; pass@k counts "
-                              "a response with the term's full marks, >= 1): null = the "
-                              "verifier's accuracy, or with data.task=none the first of "
-                              "reward.functions")
-
-    @model_validator(mode="after")
-    def _samples_need_sampling(self) -> "EvalSection":
-        if self.n_samples > 1 and self.temperature == 0:
-            raise ValueError(f"eval.n_samples={self.n_samples} greedy responses would all be the "
-                             "same; set eval.temperature (e.g. 0.6) for sampled evaluation")
-        return self
-
-
 class CheckpointSection(Strict):
     every: int = Field(10, ge=1, description="save a resumable checkpoint every N steps")
     keep: int = Field(1, ge=1, description="how many recent checkpoints to keep")
@@ -365,7 +343,7 @@ def task_problems(cfg: RunConfig) -> list[str]:
     the user's functions or reward model give a reward, and the score must be a term the
     held-out evaluation computes (a reward model's is not)."""
     d, r = cfg.data, cfg.reward
-    names = [reward_functions.load(s)[0] for s in r.functions]
+    names = [function_name(s) for s in r.functions]
     problems = []
     if d.task == "none":
         if not ((d.prompt_file or d.eval_file) and cfg.model.path):
