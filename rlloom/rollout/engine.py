@@ -46,6 +46,7 @@ from rlloom.rollout.sampling import (
     SamplingParams,
     StopMatcher,
     sample_with_uniforms,
+    seen_tokens,
     uniforms,
 )
 from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
@@ -178,11 +179,8 @@ class _Run:
         self.seq = torch.full((slots,), n, dtype=torch.long, device=dev)
         # [n + 1, vocab]: the tokens each sequence holds (prompt, response, tool output), for
         # a repetition penalty only; row n is the idle slots' target
-        self.seen = None
-        if params.repetition_penalty != 1.0:
-            self.seen = torch.zeros(n + 1, c.vocab_size, dtype=torch.bool, device=dev)
-            for i, q in enumerate(prompts):
-                self.seen[i, torch.tensor(q, device=dev)] = True
+        self.seen = (seen_tokens(prompts, c.vocab_size, dev, n + 1)
+                     if params.repetition_penalty != 1.0 else None)
 
         self.slot_seq = [-1] * slots
         self.free = list(range(slots))        # kept sorted: low slots first keep rows small

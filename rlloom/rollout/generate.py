@@ -14,6 +14,7 @@ from rlloom.rollout.sampling import (
     StopMatcher,
     sample,
     sample_with_uniforms,
+    seen_tokens,
 )
 
 
@@ -119,7 +120,9 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     out_lp = torch.zeros(n, t_max, device=dev)
     live = torch.ones(n, dtype=torch.bool, device=dev)
     step_ids, step_mask = prompt_ids, prompt_mask
-    seen = None  # [n, vocab]: the tokens each sequence holds, for a repetition penalty
+    # [n, vocab]: the tokens each sequence holds, for a repetition penalty
+    seen = (seen_tokens(prompts, model.config.vocab_size, dev)
+            if params.repetition_penalty != 1.0 else None)
     for t in range(t_max):
         if use_cache:
             logits = model(step_ids, step_mask, cache)[:, -1]
@@ -127,10 +130,6 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
             full_ids = torch.cat([prompt_ids, out_ids[:, :t]], 1)
             full_mask = torch.cat([prompt_mask, out_mask[:, :t]], 1)
             logits = model(full_ids, full_mask)[:, -1]
-        if params.repetition_penalty != 1.0 and seen is None:
-            seen = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
-            rows, cols = prompt_mask.nonzero(as_tuple=True)
-            seen[rows, prompt_ids[rows, cols]] = True
         tokens, lp = _sample(logits, params, generator, seen)
         tokens = torch.where(live, tokens, pad_id)
         if seen is not None:

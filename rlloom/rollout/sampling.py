@@ -64,6 +64,16 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
 
 
+def seen_tokens(prompts: list[list[int]], vocab: int, device: torch.device | str,
+                rows: int | None = None) -> torch.Tensor:
+    """[rows, vocab] bool (rows: one per prompt by default): the tokens each prompt holds, the
+    start of what a repetition penalty counts as seen."""
+    seen = torch.zeros(rows or len(prompts), vocab, dtype=torch.bool, device=device)
+    for i, q in enumerate(prompts):
+        seen[i, torch.tensor(q, dtype=torch.long, device=device)] = True
+    return seen
+
+
 def _shaped(logits: torch.Tensor, logp: torch.Tensor, params: SamplingParams,
             seen: torch.Tensor | None) -> torch.Tensor:
     """The tempered log-probs that sampling draws from: `logp`, or with a repetition penalty
