@@ -20,7 +20,8 @@ SCORING_ARCHITECTURES = {arch.replace("ForCausalLM", "ForSequenceClassification"
                          for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
 
-# the gate activations the supported families use (transformers' ACT2FN names)
+# the gate activations the supported families use (transformers' ACT2FN names;
+# rlloom.models.activations holds their functions)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 # rotary embeddings: plain, or scaled as Hugging Face's rope_parameters say
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
+from rlloom.models.activations import ACT_FNS
 from rlloom.models.config import ModelConfig
 
 
@@ -29,7 +29,7 @@ class Expert(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = ACT2FN[act]
+        self.act = ACT_FNS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under tensor parallelism the weights are DTensor shards (gate/up by output features,

@@ -12,9 +12,8 @@ import json
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from rlloom.models.activations import ACT_FNS
 from rlloom.models.cache import KVCache
 from rlloom.models.config import ModelConfig, normalised_hf_config
 from rlloom.models.moe import MoEBlock
@@ -50,6 +49,8 @@ def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
 @functools.lru_cache(maxsize=64)
 def _scaled_frequencies(fields: str, family: str, seq_len: int | None
                         ) -> tuple[torch.Tensor, float]:
+    # transformers' rope module costs ~0.5 s to import: only scaled-rope models pay it
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     hf = json.loads(fields)
     norm = normalised_hf_config(hf, family)
     return ROPE_INIT_FUNCTIONS[hf["rope_parameters"]["rope_type"]](norm, torch.device("cpu"),
@@ -118,7 +119,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=bias)
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = ACT_FNS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

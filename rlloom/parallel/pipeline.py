@@ -38,7 +38,7 @@ average them over the cp group (`ranks.Share.reduce`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlloom.models.heads import ActorCritic, ValueModel
@@ -56,6 +55,9 @@ from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
 from rlloom.parallel.grads import scale_grads, squared_norm
 from rlloom.parallel.tensor_parallel import shard_layer
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -258,6 +260,8 @@ class PipelinedModel:
         outputs = torch.empty(mb, self.module.seq or seq, *head, dtype=out_dtype,
                               device="meta", requires_grad=train) if self.module.is_last \
             else hidden
+        # torch's pipelining imports torch.compile (~0.5 s): only pipelined ranks pay it
+        from torch.distributed.pipelining import PipelineStage
         return PipelineStage(self.module, self.rank, self.n_stages, self.device,
                              input_args=inputs, output_args=outputs, group=self.group)
 
@@ -279,6 +283,7 @@ class PipelinedModel:
         group. `target` [batch, ...] is sliced into microbatches along dim 0 like the inputs;
         pack several per-token tensors into one (e.g. [batch, seq, k]) when the loss needs them.
         """
+        from torch.distributed.pipelining import Schedule1F1B
         input_ids, attention_mask = self._padded(input_ids, attention_mask)
         schedule = Schedule1F1B(self._stage(*input_ids.shape, train=True), self.n_microbatches,
                                 loss_fn=loss_fn, scale_grads=False)
@@ -298,6 +303,7 @@ class PipelinedModel:
               ) -> torch.Tensor | None:
         """Logits [batch, seq, vocab] (values [batch, seq]) on the last stage (None on the
         others), forward only."""
+        from torch.distributed.pipelining import ScheduleGPipe
         input_ids, attention_mask = self._padded(input_ids, attention_mask)
         schedule = ScheduleGPipe(self._stage(*input_ids.shape, train=False), self.n_microbatches)
         out = schedule.step(*self._args(input_ids), attention_mask=attention_mask)

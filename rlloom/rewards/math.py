@@ -16,6 +16,7 @@ disabled here and every check runs under our own deadline instead:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import signal
@@ -23,11 +24,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
 from rlloom.rewards.bounded import WorkerPool
 
-_EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 # Longer "answers" are almost always runaway generations; parsing them only burns the budget.
 _MAX_ANSWER_CHARS = 1000
 _POOL = WorkerPool()
@@ -146,8 +144,17 @@ def _can_use_alarm() -> bool:
     )
 
 
+@functools.cache
+def _math_verify() -> tuple:
+    """math-verify's parse, verify and extraction settings, imported on the first check: the
+    import (sympy, latex2sympy) costs ~0.3 s that runs without a math task never need."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    return parse, verify, (LatexExtractionConfig(), ExprExtractionConfig())
+
+
 def _parse(answer: str) -> list:
-    return parse(f"${_strip_math_delimiters(answer)}$", _EXTRACTION, parsing_timeout=None)
+    parse, _, extraction = _math_verify()
+    return parse(f"${_strip_math_delimiters(answer)}$", extraction, parsing_timeout=None)
 
 
 def _equivalent(predicted: str, reference: str) -> bool:
@@ -155,7 +162,7 @@ def _equivalent(predicted: str, reference: str) -> bool:
     target = _parse(predicted)
     if not gold or not target:
         return False
-    return verify(gold, target, timeout_seconds=None)
+    return _math_verify()[1](gold, target, timeout_seconds=None)
 
 
 def answers_equal(predicted: str, reference: str, timeout_s: float = 2.0) -> bool:

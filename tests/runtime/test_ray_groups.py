@@ -49,15 +49,17 @@ def _assert_same(expected, got):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """The one-process runs the layouts are compared with, one per algorithm."""
+    """The one-process runs the layouts are compared with, one per algorithm and model (each
+    run once for the module: several layouts compare with the same run)."""
     runs = {}
 
-    def run(algo, tiny):
-        if algo not in runs:
+    def run(algo, tiny, *extra):
+        key = (algo, *extra)
+        if key not in runs:
             out = tmp_path_factory.mktemp(f"single-{algo}")
-            main(["train", *tiny, f"algo={algo}", *EXACT, f"run_dir={out}"])
-            runs[algo] = _rows(out)
-        return runs[algo]
+            main(["train", *tiny, f"algo={algo}", *EXACT, *extra, f"run_dir={out}"])
+            runs[key] = _rows(out)
+        return runs[key]
     return run
 
 
@@ -151,8 +153,8 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
 
 @pytest.mark.parametrize("algo, zero, dp, split", [("grpo", 3, 4, "tp=1"), ("ppo", 1, 2, "cp=2"),
                                                   ("grpo", 2, 2, "tp=2"), ("ppo", 2, 2, "pp=2")])
-def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo, zero, dp,
-                                                            split):
+def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, single, algo, zero,
+                                                            dp, split):
     """A built-in MoE model (4 routed experts, top 2, in every layer) trains on ranks that
     each own 2 experts (ep = 2, tokens exchanged by all-to-all in every MoE layer), the rest
     sharded by ZeRO: for GRPO on 4 ranks (two expert groups of 2, each expert's gradient
@@ -161,14 +163,13 @@ def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, algo
     for GRPO on dp2 x tp2, each expert's features split over the tp ranks of its owner; for
     PPO in 2 pipeline stages of dp2, each stage's experts spread over its dp ranks.
     Generation, on its own rank, gets every expert by weight sync."""
-    moe = [*tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe"]
-    main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
     run = tmp_path / "ray"
-    main(["train", *moe, "plan.placement=disaggregated", f"plan.layouts.actor.dp={dp}",
+    main(["train", *tiny, f"algo={algo}", *EXACT, "model.family=qwen3_moe",
+          "plan.placement=disaggregated", f"plan.layouts.actor.dp={dp}",
           f"plan.layouts.actor.{split}", "plan.layouts.actor.ep=2",
           f"plan.layouts.actor.zero={zero}", "plan.layouts.generation.dp=1", f"run_dir={run}",
           "--worker-timeout", "300"])
-    _assert_same(_rows(tmp_path / "single"), _rows(run))
+    _assert_same(single(algo, tiny, "model.family=qwen3_moe"), _rows(run))
 
 
 def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
@@ -204,10 +205,7 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
           "--worker-timeout", "300"])
     rows = _rows(run)
     if algo == "ppo":
-        shared = tmp_path / "single"
-        main(["train", *tiny, "algo=ppo", *EXACT, "plan.actor_critic=shared",
-              f"run_dir={shared}"])
-        _assert_same(_rows(shared), rows)
+        _assert_same(single("ppo", tiny, "plan.actor_critic=shared"), rows)
     else:
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in rows)
@@ -235,9 +233,7 @@ def test_a_killed_rank_resumes_as_if_uninterrupted(tmp_path, tiny, single, monke
         main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
         expected = _rows(tmp_path / "whole")
     elif "model.family=qwen3_moe" in layout:
-        moe = [*tiny, "algo=grpo", *EXACT, "model.family=qwen3_moe"]
-        main(["train", *moe, f"run_dir={tmp_path / 'single'}"])
-        expected = _rows(tmp_path / "single")
+        expected = single("grpo", tiny, "model.family=qwen3_moe")
     else:
         expected = single("grpo", tiny)
     monkeypatch.setenv("RLLOOM_RAY_FAULT", f"kill:{group}/1:2")

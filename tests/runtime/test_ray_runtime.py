@@ -30,8 +30,37 @@ def _rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("schedule", ["sync", "fused", "async"])
-@pytest.mark.parametrize("placement", ["colocated", "interleaved", "disaggregated"])
+def _check_run(run: Path, placement: str, schedule: str) -> None:
+    """What every placement x schedule run must show: its steps, finite metrics, the staleness
+    its schedule implies, weights crossing processes only when generation runs apart, the
+    trace's groups and stages, fused chunks, its checkpoint and final model."""
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    for r in rows:
+        for key in ["reward", "loss", "kl", "clip_frac", "entropy", "gen_s", "assess_s",
+                    "train_s", "behaviour_kl", "sync_s"]:
+            assert math.isfinite(r[key]), key
+        assert sum(r["staleness_hist"].values()) == 16 and r["dropped"] == 0
+        assert (r["sync_bytes"] > 0) == (placement == "disaggregated")
+    # step 2 of an async run was generated while step 1 trained: one version behind
+    assert rows[1]["staleness_hist"] == ({"1": 16} if schedule == "async" else {"0": 16})
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == GROUPS[placement]
+    assert {"generation", "assessment", "training", "eval"} <= {e["name"] for e in trace}
+    assert {e["args"]["step"] for e in trace if e["name"] == "training"} == {
+        r["step"] for r in rows}
+    if schedule == "fused":  # two chunks generated and assessed, then merged, per step
+        chunks = [e for e in trace if e["name"] == "assessment" and e["args"]["step"] == 2]
+        assert sorted(str(e["args"]["chunk"]) for e in chunks) == ["0", "1", "merge"]
+    assert (run / "checkpoints" / f"step_{len(rows):06d}" / "state.pt").is_file()
+    assert (run / "final" / "config.json").is_file()
+
+
+# colocated/fused and colocated/async: test_one_process_runs_every_schedule_...; and
+# disaggregated/sync: test_disaggregated_sync_matches_single_process (same checks, and more)
+@pytest.mark.parametrize("placement, schedule", [
+    ("colocated", "sync"), ("interleaved", "sync"), ("interleaved", "fused"),
+    ("interleaved", "async"), ("disaggregated", "fused"), ("disaggregated", "async")])
 def test_placement_and_schedule_run(tmp_path, tiny, placement, schedule):
     run = tmp_path / "run"
     plan = [f"plan.placement={placement}", f"plan.schedule={schedule}"]
@@ -39,27 +68,7 @@ def test_placement_and_schedule_run(tmp_path, tiny, placement, schedule):
         plan.append("plan.staleness=1")
     main(["train", *tiny, *SIGNAL, *plan, "train.steps=2", f"run_dir={run}", "--ray",
           "--worker-timeout", "120"])
-    rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        for key in ["reward", "loss", "kl", "clip_frac", "entropy", "gen_s", "assess_s",
-                    "train_s", "behaviour_kl", "sync_s"]:
-            assert math.isfinite(r[key]), key
-        assert sum(r["staleness_hist"].values()) == 16 and r["dropped"] == 0
-        # weights cross processes only when generation runs apart from training
-        assert (r["sync_bytes"] > 0) == (placement == "disaggregated")
-    # step 2 of an async run was generated while step 1 trained: one version behind
-    assert rows[1]["staleness_hist"] == ({"1": 16} if schedule == "async" else {"0": 16})
-    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
-    assert {e["pid"] for e in trace} == GROUPS[placement]
-    assert {"generation", "assessment", "training", "eval"} <= {e["name"] for e in trace}
-    steps = {e["args"]["step"] for e in trace if e["name"] == "training"}
-    assert steps == {1, 2}
-    if schedule == "fused":  # two chunks generated and assessed, then merged, per step
-        chunks = [e for e in trace if e["name"] == "assessment" and e["args"]["step"] == 2]
-        assert sorted(str(e["args"]["chunk"]) for e in chunks) == ["0", "1", "merge"]
-    assert (run / "checkpoints" / "step_000002" / "state.pt").is_file()
-    assert (run / "final" / "config.json").is_file()
+    _check_run(run, placement, schedule)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
@@ -82,6 +91,7 @@ def test_disaggregated_sync_matches_single_process(tmp_path, tiny, algo):
             else:
                 assert value == b[key], (a["step"], key)
     assert single[-1]["grad_norm"] > 0 and single[-1]["kl"] != 0  # it really trained
+    _check_run(tmp_path / "ray", "disaggregated", "sync")
 
 
 @pytest.mark.parametrize("schedule", ["fused", "async"])
@@ -106,6 +116,7 @@ def test_one_process_runs_every_schedule_as_a_one_rank_ray_group_does(tmp_path, 
     if schedule == "async":  # behaviour and proximal policies differ once samples are stale
         # (step 1 is on-policy: only float32 sampling log-probs against the recomputed ones)
         assert abs(single[0]["behaviour_kl"]) < 1e-6 < abs(single[1]["behaviour_kl"])
+    _check_run(tmp_path / "ray", "colocated", schedule)
     trace = json.loads((tmp_path / "single" / "trace.json").read_text())["traceEvents"]
     if schedule == "fused":
         chunks = [e for e in trace if e["name"] == "assessment" and e["args"]["step"] == 2]
