@@ -6,6 +6,7 @@ s * p consecutive devices.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -167,7 +168,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
         weight = per_replica / points
         slots, samples = max(1, round(concurrent / weight)), max(1, round(wl.samples / weight))
         lengths = queue_lengths(wl, points)
-        sched = engine_schedule(lengths, slots, samples)
+        sched = _single_turn_schedule(tuple(lengths), slots, samples)
         totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
         how = "continuous batching"
         if wl.turns > 1:
@@ -189,13 +190,18 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
                      memory_s, comm_s, seconds, kv_bytes, note, wait, dispatch_s)
 
 
+@functools.lru_cache(maxsize=4096)  # layouts of the same replica size share one simulation
+def _single_turn_schedule(lengths: tuple[int, ...], slots: int, samples: int) -> EngineSchedule:
+    return engine_schedule(list(lengths), slots, samples)
+
+
 def _turn_plans(wl: Workload, lengths: list[int], step_s: float) -> list[list[Turn]]:
     """Each rollout of response `lengths` as `wl.turns` turns of equal sampled tokens, each
     but the last followed by a result of `wl.tool_result_len` tokens (fewer where the
     response is too short) and a tool latency drawn from `wl.tool_latency` (in a fixed
     shuffled order), in steps of `step_s` seconds."""
     t = wl.turns
-    latencies = wl.tool_latency.spread(len(lengths) * (t - 1))
+    latencies = list(wl.tool_latency.spread(len(lengths) * (t - 1)))
     random.Random(1).shuffle(latencies)
     plans = []
     for i, length in enumerate(lengths):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ class ModelShape:
         """Width of K (or V) per token per layer; smaller than hidden under GQA."""
         return self.kv_heads * self.head_dim
 
-    @property
+    @cached_property  # read a million times by one planner search
     def attn_params(self) -> int:
         """Per layer: Q, K, V, O projections (4 d^2 when there is no GQA)."""
         d = self.hidden
@@ -59,21 +60,21 @@ class ModelShape:
     def _mlp(self, width: int) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden * width
 
-    @property
+    @cached_property
     def mlp_params(self) -> int:
         """Per layer, all experts counted (what has to be stored)."""
         if self.moe:
             return self.n_experts * self._mlp(self.moe_ffn) + self.hidden * self.n_experts
         return self._mlp(self.ffn)
 
-    @property
+    @cached_property
     def active_mlp_params(self) -> int:
         """Per layer and token: only the routed experts do work."""
         if self.moe:
             return self.experts_per_token * self._mlp(self.moe_ffn) + self.hidden * self.n_experts
         return self._mlp(self.ffn)
 
-    @property
+    @cached_property
     def params(self) -> int:
         """|M|. Adds to the plain L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
         QKV biases, MoE experts and router, two RMSNorm vectors per layer plus a final one,
@@ -83,7 +84,7 @@ class ModelShape:
         embeddings = self.vocab * d * (1 if self.tied_embeddings else 2)
         return self.layers * per_layer + embeddings + d
 
-    @property
+    @cached_property
     def active_matmul_params(self) -> int:
         """Weights one token multiplies through in the layers (excludes embeddings and logits)."""
         return self.layers * (self.attn_params + self.active_mlp_params)

@@ -94,10 +94,11 @@ class Lengths:
                        high=self.high * f, cap=self.cap * f,
                        values=tuple(v * f for v in self.values))
 
-    def spread(self, n: int) -> list[float]:
+    @lru_cache(maxsize=1024)  # the planner prices the same lengths for every layout
+    def spread(self, n: int) -> tuple[float, ...]:
         """n lengths at evenly spaced quantiles, ascending: a deterministic sample that keeps the
         tail, so simulated generation sees the live batch shrink."""
-        return [self.quantile((i + 0.5) / n) for i in range(n)]
+        return tuple(self.quantile((i + 0.5) / n) for i in range(n))
 
     def sample(self, n: int, rng: random.Random) -> list[float]:
         return sorted(self.quantile(rng.random()) for _ in range(n))

@@ -176,7 +176,7 @@ def test_empirical_lengths():
     lengths = Lengths.empirical([5, 1, 3, 3])
     assert lengths.values == (1, 3, 3, 5)
     assert (lengths.mean, lengths.max, lengths.p50) == (3, 5, 3)
-    assert lengths.spread(4) == [1, 3, 3, 5]
+    assert lengths.spread(4) == (1, 3, 3, 5)
     with pytest.raises(ValueError, match="at least one length"):
         Lengths("empirical")
 
