@@ -44,7 +44,7 @@ import torch
 from rlloom.config import RunConfig, load_config
 from rlloom.rewards.tasks import task_terms
 from rlloom.runtime.default_model import ensure_default_model
-from rlloom.runtime.executor.trainer import local_loop
+from rlloom.runtime.executor.launch import local_loop
 
 
 def clocks() -> tuple[float, float]:

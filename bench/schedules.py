@@ -34,7 +34,7 @@ from rlloom.config import load_config
 from rlloom.perf.compose import price
 from rlloom.perf.validate import load_run
 from rlloom.runtime.executor.interface import RunOptions
-from rlloom.runtime.executor.ray_launch import train_ray
+from rlloom.runtime.executor.launch import train
 
 WARMUP = 2
 ARMS = {  # name -> plan overrides
@@ -95,7 +95,7 @@ def run_arms(a: argparse.Namespace, base: Path) -> dict[str, float]:
             shutil.rmtree(run, ignore_errors=True)
             cfg = load_config(None, [*overrides, *plan_overrides, f"run_dir={run}"])
             t0 = time.perf_counter()
-            train_ray(cfg, None, RunOptions(worker_timeout_s=600))
+            train(cfg, None, RunOptions(worker_timeout_s=600), ray=True)
             measured[name] = step_interval(run, WARMUP + 1)
             print(f"{name}: {measured[name]:.3f} s/step ({time.perf_counter() - t0:.0f}s "
                   "with start-up)", flush=True)

@@ -161,29 +161,26 @@ def launch(run: Prepared, *, overwrite: bool = False, ray: bool = False,
            options: Any = None) -> RunResult:
     """Runs a prepared run in this process (and its torchrun peers) or on Ray (`ray`,
     `options.address`, or a plan that needs it); `options` is a `RunOptions`."""
-    from rlloom.runtime.executor import ray_plan
+    from rlloom.runtime.executor import groups
     from rlloom.runtime.executor.interface import RunOptions
-    from rlloom.runtime.executor.trainer import new_run_dir
+    from rlloom.runtime.executor.launch import new_run_dir, train
     from rlloom.runtime.outputs.metrics import MetricsLog
     cfg, opts = run.cfg, options or RunOptions()
     if run.resume is None and cfg.run_dir is None:  # named here, so the result can say where
         cfg = cfg.model_copy(update={"run_dir": str(new_run_dir(cfg))})
     run_dir = run.resume or Path(cfg.run_dir)
-    if ray or opts.address or ray_plan.needs_ray(cfg):
+    if ray or opts.address or groups.needs_ray(cfg):
         try:
             import ray as _  # noqa: F401
         except ImportError:
             raise ConfigError("this run needs the Ray runtime (plan.placement="
                               f"{cfg.plan.placement}, plan.schedule={cfg.plan.schedule}); "
                               "install it with pip install 'rlloom[ray]'") from None
-        from rlloom.runtime.executor.ray_launch import train_ray
         if "*" in opts.group_cpus:
-            opts.group_cpus = {g.name: opts.group_cpus["*"] for g in ray_plan.group_specs(cfg)}
-        summary = train_ray(cfg, run.resume, opts, overwrite, run.changes, run.rewind)
-    else:
-        from rlloom.runtime.executor.trainer import train as train_here
-        summary = train_here(cfg, run.resume, opts, overwrite=overwrite, changes=run.changes,
-                             rewind_to=run.rewind)
+            opts.group_cpus = {g.name: opts.group_cpus["*"] for g in groups.group_specs(cfg)}
+        ray = True
+    summary = train(cfg, run.resume, opts, overwrite=overwrite, changes=run.changes,
+                    rewind_to=run.rewind, ray=ray)
     score = (lambda v: None if v != v else v)  # NaN: no held-out problems
     return RunResult(run_dir, MetricsLog(run_dir / "metrics.jsonl").rows(),
                      score(summary["eval_before"]), score(summary["eval_after"]),

@@ -60,6 +60,6 @@ def test_lazy_and_type_only_imports_close_a_cycle(tmp_path):
 
 def test_no_import_cycles_in_rlloom():
     graph = import_graph()
-    assert "rlloom.runtime.executor.loop" in graph["rlloom.runtime.executor.trainer"]
+    assert "rlloom.runtime.executor.loop" in graph["rlloom.runtime.executor.launch"]
     found = cycle(graph)
     assert found is None, f"import cycle: {' -> '.join(found)}"

@@ -119,7 +119,7 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     from rlloom.perf.compose import role_models
     from rlloom.perf.shapes import model_shape
     from rlloom.perf.validate import LoadedRun, measured_step, price_run, run_roles
-    from rlloom.runtime.executor.trainer import local_loop
+    from rlloom.runtime.executor.launch import local_loop
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [*STAGE_RUN, f"run_dir={tmp}"])

@@ -7,7 +7,7 @@ import pytest
 
 from rlloom.algos.lr_schedule import lr_factor
 from rlloom.config import load_config
-from rlloom.runtime.executor.trainer import train
+from rlloom.runtime.executor.launch import train
 
 
 def test_warmup_then_decay_by_hand():

@@ -11,7 +11,7 @@ from rlloom.config_sections import DataSection
 from rlloom.data.preferences import PreferencePair, read_preference_file
 from rlloom.data.prompts import DataError, load_prompt_sets, read_prompt_file
 from rlloom.models.tokenizer import build_char_tokenizer
-from rlloom.runtime.executor.trainer import check_prompts
+from rlloom.runtime.executor.launch import check_prompts
 from rlloom.runtime.stages.batch import encode
 
 TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q:1+1="}]

@@ -64,7 +64,7 @@ def test_training_operator_counts_match_the_runtime(tmp_path, tiny):
     within 15%. Measured here 277 per layer and 167 fixed (with 8 prompts and 64-token
     responses: 267 and 210)."""
     from rlloom.perf.validate import step_workload
-    from rlloom.runtime.executor.trainer import local_loop
+    from rlloom.runtime.executor.launch import local_loop
     unit = replace(FREE, launch_s=1.0)  # priced seconds = priced operators
     per_mb = {}
     for layers in (1, 3):

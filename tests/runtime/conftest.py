@@ -1,7 +1,7 @@
 """One local Ray instance shared by every Ray test of a test process (8 CPUs on 2 cores: groups
 of several one-thread ranks oversubscribe them, as Ray allows). Starting one takes seconds, so
 it is started once per session (per xdist worker), not per module; runs that start Ray
-themselves join it (`ray_cluster.Cluster` leaves a running instance alone)."""
+themselves join it (`ray.cluster.Cluster` leaves a running instance alone)."""
 import shutil
 import tempfile
 

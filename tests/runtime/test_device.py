@@ -6,7 +6,7 @@ import torch
 from rlloom.config import ConfigError, load_config
 from rlloom.runtime.device import resolve_device, torchrun_device
 from rlloom.runtime.executor.interface import RunOptions
-from rlloom.runtime.executor.ray_plan import ray_problems
+from rlloom.runtime.executor.preflight import ray_problems
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_torchrun_picks_the_gpu_itself():
 
 
 def test_ray_ranks_get_a_gpu_each_where_the_cluster_has_gpus():
-    from rlloom.runtime.executor.ray_cluster import worker_device
+    from rlloom.runtime.executor.ray.cluster import worker_device
     assert any("train.device=cuda:1: on Ray every rank gets a GPU of its own" in p
                for p in ray_problems(load_config(None, ["train.device=cuda:1"]), RunOptions()))
     for device in ("auto", "cuda", "cpu"):

@@ -8,7 +8,7 @@ import pytest
 
 from rlloom.cli import main
 from rlloom.config import load_config
-from rlloom.runtime.executor.trainer import train
+from rlloom.runtime.executor.launch import train
 
 TIMING = {"gen_s", "assess_s", "train_s", "step_s", "sync_s", "reshard_s"}
 

@@ -31,7 +31,7 @@ def test_the_bar_names_each_stage_as_the_step_loop_starts_it(tmp_path, tiny, mon
 
     from rlloom.config import load_config
     from rlloom.runtime.executor import loop
-    from rlloom.runtime.executor.trainer import train
+    from rlloom.runtime.executor.launch import train
 
     seen: list[str] = []
 

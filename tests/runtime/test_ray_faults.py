@@ -93,7 +93,7 @@ def test_a_worker_that_cannot_start_is_not_restarted():
     from ray.exceptions import RayActorError
 
     from rlloom.models.hf_io import CheckpointError
-    from rlloom.runtime.executor.ray_cluster import start_error
+    from rlloom.runtime.executor.ray.cluster import start_error
     text = ("The actor died because of an error raised in its creation task\n  File x\n"
             "rlloom.models.config.CheckpointError: reward model r has a vocabulary of 5")
     err = start_error(RayActorError(None, text, actor_init_failed=True), None)

@@ -10,7 +10,7 @@ import pytest
 
 from rlloom.cli import main
 from rlloom.data.synthetic import generate
-from rlloom.runtime.executor.ray_cluster import MAX_TEMP_DIR_CHARS, ray_temp_dir
+from rlloom.runtime.executor.ray.cluster import MAX_TEMP_DIR_CHARS, ray_temp_dir
 
 ray = pytest.importorskip("ray")
 

@@ -6,7 +6,7 @@ import pytest
 
 from rlloom.cli import main
 from rlloom.config import load_config
-from rlloom.runtime.executor.trainer import train
+from rlloom.runtime.executor.launch import train
 
 TOKENS = '''
 def n_tokens(prompts, completions, completion_ids, answer, **columns):

@@ -4,7 +4,7 @@ run under each schedule."""
 import pytest
 
 from rlloom.config import load_config
-from rlloom.runtime.executor.trainer import local_loop
+from rlloom.runtime.executor.launch import local_loop
 
 STAGES = {"generate", "assess", "assess_chunk", "finish_assessment", "train", "evaluate"}
 

@@ -20,7 +20,7 @@ from rlloom.rollout.multi_turn import Dialogue, Tools
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.rollout.tools import CALL_END, ToolRunner, calculator
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.executor.trainer import train
+from rlloom.runtime.executor.launch import train
 from rlloom.runtime.stages.batch import encode, response_logprobs
 from rlloom.runtime.stages.generation import _params, respond
 from rlloom.runtime.stages.sft import supervised_finetune

@@ -109,7 +109,7 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
     from rlloom.perf.report import plan_file
     from rlloom.perf.shapes import model_shape
     from rlloom.perf.workload import Lengths, Workload
-    from rlloom.runtime.executor.distributed import distributed_problems
+    from rlloom.runtime.executor.preflight import torchrun_problems
     wl = Workload(512, 8, 512, Lengths("lognormal", 2048, 16384))
     for model, devices in (("qwen2.5-7b", 64), ("qwen2.5-1.5b", 8)):  # 1.5b: 2 KV heads
         shape = model_shape(model)
@@ -121,7 +121,7 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
                 path = tmp_path / "plan.yaml"
                 path.write_text(plan_file(p, "test"))
                 cfg = load_config(path, [f"algo.name={algo}"])
-                assert distributed_problems(cfg, devices) == []
+                assert torchrun_problems(cfg, devices) == []
                 for x in cfg.plan.layouts.values():
                     assert shape.kv_heads % x.tp == 0 and shape.ffn % x.tp == 0
                 if p.plan.layout("actor").dp > 1:

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from rlloom.config import ConfigError, load_config
-from rlloom.runtime.executor.trainer import train
+from rlloom.runtime.executor.launch import train
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.models.hf_io import load_model
-from rlloom.runtime.executor.trainer import local_loop, train
+from rlloom.runtime.executor.launch import local_loop, train
 from rlloom.runtime.stages.batch import decode_responses
 from rlloom.runtime.stages.generation import sample_groups
 

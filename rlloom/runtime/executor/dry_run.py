@@ -16,9 +16,9 @@ from rlloom.perf.validate import critic_shape, run_roles
 from rlloom.perf.workload import Lengths, Workload
 from rlloom.plan import generation_layout, model_layout
 from rlloom.runtime.default_model import tiny_model_config
+from rlloom.runtime.executor.groups import check_group_layouts, group_specs, needs_ray
 from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.preflight import preflight
-from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, needs_ray
 
 
 def _architecture(cfg: RunConfig) -> ModelConfig:

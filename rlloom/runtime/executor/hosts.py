@@ -1,7 +1,7 @@
 """The stages a rank hosts (generation, assessment, training) with the models, streams and
 RNGs each needs, built with the single-process loaders and seeds over the rank's group
 (`ranks.RankGroup`); the batch that passes between them. No Ray here: a
-`ray_workers.GroupWorker` hosts the stages its group runs."""
+`worker.GroupWorker` hosts the stages its group runs."""
 from __future__ import annotations
 
 import copy

@@ -1,7 +1,7 @@
 """What every executor shares, and nothing else of the executor is imported here: how a run
 is executed (`RunOptions`), one call on a group's ranks (`GroupCall`), a worker that failed
 (`WorkerFailure`), and the executor the step loop drives (`Executor`, `Group`). The one-process
-executor (`local.py`) and the Ray one (`ray_runtime.py`) implement the protocols."""
+executor (`local.py`) and the Ray one (`ray/executor.py`) implement the protocols."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -40,7 +40,7 @@ class WorkerFailure(RuntimeError):
         self.group, self.rank, self.stages, self.state = group, rank, stages, state
         self.what, self.step, self.cause = what, step, cause
         self.detected_after_s = detected_after_s
-        self.run_dir: Path | None = None  # set by train_ray
+        self.run_dir: Path | None = None  # set by launch.train
         super().__init__(
             f"worker rank {rank} of group {group!r} (stages: {', '.join(stages)}) {state} while "
             f"the driver waited for {what} of step {step}: {cause}")
@@ -68,7 +68,7 @@ class GroupCall:
         return GroupCall([r[i] for r in self.refs])
 
 
-# A method of `ray_workers.GroupWorker`, named by reference (`GroupWorker.train`) so that the
+# A method of `worker.GroupWorker`, named by reference (`GroupWorker.train`) so that the
 # type checker sees every call a driver makes to a rank
 Method = Callable[..., Any]
 

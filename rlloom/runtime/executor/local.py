@@ -15,7 +15,7 @@ from rlloom.config import RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.executor.interface import GroupCall, Method
-from rlloom.runtime.executor.ray_workers import GroupWorker
+from rlloom.runtime.executor.worker import GroupWorker
 
 
 class LocalGroup:

@@ -1,20 +1,9 @@
 """The executor's one step loop: the plan's schedule over its device groups, whatever runs the
-groups (`Executor`: Ray actors of `ray_runtime.py`, or this process and its torchrun peers,
+groups (`Executor`: Ray actors of `ray/executor.py`, or this process and its torchrun peers,
 `local.py`). Every placement, schedule and layout runs through this loop; a one-rank group is
 the one-process case of the same calls.
 
-Schedules (`train_step`):
-- sync: generation -> assessment -> training with barriers (eta = 0).
-- fused: generation runs in `fused_chunks` requests of whole prompts; each chunk's
-  assessment forwards are submitted as the chunk arrives, then advantages are computed over
-  the whole batch and training follows.
-- async (staleness eta): generation of step i+eta is submitted once step i-1's weights are
-  synced, so it runs while step i trains; samples more than eta versions old are generated
-  again; stale samples are corrected as decoupled PPO (`hosts.decoupled`) for ppo and
-  decoupled_ppo. Assessment on a group of its own is prefetched too; on the training group
-  it is submitted with its own step, or it would queue ahead of the training it overlaps.
-  Groups that generate and train take turns in submission order, which keeps the staleness
-  semantics: in one process the same calls run one after another and give the same versions.
+Schedules (sync, fused, async): `schedules.py`, which produces each step's experience.
 
 Offline algorithms (DPO-style) train on preference pairs in place of the three stages.
 Faults (Ray): every wait has a timeout and waits on every rank; with `max_restarts` the loop
@@ -26,22 +15,20 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import DECOUPLED_LOSSES, PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
+from rlloom.runtime.executor.groups import state_keys
 from rlloom.runtime.executor.hosts import step_row
 from rlloom.runtime.executor.interface import Executor, Group, RunOptions, WorkerFailure
 from rlloom.runtime.executor.policy import save_final
-from rlloom.runtime.executor.ray_plan import state_keys
-from rlloom.runtime.executor.ray_workers import GroupWorker
+from rlloom.runtime.executor.schedules import schedule_for
+from rlloom.runtime.executor.worker import GroupWorker
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
@@ -67,29 +54,21 @@ def weight_copies(groups: list[DeviceGroup], has_critic: bool) -> list[tuple[str
         [(ass.name, "critic")] if has_critic and ass is not train else [])
 
 
-@dataclass
-class InFlight:
-    """A step's generation and assessment, submitted but not yet consumed."""
-    batch: Any        # the batch (a ref to rank 0's on Ray)
-    ginfo: Any        # GroupCall or ref of dict (version, seconds)
-    exp: Any          # the experience; None until assessment is submitted
-    ainfo: Any        # GroupCall of dict; None until then
-
-
 class StepLoop:
     def __init__(self, cfg: RunConfig, run_dir: Path, ex: Executor, model_path: Path,
                  specs: list[DeviceGroup], opts: RunOptions) -> None:
         self.cfg, self.run_dir, self.ex, self.model_path = cfg, run_dir, ex, model_path
         self.specs, self.opts = specs, opts
         self.online = PRESETS[cfg.algo.name].online
-        self.eta = cfg.plan.staleness if cfg.plan.schedule == "async" else 0
         # stale samples, or tokens of older weights in a partial rollout, are corrected
-        stale = self.eta > 0 or cfg.rollout.partial_tokens > 0
+        stale = (cfg.plan.schedule == "async" and cfg.plan.staleness > 0
+                 or cfg.rollout.partial_tokens > 0)
         self.correct = stale and cfg.algo.policy_loss in DECOUPLED_LOSSES
         self.copies = weight_copies(specs, "critic" in PRESETS[cfg.algo.name].roles)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.tracer = Tracer(run_dir / "trace.json")
-        self.inflight: dict[int, InFlight] = {}
+        self.schedule = schedule_for(cfg, opts, ex, self._host, self._get,
+                                     lambda: self.kl.value)
         self.failures: list[dict[str, Any]] = []
         self.attempt = 0
         self._reset_state()
@@ -141,21 +120,14 @@ class StepLoop:
         self._sync(self.step)
         for item in state.get("buffered", []):
             if self.step < item["step"] <= self.cfg.train.steps:
-                self._submit(item["step"], self.ex.put(item["batch"]),
-                             self.ex.put(item["info"]))
+                self.schedule.submit(item["step"], self.ex.put(item["batch"]),
+                                     self.ex.put(item["info"]))
         return True
 
     def checkpoint(self) -> None:
         """checkpoints/step_NNNNNN, atomically, with the batches generated ahead (async) and,
         from a group of several training ranks, their DCP shards."""
-        buffered = []
-        if self.online:
-            gen = self._host("generation")
-            for j in sorted(self.inflight):
-                item = self.inflight[j]
-                info = self._get(item.ginfo, "generation", j, gen)
-                buffered.append({"step": j, "batch": self._get(item.batch, "generation", j, gen),
-                                 "info": info})
+        buffered = self.schedule.buffered() if self.online else []
         train = self._host("training")
         tstate, gstate = self._get([train.call(GroupWorker.training_state),
                                     self._host("generation").call(GroupWorker.generation_state)],
@@ -171,71 +143,6 @@ class StepLoop:
             self.tracer.save()
 
     # -- stages ------------------------------------------------------------------------------
-    def _submit(self, step: int, batch: Any = None, ginfo: Any = None) -> None:
-        """Generation (unless given) and, on a group of its own, assessment of `step`; nothing
-        waits here. Assessment that shares the training group is submitted with its own step
-        (`_assessed`): a rank runs calls in submission order, so a prefetched assessment
-        would queue ahead of the training it should overlap and wait for the next batch."""
-        if batch is None:
-            call = self._host("generation").call(GroupWorker.generate, step, num_returns=2)
-            batch, ginfo = call.part(0).lead, call.part(1)
-        self.inflight[step] = InFlight(batch, ginfo, None, None)
-        if self._host("assessment") is not self._host("training"):
-            self._assessed(step, self.inflight[step])
-
-    def _assessed(self, step: int, item: InFlight) -> InFlight:
-        if item.exp is None:
-            call = self._host("assessment").call(GroupWorker.assess, step, item.batch,
-                                                 self.kl.value, num_returns=2)
-            item.exp, item.ainfo = call.part(0).lead, call.part(1)
-        return item
-
-    def _generated(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
-        """Experience, generation info and assessment info of a sync or async step
-        (training is submitted before assessment ends: only the version check waits)."""
-        gen = self._host("generation")
-        for j in range(step, min(step + self.eta, self.cfg.train.steps) + 1):
-            if j not in self.inflight:
-                self._submit(j)
-        self.ex.inject(step)
-        dropped = 0
-        while True:
-            item = self.inflight.pop(step)
-            ginfo = self._get(item.ginfo, "generation", step, gen)
-            if step - 1 - ginfo["version"] <= self.eta:
-                break
-            # generated by weights older than the staleness bound allows: regenerate
-            dropped += ginfo["rollouts"]
-            self._submit(step)
-        ginfo["dropped"] = dropped
-        item = self._assessed(step, item)
-        return item.exp, ginfo, item.ainfo, [ginfo]
-
-    def _fused(self, step: int) -> tuple[Any, dict, Any, list[dict]]:
-        """Chunks of prompts generate one after another; each is assessed as it arrives."""
-        gen, ass = self._host("generation"), self._host("assessment")
-        b = self.cfg.train.prompts_per_step
-        sizes = [len(c) for c in torch.arange(b).chunk(min(self.opts.fused_chunks, b))]
-        chunks = [gen.call(GroupWorker.generate, step, n, num_returns=2) for n in sizes]
-        self.ex.inject(step)
-        pending, infos, assessed = list(range(len(chunks))), [], []
-        while pending:
-            ready = self.ex.first_ready([chunks[c].part(1).lead for c in pending],
-                                        "a generated chunk", step, gen)
-            done = [pending[i] for i in ready]
-            pending = [c for c in pending if c not in done]
-            for c in done:
-                infos.append(self._get(chunks[c].part(1), "generation", step, gen))
-                assessed.append(ass.call(GroupWorker.assess_chunk, step, c, chunks[c].part(0).lead))
-        # the chunks' results as arguments: a failed chunk fails the merge with its error
-        merged = ass.call(GroupWorker.finish_assessment, step, self.kl.value,
-                          *[r for a in assessed for r in a.refs], num_returns=2)
-        exp, ainfo = merged.part(0).lead, merged.part(1)
-        ginfo = {"gen_s": sum(i["gen_s"] for i in infos),
-                 "score_s": sum(i["score_s"] for i in infos), "dropped": 0,
-                 "version": min(i["version"] for i in infos)}
-        return exp, ginfo, ainfo, infos
-
     def _sync(self, step: int) -> tuple[float, int]:
         """Broadcast the trainer's weights (gathered whole on training rank 0) over each copy's
         channel to every rank of its group; seconds, and the bytes one receiving rank takes
@@ -266,8 +173,7 @@ class StepLoop:
         return scores
 
     def _online_step(self, step: int) -> dict[str, Any]:
-        exp, ginfo, ainfo, infos = (self._fused(step) if self.cfg.plan.schedule == "fused"
-                                    else self._generated(step))
+        exp, ginfo, ainfo, infos = self.schedule.experience(step)
         train = self._host("training")
         stats = train.call(GroupWorker.train, step, exp, self.kl.value, self.correct)
         ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
@@ -403,7 +309,7 @@ class StepLoop:
                     with (self.run_dir / "failures.jsonl").open("a") as out:
                         out.write(json.dumps(f.record()) + "\n")
                     self.ex.stop()
-                    self.inflight.clear()
+                    self.schedule.clear()
                     if self.attempt >= self.opts.max_restarts:
                         raise
                     self.attempt += 1

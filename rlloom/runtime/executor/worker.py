@@ -21,7 +21,7 @@ instead of a synced copy: generation of a colocated or interleaved group reads t
 live weights (or, when the actor generates in another layout or trains data-parallel, a copy
 resharded after each step).
 
-This module imports no Ray: the Ray executor (`ray_runtime.py`) wraps `GroupWorker` as an
+This module imports no Ray: the Ray executor (`ray/executor.py`) wraps `GroupWorker` as an
 actor and picks each call's concurrency group ("control" for pings, spans and weight pushes,
 which must answer while a stage runs on the default thread; they issue no collectives).
 """

@@ -1,6 +1,7 @@
-"""`rlloom train` without Ray: validate the run, then run the step loop (`loop.StepLoop`, the
-one Ray runs) over this process as a colocated group of one rank, or over a torchrun world
-(`local.LocalExecutor`)."""
+"""`rlloom train`, one launch path for every runtime: check everything, claim the run
+directory, then run the step loop (`loop.StepLoop`) over this process as a colocated group of
+one rank or over a torchrun world (`local.LocalExecutor`), or over Ray actors
+(`ray/executor.py`)."""
 from __future__ import annotations
 
 import time
@@ -18,12 +19,12 @@ from rlloom.models.hf_io import load_tokenizer, read_model_config, require_token
 from rlloom.runtime.checkpoint import checkpoint_step
 from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device, torchrun_device
-from rlloom.runtime.executor.distributed import join_torchrun
-from rlloom.runtime.executor.interface import RunOptions
+from rlloom.runtime.executor.groups import check_group_layouts, group_specs, world_size
+from rlloom.runtime.executor.interface import RunOptions, WorkerFailure
 from rlloom.runtime.executor.local import LocalExecutor
 from rlloom.runtime.executor.loop import StepLoop
-from rlloom.runtime.executor.preflight import preflight
-from rlloom.runtime.executor.ray_plan import check_group_layouts, group_specs, world_size
+from rlloom.runtime.executor.preflight import Runtime, preflight
+from rlloom.runtime.executor.torchrun import join_torchrun
 from rlloom.runtime.ranks import leave_world
 from rlloom.runtime.run_dir import claim, record_resume, rewind
 from rlloom.runtime.stages.batch import encode
@@ -83,46 +84,73 @@ def _default_model(cfg: RunConfig, device: torch.device) -> Path:
     return ensure_default_model(cfg, device)
 
 
-def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) -> StepLoop:
-    """The step loop over this process (and its torchrun peers), after every check; nothing
-    is built until it starts."""
+def prepare(cfg: RunConfig, runtime: Runtime, opts: RunOptions) -> tuple[Path, torch.device]:
+    """Every check before work (`preflight`, then the model's tokenizer, layouts and the
+    prompts), joining the torchrun world first under torchrun; the model the run starts from
+    and this process's device (the CPU for a Ray driver, which builds the default model)."""
     world = world_size()
-    preflight(cfg, "torchrun" if world > 1 else "process", opts, world)
-    device = torchrun_device(cfg.train.device) if world > 1 else resolve_device(cfg.train.device)
-    if world > 1:
+    preflight(cfg, runtime, opts, world)
+    if runtime == "ray":
+        device = torch.device("cpu")
+    elif runtime == "torchrun":
+        device = torchrun_device(cfg.train.device)
         join_torchrun(cfg.train.device)
+    else:
+        device = resolve_device(cfg.train.device)
     model_path = Path(cfg.model.path) if cfg.model.path else _default_model(cfg, device)
     tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
     require_tokenizer_fits(model_path, tokenizer)
     if tokenizer.eos_token_id is None:
         raise DataError(f"the tokenizer in {model_path} has no EOS token; set eos_token in "
                         "its tokenizer_config.json (responses end at EOS)")
-    if world > 1:
+    if runtime != "process":
         check_group_layouts(cfg, read_model_config(model_path))
     check_prompts(cfg, tokenizer)
+    return model_path, device
+
+
+def local_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions | None = None) -> StepLoop:
+    """The step loop over this process (and its torchrun peers), after every check; nothing
+    is built until it starts."""
+    opts = opts or RunOptions()
+    model_path, device = prepare(cfg, "torchrun" if world_size() > 1 else "process", opts)
     specs = group_specs(cfg)  # colocated: one group, every stage on these ranks
     ex = LocalExecutor(cfg, model_path, specs[0], device)
-    return StepLoop(cfg, run_dir, ex, model_path, specs, opts or RunOptions())
+    return StepLoop(cfg, run_dir, ex, model_path, specs, opts)
 
 
 def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | None = None,
           overwrite: bool = False, changes: dict[str, list] | None = None,
-          rewind_to: int | None = None) -> dict[str, float]:
-    """`changes`: what `--resume`'s overrides change (`run_dir.resume_changes`); `rewind_to`:
+          rewind_to: int | None = None, ray: bool = False) -> dict[str, float]:
+    """Run `cfg` to its last step here (and on the torchrun peers) or, with `ray`, on Ray
+    groups; the run summary. Everything is checked before the run directory is claimed.
+    `changes`: what `--resume`'s overrides change (`run_dir.resume_changes`); `rewind_to`:
     the checkpoint step `--resume` named, when it named one."""
+    opts = opts or RunOptions()
     lock = None
+    run_dir = resume_dir or new_run_dir(cfg)
     try:
-        run_dir = resume_dir or new_run_dir(cfg)
-        loop = local_loop(cfg, run_dir, opts)  # validates everything before the run directory
-        if loop.main:
+        if ray:
+            model_path, main = prepare(cfg, "ray", opts)[0], True
+        else:
+            loop = local_loop(cfg, run_dir, opts)
+            model_path, main = loop.model_path, loop.main
+        if main:  # one writer
             lock = claim(run_dir, resume_dir is not None, overwrite)
             if rewind_to is not None:
                 rewind(run_dir, rewind_to)
-            architecture = read_model_config(loop.model_path).describe()
+            architecture = read_model_config(model_path).describe()
             (run_dir / "config.yaml").write_text(dump_config(cfg, architecture))
             if resume_dir is not None:
                 record_resume(run_dir, checkpoint_step(run_dir), changes or {})
-        return loop.run(resume=resume_dir is not None)
+        if not ray:
+            return loop.run(resume=resume_dir is not None)
+        from rlloom.runtime.executor.ray.executor import ray_loop  # Ray only when asked for
+        with ray_loop(cfg, run_dir, opts, model_path) as loop:
+            return loop.run(resume=resume_dir is not None)
+    except WorkerFailure as e:
+        e.run_dir = run_dir
+        raise
     finally:
         if lock is not None:
             lock.release()

@@ -1,6 +1,5 @@
-"""What the executor runs before it starts anything: its options, the device groups of a run
-(`plan.device_groups` over the models it builds), and the checks that refuse, with the fix,
-what it cannot run (imports no Ray)."""
+"""The device groups of a run (`plan.device_groups` over the models it builds), what the step
+loop can run over them and what each group restores from a checkpoint (imports no Ray)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +14,6 @@ from rlloom.plan import (
     generation_layout,
     lora_problems,
     model_layout,
-    runnable_problems,
 )
 from rlloom.runtime.executor.interface import RunOptions
 
@@ -60,24 +58,6 @@ def loop_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
         problems.append(f"fused chunks must be >= 1, got {opts.fused_chunks}")
     if cfg.model.lora is not None:
         problems += lora_problems({**plan.layouts, "generation": gen})
-    return problems
-
-
-def ray_problems(cfg: RunConfig, opts: RunOptions) -> list[str]:
-    """Why the Ray runtime cannot run this configuration (empty when it can)."""
-    problems = runnable_problems(cfg.plan, run_models(cfg)) + loop_problems(cfg, opts)
-    if cfg.train.device.startswith("cuda:"):
-        problems.append(f"train.device={cfg.train.device}: on Ray every rank gets a GPU of its "
-                        "own; set train.device=cuda (or auto)")
-    if opts.worker_timeout_s <= 0 or opts.max_restarts < 0:
-        problems.append("--worker-timeout must be > 0 and --max-restarts >= 0")
-    names = {g.name for g in group_specs(cfg)}
-    unknown = set(opts.group_cpus) - names
-    if unknown:
-        problems.append(f"CPUs given for groups {sorted(unknown)}; this plan's groups are "
-                        f"{', '.join(sorted(names))}")
-    if any(c <= 0 for c in opts.group_cpus.values()):
-        problems.append("group CPUs must be > 0")
     return problems
 
 

@@ -1,10 +1,10 @@
 """The executor on Ray: it places the plan's device groups (`plan.device_groups`, each a
-group of ranks: `ray_cluster`, `ray_workers`), submits the step loop's calls to every rank of a
-group (`loop.StepLoop` runs the schedule), moves batches through the object store and weights
-over a process group of their own (`weight_channel.py`).
+group of ranks: `cluster.py`, `worker.GroupWorker`), submits the step loop's calls to every
+rank of a group (`loop.StepLoop` runs the schedule), moves batches through the object store
+and weights over a process group of their own (`weight_channel.py`).
 
 Faults: every wait has a timeout (`--worker-timeout`) and waits on every rank; a dead or
-silent rank is named by group, stages and rank (`ray_cluster.diagnose`); the loop recreates
+silent rank is named by group, stages and rank (`cluster.diagnose`); the loop recreates
 the groups after a fault while `--max-restarts` allows. Details: docs/ray.md.
 """
 from __future__ import annotations
@@ -13,17 +13,21 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rlloom.algos.presets import PRESETS
 from rlloom.config import ConfigError, RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
+from rlloom.runtime.executor.groups import group_specs
 from rlloom.runtime.executor.interface import GroupCall, RunOptions, WorkerFailure
-from rlloom.runtime.executor.loop import weight_copies
-from rlloom.runtime.executor.ray_cluster import (
+from rlloom.runtime.executor.loop import StepLoop, weight_copies
+from rlloom.runtime.executor.ray.cluster import (
     USER_ERRORS,
+    Cluster,
     WorkerGroup,
     diagnose,
     first_line,
@@ -32,7 +36,7 @@ from rlloom.runtime.executor.ray_cluster import (
     start_error,
     worker_device,
 )
-from rlloom.runtime.executor.ray_workers import GroupWorker
+from rlloom.runtime.executor.worker import GroupWorker
 
 PING_S = 5.0
 
@@ -219,3 +223,19 @@ class RayExecutor:
 
     def barrier(self) -> None:
         """Nothing to wait for: the driver alone writes."""
+
+
+@contextmanager
+def ray_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, model_path: Path
+             ) -> Iterator[StepLoop]:
+    """The step loop over the plan's groups as Ray actors, on a cluster started (or joined)
+    for the run and stopped after it."""
+    specs = group_specs(cfg)
+    cluster = Cluster(opts, run_dir, sum(opts.cpus(g.name) * g.ranks for g in specs))
+    if cluster.note:
+        print(cluster.note)
+    try:
+        ex = RayExecutor(cfg, opts, model_path, specs, "critic" in PRESETS[cfg.algo.name].roles)
+        yield StepLoop(cfg, run_dir, ex, model_path, specs, opts)
+    finally:
+        cluster.stop()
