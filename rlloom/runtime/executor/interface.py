@@ -68,9 +68,17 @@ class GroupCall:
         return GroupCall([r[i] for r in self.refs])
 
 
-# A method of `worker.GroupWorker`, named by reference (`GroupWorker.train`) so that the
-# type checker sees every call a driver makes to a rank
+# A method of `worker.GroupWorker` or of a stage host it holds, named by reference
+# (`GroupWorker.generate`, `TrainingHost.train`) so that the type checker sees every call a
+# driver makes to a rank
 Method = Callable[..., Any]
+
+
+def routed(method: Method) -> tuple[str, tuple[Any, ...]]:
+    """The GroupWorker method a group call of `method` runs, and the arguments it leads with:
+    the worker's own method, or a stage host's through `GroupWorker.run`."""
+    owner, _, name = method.__qualname__.rpartition(".")
+    return (name, ()) if owner == "GroupWorker" else ("run", (method.__qualname__,))
 
 
 class Group(Protocol):

@@ -14,7 +14,7 @@ import torch
 from rlloom.config import RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
-from rlloom.runtime.executor.interface import GroupCall, Method
+from rlloom.runtime.executor.interface import GroupCall, Method, routed
 from rlloom.runtime.executor.worker import GroupWorker
 
 
@@ -31,7 +31,8 @@ class LocalGroup:
 
     def call(self, method: Method, *args: Any, num_returns: int = 1, control: bool = False
              ) -> GroupCall:
-        return GroupCall([method(self.worker, *args)])
+        name, lead = routed(method)
+        return GroupCall([getattr(self.worker, name)(*lead, *args)])
 
 
 class LocalExecutor:
@@ -109,7 +110,7 @@ class LocalExecutor:
             return
 
         def shards(tmp: Path) -> None:
-            self.worker.save_shards(ranks.gather(str(tmp))[0])
+            self.worker.training.save_shards(Path(ranks.gather(str(tmp))[0]))
         if ranks.main:
             save_state(run_dir, step, state, keep, write=shards)
         else:

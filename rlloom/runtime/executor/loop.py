@@ -24,7 +24,7 @@ from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.executor.groups import state_keys
-from rlloom.runtime.executor.hosts import step_row
+from rlloom.runtime.executor.hosts import PreferenceHost, TrainingHost, step_row
 from rlloom.runtime.executor.interface import Executor, Group, RunOptions, WorkerFailure
 from rlloom.runtime.executor.policy import save_final
 from rlloom.runtime.executor.schedules import schedule_for
@@ -129,7 +129,7 @@ class StepLoop:
         from a group of several training ranks, their DCP shards."""
         buffered = self.schedule.buffered() if self.online else []
         train = self._host("training")
-        tstate, gstate = self._get([train.call(GroupWorker.training_state),
+        tstate, gstate = self._get([train.call(TrainingHost.state),
                                     self._host("generation").call(GroupWorker.generation_state)],
                                    "checkpoint", self.step)
         state = {"step": self.step, **tstate, "kl_coef": self.kl.value, **gstate,
@@ -175,7 +175,7 @@ class StepLoop:
     def _online_step(self, step: int) -> dict[str, Any]:
         exp, ginfo, ainfo, infos = self.schedule.experience(step)
         train = self._host("training")
-        stats = train.call(GroupWorker.train, step, exp, self.kl.value, self.correct)
+        stats = train.call(TrainingHost.train, step, exp, self.kl.value, self.correct)
         ainfo = self._get(ainfo, "assessment", step, self._host("assessment"))
         stats = self._get(stats, "training", step, train)
         sync_s, sync_bytes = self._sync(step)
@@ -201,7 +201,7 @@ class StepLoop:
 
     def _offline_step(self, step: int) -> dict[str, Any]:
         train = self._host("training")
-        stats = self._get(train.call(GroupWorker.train_preferences, step), "training", step, train)
+        stats = self._get(train.call(PreferenceHost.train, step), "training", step, train)
         return {**stats, "gen_s": 0.0, "assess_s": 0.0}
 
     def train_step(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rlloom.config import RunConfig
+from rlloom.runtime.executor.hosts import AssessmentHost
 from rlloom.runtime.executor.interface import Executor, Group, RunOptions
 from rlloom.runtime.executor.worker import GroupWorker
 
@@ -121,7 +122,7 @@ class Fused(Pipelined):
             pending = [c for c in pending if c not in done]
             for c in done:
                 infos.append(self.get(chunks[c].part(1), "generation", step, gen))
-                assessed.append(ass.call(GroupWorker.assess_chunk, step, c,
+                assessed.append(ass.call(AssessmentHost.assess_chunk, step, c,
                                          chunks[c].part(0).lead))
         # the chunks' results as arguments: a failed chunk fails the merge with its error
         merged = ass.call(GroupWorker.finish_assessment, step, self.kl_coef(),

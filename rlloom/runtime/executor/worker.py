@@ -53,6 +53,10 @@ from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.ranks import RankGroup, free_address, leave_world
 from rlloom.runtime.stages.experience import Experience
 
+# the attribute of GroupWorker holding each stage host
+HOST_ATTRIBUTES = {"TrainingHost": "training", "GenerationHost": "generation",
+                   "AssessmentHost": "assessment", "PreferenceHost": "preferences"}
+
 # -- the process ----------------------------------------------------------------------------
 
 class GroupWorker:
@@ -123,6 +127,12 @@ class GroupWorker:
         return {"bytes": nbytes, "seconds": stats.seconds, "wait_s": stats.wait_s}
 
     # stage calls (default thread, in submission order; every rank of the group alike)
+    def run(self, method: str, *args: Any) -> Any:
+        """A stage host's method on this rank, by qualified name ("TrainingHost.train"): what
+        `Group.call(TrainingHost.train, ...)` runs (`interface.routed`)."""
+        owner, name = method.split(".")
+        return getattr(getattr(self, HOST_ATTRIBUTES[owner]), name)(*args)
+
     # (rank 0 returns the batch or experience every rank computed; the driver reads rank 0's)
     def generate(self, step: int, prompts: int | None = None) -> tuple[Batch | None, dict]:
         batch, info = self.generation.generate(step, prompts)
@@ -132,9 +142,6 @@ class GroupWorker:
         exp, info = self.assessment.assess(step, batch, kl_coef)
         return self._lead(exp), info
 
-    def assess_chunk(self, step: int, chunk: int, batch: Batch) -> int:
-        return self.assessment.assess_chunk(step, chunk, batch)
-
     def finish_assessment(self, step: int, kl_coef: float, *chunks: int
                           ) -> tuple[Experience | None, dict]:
         exp, info = self.assessment.finish(step, kl_coef)
@@ -142,12 +149,6 @@ class GroupWorker:
 
     def _lead(self, result: Any) -> Any:
         return result if self.ranks.main or self.spmd else None
-
-    def train(self, step: int, exp: Experience, kl_coef: float, correct: bool) -> dict:
-        return self.training.train(step, exp, kl_coef, correct)
-
-    def train_preferences(self, step: int) -> dict:
-        return self.preferences.train(step)
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         if self.preferences is not None and self.preferences.eval_pairs:
@@ -168,9 +169,6 @@ class GroupWorker:
             state = trained_state(state)
         return self.channels[what].send(state) if self.rank == 0 else 0
 
-    def training_state(self) -> dict[str, Any]:
-        return self.training.state()
-
     @property
     def _stream(self) -> GenerationHost | PreferenceHost | None:
         """The host that draws this group's data: prompts to sample, or preference pairs."""
@@ -178,9 +176,6 @@ class GroupWorker:
 
     def generation_state(self) -> dict[str, Any]:
         return self._stream.state()
-
-    def save_shards(self, path: str) -> None:
-        self.training.save_shards(Path(path))
 
     def load_state(self, state: dict[str, Any], shards: str | None = None) -> None:
         if self.training is not None:

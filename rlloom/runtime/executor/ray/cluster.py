@@ -16,7 +16,13 @@ from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
 from rlloom.parallel.mesh import LayoutError
 from rlloom.plan import DeviceGroup
-from rlloom.runtime.executor.interface import GroupCall, Method, RunOptions, WorkerFailure
+from rlloom.runtime.executor.interface import (
+    GroupCall,
+    Method,
+    RunOptions,
+    WorkerFailure,
+    routed,
+)
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
 USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)
@@ -88,7 +94,8 @@ class WorkerGroup:
         opts: dict[str, Any] = {"num_returns": num_returns}
         if control:
             opts["concurrency_group"] = "control"
-        return GroupCall([getattr(a, method.__name__).options(**opts).remote(*args)
+        name, lead = routed(method)
+        return GroupCall([getattr(a, name).options(**opts).remote(*lead, *args)
                           for a in self.actors])
 
 

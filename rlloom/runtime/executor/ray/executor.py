@@ -23,6 +23,7 @@ from rlloom.config import ConfigError, RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
 from rlloom.runtime.executor.groups import group_specs
+from rlloom.runtime.executor.hosts import TrainingHost
 from rlloom.runtime.executor.interface import GroupCall, RunOptions, WorkerFailure
 from rlloom.runtime.executor.loop import StepLoop, weight_copies
 from rlloom.runtime.executor.ray.cluster import (
@@ -218,7 +219,7 @@ class RayExecutor:
         train = next(g for g in self.groups.values() if g.spec.runs("training"))
 
         def shards(tmp: Path) -> None:
-            self.get(train.call(GroupWorker.save_shards, str(tmp)), "checkpoint", step, train)
+            self.get(train.call(TrainingHost.save_shards, tmp), "checkpoint", step, train)
         save_state(run_dir, step, state, keep, write=shards if train.spec.ranks > 1 else None)
 
     def barrier(self) -> None:
