@@ -189,8 +189,8 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
     devices can cost less). Runtime "torchrun": only the colocated plans, which one torchrun
-    world runs as one group (`runtime/executor/distributed.py`). By default only plans the
-    executor runs are searched and ranked; `price_only` widens the search to the pipeline,
+    world runs as one group (`runtime/executor/preflight.torchrun_problems`). By default only
+    plans the executor runs are searched and ranked; `price_only` widens the search to the pipeline,
     context and expert layouts the model prices but the executor does not run yet. Async
     plans are searched at bound `staleness`. `offload`: also try each ZeRO-3 layout with its
     shards in host memory (`Layout.offload`), which trades memory for host traffic.
