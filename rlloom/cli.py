@@ -120,15 +120,16 @@ def cmd_algos(args: argparse.Namespace) -> None:
 
 
 def _request(args: argparse.Namespace) -> "Request":
+    """The options of `rlloom plan` / `simulate` by name: each flag's dest is the Request
+    field it sets (only the paths and the hardware file are converted)."""
+    from dataclasses import fields
+
     from rlloom.perf.report import Request
-    return Request(args.model, args.algo, args.gpus, args.prompts, args.samples, args.prompt_len,
-                   args.p50, args.p99, Path(args.lengths_from) if args.lengths_from else None,
-                   args.epochs, args.minibatches, args.objective, args.runtime,
-                   getattr(args, "price_only", False),
-                   Path(args.hardware) if args.hardware else None, args.max_response,
-                   args.staleness, args.partial_rollout, args.lora, args.turns,
-                   args.tool_latency, args.tool_result, args.engine, args.offload,
-                   args.critic or "")
+    given = {f.name: getattr(args, f.name) for f in fields(Request) if hasattr(args, f.name)}
+    given.update(lengths_from=Path(args.lengths_from) if args.lengths_from else None,
+                 hardware_file=Path(args.hardware) if args.hardware else None,
+                 critic=args.critic or "")
+    return Request(**given)
 
 
 def _latency_pair(text: str) -> tuple[float, float]:
