@@ -21,10 +21,10 @@ import torch
 from rlloom.config import load_config
 from rlloom.data.synthetic import generate
 from rlloom.models.hf_io import load_model, load_tokenizer
-from rlloom.perf import cost, engine_schedule
-from rlloom.perf.hardware import hardware
-from rlloom.perf.shapes import model_shape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost, engine_schedule
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
 from rlloom.rollout import engine as engine_module
 from rlloom.rollout.engine import EngineConfig, engine_generate

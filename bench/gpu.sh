@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmarks on a CUDA GPU: `bash bench/gpu.sh [--hw NAME]` (NAME from rlloom.perf.hardware;
+# The benchmarks on a CUDA GPU: `bash bench/gpu.sh [--hw NAME]` (NAME from rlloom.perf.model.hardware;
 # default: picked from the device name). A machine without a GPU gets a message and exit 0, so
 # the script is safe to call anywhere; CI does not run it.
 set -euo pipefail

@@ -12,7 +12,7 @@
   parameters, the usual convention), and also against the performance model's FLOPs
   (3 x `ModelShape.forward_flops`, which adds attention and counts the logits matmul once).
 
-The peak rates are the catalogue's datasheet numbers (`rlloom.perf.hardware`), picked from
+The peak rates are the catalogue's datasheet numbers (`rlloom.perf.model.hardware`), picked from
 the device name unless `--hw` names one. `--device cpu --model tiny --dtype float32` runs
 the same code on a CPU, a smoke test of the script, not a measurement worth reading.
 """
@@ -28,8 +28,8 @@ import torch
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.perf.hardware import hardware
-from rlloom.perf.shapes import ModelShape, model_shape
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import ModelShape, model_shape
 from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.generate import Rollout
 from rlloom.rollout.sampling import SamplingParams
@@ -162,8 +162,9 @@ def train(model: CausalLM, shape: ModelShape, a: argparse.Namespace, hw, device,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-0.5b", help="rlloom.perf.shapes name, or tiny")
-    ap.add_argument("--hw", default=None, help="rlloom.perf.hardware name; default from the "
+    ap.add_argument("--model", default="qwen2.5-0.5b",
+                    help="a rlloom.perf.model.shapes name, or tiny")
+    ap.add_argument("--hw", default=None, help="rlloom.perf.model.hardware name; default from the "
                     "device name")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))

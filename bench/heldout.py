@@ -14,8 +14,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from rlloom.perf.hardware import load_hardware
-from rlloom.perf.validate import calibrate, load_run, price_run, stage_errors
+from rlloom.perf.model.hardware import load_hardware
+from rlloom.perf.validation.validate import calibrate, load_run, price_run, stage_errors
 
 SETTINGS = (("32x8", 32, 8), ("16x4", 16, 4), ("64x8", 64, 8))
 

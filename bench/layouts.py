@@ -50,11 +50,11 @@ from rlloom.models.transformer import CausalLM
 from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.mesh import build_mesh
-from rlloom.perf import cost
-from rlloom.perf import memory as mem
-from rlloom.perf.hardware import Hardware, hardware, load_hardware
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.hardware import Hardware, hardware, load_hardware
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
 
 LAYOUTS: dict[str, dict[str, Any]] = {

@@ -7,7 +7,7 @@ calibration on one run.
 import argparse
 from pathlib import Path
 
-from rlloom.perf.published import load_runs, table
+from rlloom.perf.validation.published import load_runs, table
 
 FIXTURE = Path(__file__).parent.parent / "tests" / "perf" / "published_runs.yaml"
 

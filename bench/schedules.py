@@ -15,7 +15,7 @@ reasoning RL (the script prints p50 and p99; the target is p99/p50 >= 8).
 
 Step time is the interval between the ends of consecutive training spans (trace.json) after
 the warm-up steps (their median), the simulator's definition, so an async pipeline's overlap
-shows. Predicted step times come from `rlloom.perf.compose.price` of each run's own plan and
+shows. Predicted step times come from `rlloom.perf.model.compose.price` of each run's own plan and
 each step's own response lengths, as `rlloom perf validate` prices a run, with this machine's
 hardware file (`rlloom bench hw`, then `rlloom perf calibrate` on runs of this setting).
 """
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from rlloom.config import load_config
-from rlloom.perf.compose import price
-from rlloom.perf.validate import load_run
+from rlloom.perf.model.compose import price
+from rlloom.perf.validation.validate import load_run
 from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.launch import train
 
@@ -57,7 +57,7 @@ def step_interval(run: Path, warmup: int) -> float:
 def predicted(runs: dict[str, Path]) -> dict[str, float] | None:
     """Each arm's mean predicted step time over its steps after the warm-up, priced as
     `rlloom perf validate` prices a run: its plan, each step's own lengths."""
-    from rlloom.perf.hardware import hardware
+    from rlloom.perf.model.hardware import hardware
     try:
         hw = hardware("local")
     except KeyError as e:

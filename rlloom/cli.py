@@ -18,7 +18,7 @@ from rlloom.runtime.stages.nonfinite import NonFiniteStop
 from rlloom.runtime.stop_signals import Stopped
 
 if TYPE_CHECKING:
-    from rlloom.perf.report import Request
+    from rlloom.perf.search.report import Request
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
 # a full disk, a quota, a read-only or unwritable run directory: one line, no traceback
@@ -124,7 +124,7 @@ def _request(args: argparse.Namespace) -> "Request":
     field it sets (only the paths and the hardware file are converted)."""
     from dataclasses import fields
 
-    from rlloom.perf.report import Request
+    from rlloom.perf.search.report import Request
     given = {f.name: getattr(args, f.name) for f in fields(Request) if hasattr(args, f.name)}
     given.update(lengths_from=Path(args.lengths_from) if args.lengths_from else None,
                  hardware_file=Path(args.hardware) if args.hardware else None,
@@ -152,13 +152,13 @@ def _perf_errors(fn: Callable[[], str]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from rlloom.perf.report import plan_report
+    from rlloom.perf.search.report import plan_report
     _perf_errors(lambda: plan_report(_request(args), args.top, args.json,
                                      Path(args.write_plan) if args.write_plan else None))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from rlloom.perf.report import simulate_report
+    from rlloom.perf.search.report import simulate_report
     _perf_errors(lambda: simulate_report(_request(args), args.plan, args.steps, args.seed,
                                          Path(args.out)))
 
@@ -169,8 +169,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_perf(args: argparse.Namespace) -> None:
-    from rlloom.perf.hardware import hardware, load_hardware, local_hardware_path
-    from rlloom.perf.validate import CALIBRATE_POINTS, calibration_report, validation_report
+    from rlloom.perf.model.hardware import hardware, load_hardware, local_hardware_path
+    from rlloom.perf.validation.validate import (
+        CALIBRATE_POINTS,
+        calibration_report,
+        validation_report,
+    )
     from rlloom.runtime.outputs.progress import progress_bar
     runs = [Path(d) for d in args.run_dirs]
 
@@ -203,7 +207,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    "directory or metrics.jsonl, or a file of lengths (JSON list or one per "
                    "line); plan and simulate both draw from them as they are")
     p.add_argument("--hardware", metavar="FILE", help="a hardware file (YAML or JSON with the "
-                   "fields of rlloom.perf.hardware.Hardware: peak_flops per dtype, mem_gib, "
+                   "fields of rlloom.perf.model.hardware.Hardware: peak_flops per dtype, mem_gib, "
                    "mem_bw, intra_node_bw, inter_node_bw, ...) instead of --gpus's device "
                    "name; --gpus then gives the count (e.g. --gpus 64)")
     p.add_argument("--staleness", type=_positive, default=1, metavar="N", help="async plans: "

@@ -19,7 +19,7 @@ class Preset:
 
 # Losses whose stale samples (async, staleness > 0) the trainer corrects as decoupled PPO:
 # it recomputes the actor's log-probs over every rollout before the update (the proximal
-# policy), a forward the cost model prices (`perf.compose.price`).
+# policy), a forward the cost model prices (`perf.model.compose.price`).
 DECOUPLED_LOSSES = ("ppo", "decoupled_ppo")
 
 ONLINE = ("actor", "reference", "reward")

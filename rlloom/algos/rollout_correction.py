@@ -7,7 +7,7 @@ ratio trainer / sampler (TIS, as verl's `rollout_is` and slime's TIS), so the gr
 an estimate for the samples' true distribution without the variance of an uncapped ratio.
 
 `recomputes_behaviour` decides it for the runtime (runtime/executor/hosts.py) and the cost
-model (the extra forward, perf/compose.py) alike."""
+model (the extra forward, perf/model/compose.py) alike."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,5 +1,6 @@
 """The step rule of partial rollouts, shared by the runtime's pool (rollout/partial.py) and the
-cost model's replay of it (perf/partial_pool.py), so what is priced is what runs. Torch-free."""
+cost model's replay of it (perf/model/partial_pool.py), so what is priced is what runs.
+Torch-free."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rlloom.config import ConfigError
-from rlloom.perf.memory import USABLE
+from rlloom.perf.model.memory import USABLE
 
 
 def _no_cuda(requested: str) -> ConfigError:
@@ -78,7 +78,7 @@ def compute_precision(requested: str, device: torch.device) -> AbstractContextMa
 
 def kv_budget_bytes(device: torch.device) -> int:
     """Bytes a generation's KV cache may take on `device`: on a GPU the usable memory
-    (`perf.memory.USABLE`, as the cost model sizes it) less what is allocated now (the model
+    (`perf.model.memory.USABLE`, as the cost model sizes it) less what is allocated now (the model
     state); 0, no cap, on a CPU, whose KV lives in host memory."""
     if device.type != "cuda":
         return 0

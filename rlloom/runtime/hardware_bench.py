@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rlloom.perf.hardware import GIB, Hardware, local_hardware_path
+from rlloom.perf.model.hardware import GIB, Hardware, local_hardware_path
 
 
 def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, repeats: int = 3) -> float:
@@ -116,9 +116,9 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     import tempfile
 
     from rlloom.config import load_config
-    from rlloom.perf.compose import role_models
-    from rlloom.perf.shapes import model_shape
-    from rlloom.perf.validate import LoadedRun, measured_step, price_run, run_roles
+    from rlloom.perf.model.compose import role_models
+    from rlloom.perf.model.shapes import model_shape
+    from rlloom.perf.validation.validate import LoadedRun, measured_step, price_run, run_roles
     from rlloom.runtime.executor.launch import local_loop
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloom.perf.hardware import Hardware
+from rlloom.perf.model.hardware import Hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64",

@@ -4,8 +4,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from rlloom.perf.hardware import Hardware, hardware
-from rlloom.perf.validate import validate_run
+from rlloom.perf.model.hardware import Hardware, hardware
+from rlloom.perf.validation.validate import validate_run
 
 
 def _measured_as(truth: Hardware, run: Path) -> None:
@@ -22,7 +22,7 @@ def test_calibrate_recovers_the_scale_and_attention_that_made_the_times(fake_run
     """Measured times written as the model's own predictions on a file at compute_eff 0.5 and
     mem_eff 0.8 scaled by 0.5 (0.25, 0.4) with attn_eff 0.35, over four steps of different
     lengths: calibrating the unscaled file finds them, keeping the file's 5:8 ratio."""
-    from rlloom.perf.validate import CALIBRATE_POINTS, calibrate
+    from rlloom.perf.validation.validate import CALIBRATE_POINTS, calibrate
     base = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9}, mem_bw=2e8,
                    launch_s=1e-6, compute_eff=0.5, mem_eff=0.8)
     run = fake_run([5, 5, 5, 5])
@@ -46,7 +46,7 @@ def test_calibrate_says_when_the_runs_cannot_tell_the_attention(fake_run, tmp_pa
     KV reads cost nothing next to the rest: any attn_eff fits, and the report says so. With
     memory as slow as the arithmetic and 400-token responses, the attention's cost shows and
     the fit finds it."""
-    from rlloom.perf.validate import calibration_report
+    from rlloom.perf.validation.validate import calibration_report
     fast_memory = replace(hardware("h100"), peak_flops={"fp32": 2e9, "bf16": 2e9},
                           mem_bw=1e12, launch_s=1e-6, compute_eff=1.0, mem_eff=1.0)
     run = fake_run([5, 5, 5, 5])
@@ -63,14 +63,14 @@ def test_calibrate_says_when_the_runs_cannot_tell_the_attention(fake_run, tmp_pa
 def test_stage_error_is_of_the_stage_mean_over_steps():
     """Two steps of one stage measured 1.0 s and 3.0 s, predicted 2.0 s each: the steps are
     off by +100% and -33%, the stage's mean (4.0 s against 4.0 s) by nothing."""
-    from rlloom.perf.validate import StagePoint, stage_errors
+    from rlloom.perf.validation.validate import StagePoint, stage_errors
     points = [StagePoint("r", 2, "training", 2.0, 1.0), StagePoint("r", 3, "training", 2.0, 3.0),
               StagePoint("r", 2, "generation", 1.5, 1.0)]
     assert stage_errors(points) == {("r", "training"): 0.0, ("r", "generation"): 0.5}
 
 
 def test_validation_points_an_uncalibrated_file_to_calibrate(fake_run):
-    from rlloom.perf.validate import validation_report
+    from rlloom.perf.validation.validate import validation_report
     run = fake_run([5, 5, 5, 5])  # measured 1 s per stage, predicted ~1e-3 s
     raw = replace(hardware("h100"), compute_eff=1.0, mem_eff=1.0)
     assert "fit them with `rlloom perf calibrate`" in validation_report([run], raw)
@@ -81,7 +81,7 @@ def test_validation_points_an_uncalibrated_file_to_calibrate(fake_run):
 def test_validation_asks_for_a_new_bench_when_a_cpu_file_lacks_the_stage_costs(fake_run):
     """A CPU file (dispatch not overlapped) without the stages' host time per operator, as an
     older `rlloom bench hw` wrote it, is named; a GPU file, or a CPU file with both, is not."""
-    from rlloom.perf.validate import validation_report
+    from rlloom.perf.validation.validate import validation_report
     run = fake_run([5, 5, 5, 5])
     cpu = replace(hardware("h100"), dispatch_overlap=0.0, launch_s=4e-6)
     assert "run `rlloom bench hw` again" in validation_report([run], cpu)

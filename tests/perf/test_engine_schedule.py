@@ -6,10 +6,10 @@ import torch
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.perf import cost, engine_schedule
-from rlloom.perf.hardware import hardware
-from rlloom.perf.shapes import model_shape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost, engine_schedule
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.sampling import SamplingParams

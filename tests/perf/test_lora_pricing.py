@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from rlloom.perf import cost
-from rlloom.perf import memory as mem
-from rlloom.perf.compose import price
-from rlloom.perf.hardware import hardware
-from rlloom.perf.planner import search
-from rlloom.perf.shapes import MODELS, ModelShape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.compose import price
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import MODELS, ModelShape
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import search
 from rlloom.plan import Layout, Plan
 
 # L=2, d=8, 2 query heads and 1 kv head of 4, d_ff=16, SwiGLU

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from rlloom.perf import memory as mem
-from rlloom.perf.shapes import MODELS, ModelShape
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.shapes import MODELS, ModelShape
 from rlloom.plan import Layout
 
 # L=2, d=8, d_ff=32, V=100, 2 heads of 4 (no GQA), plain 2-matrix MLP, tied embeddings.
@@ -37,8 +37,9 @@ def test_real_param_counts(name, count):
 
 def test_perf_does_not_import_torch():
     code = ("import sys, pkgutil, importlib, rlloom.perf as p\n"
-            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('rlloom.perf.'"
-            " + m.name)\n"
+            "names = [m.name for m in pkgutil.walk_packages(p.__path__, 'rlloom.perf.')]\n"
+            "assert len(names) >= 20, names\n"
+            "for name in names: importlib.import_module(name)\n"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -51,9 +52,9 @@ def test_attention_elements_priced_beyond_their_flops():
     forwards each)."""
     from dataclasses import replace
 
-    from rlloom.perf import cost
-    from rlloom.perf.hardware import hardware
-    from rlloom.perf.workload import Lengths, Workload
+    from rlloom.perf.model import cost
+    from rlloom.perf.model.hardware import hardware
+    from rlloom.perf.model.workload import Lengths, Workload
     free = replace(hardware("h100"), peak_flops={"fp32": 1e30, "bf16": 1e30}, mem_bw=1e30,
                    launch_s=0.0, attn_elem_s=1e-9)
     wl = Workload(prompts=4, samples=1, prompt_len=1, response=Lengths.empirical([63] * 4),

@@ -7,14 +7,14 @@ import pytest
 
 from rlloom.cli import main
 from rlloom.config import load_config
-from rlloom.perf import cost
-from rlloom.perf import memory as mem
-from rlloom.perf.compose import price
-from rlloom.perf.hardware import GB, hardware
-from rlloom.perf.model_state import offload_copy_s, optimizer_s
-from rlloom.perf.planner import search
-from rlloom.perf.shapes import MODELS
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.compose import price
+from rlloom.perf.model.hardware import GB, hardware
+from rlloom.perf.model.model_state import offload_copy_s, optimizer_s
+from rlloom.perf.model.shapes import MODELS
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import search
 from rlloom.plan import Layout, Plan
 
 Q7 = MODELS["qwen2.5-7b"]

@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import torch
 
-from rlloom.perf import cost
-from rlloom.perf.hardware import hardware
-from rlloom.perf.partial_pool import _lengths, pool_steps
-from rlloom.perf.shapes import model_shape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.partial_pool import _lengths, pool_steps
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
 from rlloom.rollout.partial import PartialPool

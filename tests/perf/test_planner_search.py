@@ -3,12 +3,12 @@ from dataclasses import replace
 
 import pytest
 
-from rlloom.perf import cost
-from rlloom.perf import memory as mem
-from rlloom.perf.hardware import hardware
-from rlloom.perf.planner import MICRO_BATCHES, Search, _search_at, layouts, search
-from rlloom.perf.shapes import MODELS
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import MODELS
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import MICRO_BATCHES, Search, _search_at, layouts, search
 from rlloom.plan import Layout
 
 Q7 = MODELS["qwen2.5-7b"]
@@ -139,7 +139,7 @@ def test_cost_objective_needs_a_price():
 def test_epochs_and_minibatches_reach_the_workload():
     """Two PPO epochs of four optimizer steps: training computes the batch twice over, and
     the DP gradient all-reduce runs after each of the 8 optimizer steps instead of once."""
-    from rlloom.perf.report import Request
+    from rlloom.perf.search.report import Request
     req = Request("qwen2.5-7b", "ppo", "64xH100", 512, 8, 512, 2048, 16384, epochs=2,
                   minibatches=4)
     wl = req.workload()
@@ -186,7 +186,7 @@ def test_a_smaller_critic_is_priced_at_its_own_shape(tmp_path, capsys):
     bytes, and the plan file starts it from the checkpoint."""
     from rlloom.cli import main
     from rlloom.config import load_config
-    from rlloom.perf.compose import price, role_models
+    from rlloom.perf.model.compose import price, role_models
     from rlloom.plan import Plan
 
     small = MODELS["qwen2.5-1.5b"]

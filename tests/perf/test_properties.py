@@ -1,13 +1,13 @@
 """Properties the composed model must have, and the planner on 64 H100s."""
 import pytest
 
-from rlloom.perf import cost
-from rlloom.perf import memory as mem
-from rlloom.perf.compose import price, role_models
-from rlloom.perf.hardware import hardware
-from rlloom.perf.planner import describe, naive, search
-from rlloom.perf.shapes import MODELS
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.compose import price, role_models
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import MODELS
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import describe, naive, search
 from rlloom.plan import Layout, Plan
 
 Q7 = MODELS["qwen2.5-7b"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloom.perf.published import calibrate, compare, load_runs
+from rlloom.perf.validation.published import calibrate, compare, load_runs
 
 FIXTURE = Path(__file__).with_name("published_runs.yaml")
 ANCHOR = "verl_fa_qwen25math7b_colocate_sync_32"

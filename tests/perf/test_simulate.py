@@ -5,12 +5,12 @@ import pytest
 
 from rlloom.algos.presets import PRESETS
 from rlloom.cli import main
-from rlloom.perf.compose import role_models
-from rlloom.perf.hardware import hardware
-from rlloom.perf.planner import search
-from rlloom.perf.shapes import model_shape
-from rlloom.perf.simulate import simulate
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.compose import role_models
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import search
+from rlloom.perf.validation.simulate import simulate
 
 SHAPE, HW = model_shape("qwen2.5-7b"), hardware("h100")
 MODELS = role_models(SHAPE, PRESETS["grpo"].roles)

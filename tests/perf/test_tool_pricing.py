@@ -9,10 +9,10 @@ import torch
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.perf import cost, engine_schedule
-from rlloom.perf.hardware import hardware
-from rlloom.perf.shapes import MODELS
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model import cost, engine_schedule
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import MODELS
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
 from rlloom.rollout.engine import EngineConfig, engine_generate
 from rlloom.rollout.multi_turn import Dialogue, Tools

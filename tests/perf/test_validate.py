@@ -12,12 +12,12 @@ from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.perf import cost
-from rlloom.perf.compose import price, role_models
-from rlloom.perf.hardware import hardware, load_hardware
-from rlloom.perf.shapes import ModelShape, model_shape
-from rlloom.perf.validate import step_workload, validate_run
-from rlloom.perf.workload import Lengths, Workload, lengths_from
+from rlloom.perf.model import cost
+from rlloom.perf.model.compose import price, role_models
+from rlloom.perf.model.hardware import hardware, load_hardware
+from rlloom.perf.model.shapes import ModelShape, model_shape
+from rlloom.perf.model.workload import Lengths, Workload, lengths_from
+from rlloom.perf.validation.validate import step_workload, validate_run
 from rlloom.plan import Layout, Plan
 
 
@@ -63,7 +63,7 @@ def test_training_operator_counts_match_the_runtime(tmp_path, tiny):
     cost model's passes (a shared prompt pass and response micro-batches) of the same steps;
     within 15%. Measured here 277 per layer and 167 fixed (with 8 prompts and 64-token
     responses: 267 and 210)."""
-    from rlloom.perf.validate import step_workload
+    from rlloom.perf.validation.validate import step_workload
     from rlloom.runtime.executor.launch import local_loop
     unit = replace(FREE, launch_s=1.0)  # priced seconds = priced operators
     per_mb = {}
@@ -119,7 +119,7 @@ def test_engine_decode_operator_counts():
 def test_activation_traffic_matches_the_runtime():
     """Elements read + written by non-matmul, non-view operators per token of a forward
     grow by ACT_PER_LAYER = (50 x hidden + 5 x ffn) per layer, within 20%."""
-    from rlloom.perf.shapes import ACT_PER_LAYER
+    from rlloom.perf.model.shapes import ACT_PER_LAYER
     skip = {"mm", "addmm", "bmm", "view", "_unsafe_view", "transpose", "slice", "expand",
             "as_strided", "t", "unsqueeze", "squeeze", "select", "permute", "detach", "alias",
             "split", "split_with_sizes", "unbind", "empty", "lift_fresh", "_to_copy"}
@@ -341,7 +341,7 @@ def test_hybrid_colocated_layout_pays_resharding():
     bf16 weights: (8-1) (alpha + share/8/bw). Generating in the training layout itself does
     too: data-parallel replicas decode on whole copies (`plan.needs_generation_copy`), each
     all-gathering the whole model."""
-    from rlloom.perf import memory as mem
+    from rlloom.perf.model import memory as mem
     shape, hw = model_shape("qwen2.5-7b"), hardware("h100")
     wl = Workload(64, 8, 512, Lengths("fixed", 1024))
     models = role_models(shape, ("actor",))

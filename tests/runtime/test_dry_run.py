@@ -6,11 +6,11 @@ import re
 import pytest
 
 from rlloom.cli import main
-from rlloom.perf.hardware import hardware
-from rlloom.perf.planner import search
-from rlloom.perf.report import plan_file
-from rlloom.perf.shapes import model_shape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import search
+from rlloom.perf.search.report import plan_file
 
 # the built-in model with heads a TP of 4 can split
 WIDE = ["model.hidden_size=64", "model.heads=4", "model.kv_heads=4"]

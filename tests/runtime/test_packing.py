@@ -10,7 +10,7 @@ from rlloom.config import load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
-from rlloom.perf.buckets import padded_tokens, split_sorted
+from rlloom.perf.model.buckets import padded_tokens, split_sorted
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.runtime.ranks import Share
 from rlloom.runtime.stages.batch import response_logprobs, response_values

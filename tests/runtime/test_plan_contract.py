@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from rlloom.cli import main
-from rlloom.perf.hardware import hardware
-from rlloom.perf.planner import describe, search
-from rlloom.perf.report import plan_file
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.search.planner import describe, search
+from rlloom.perf.search.report import plan_file
 
 ray = pytest.importorskip("ray")
 

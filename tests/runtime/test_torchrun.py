@@ -104,11 +104,11 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
     with TP degrees its sharding takes (KV heads and the MLP split too), and priced with the
     generation copy the trainer reshards every step when the actor trains data-parallel."""
     from rlloom.config import load_config
-    from rlloom.perf.hardware import hardware
-    from rlloom.perf.planner import search
-    from rlloom.perf.report import plan_file
-    from rlloom.perf.shapes import model_shape
-    from rlloom.perf.workload import Lengths, Workload
+    from rlloom.perf.model.hardware import hardware
+    from rlloom.perf.model.shapes import model_shape
+    from rlloom.perf.model.workload import Lengths, Workload
+    from rlloom.perf.search.planner import search
+    from rlloom.perf.search.report import plan_file
     from rlloom.runtime.executor.preflight import torchrun_problems
     wl = Workload(512, 8, 512, Lengths("lognormal", 2048, 16384))
     for model, devices in (("qwen2.5-7b", 64), ("qwen2.5-1.5b", 8)):  # 1.5b: 2 KV heads

@@ -9,11 +9,11 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.hf_io import read_model_config
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.parallel.mesh import layout_summary
-from rlloom.perf.compose import price, role_models
-from rlloom.perf.hardware import hardware
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.validate import critic_shape, run_roles
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.compose import price, role_models
+from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.validation.validate import critic_shape, run_roles
 from rlloom.plan import generation_layout, model_layout
 from rlloom.runtime.default_model import tiny_model_config
 from rlloom.runtime.executor.groups import check_group_layouts, group_specs, needs_ray

@@ -146,7 +146,7 @@ class StepLoop:
     def _sync(self, step: int) -> tuple[float, int]:
         """Broadcast the trainer's weights (gathered whole on training rank 0) over each copy's
         channel to every rank of its group; seconds, and the bytes one receiving rank takes
-        in (what the cost model prices: `perf.comm.broadcast_between_groups` of the whole
+        in (what the cost model prices: `perf.model.comm.broadcast_between_groups` of the whole
         model). Groups that train and generate read the trainer's own weights: no sync."""
         if not self.copies:
             return 0.0, 0

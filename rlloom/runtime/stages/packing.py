@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlloom.perf.buckets import split_sorted
+from rlloom.perf.model.buckets import split_sorted
 from rlloom.rollout.generate import Rollout
 
 Agree = Callable[[int], int]
@@ -21,7 +21,7 @@ Agree = Callable[[int], int]
 def micro_batches(prompt_lens: torch.Tensor, response_lens: torch.Tensor, budget: int | None,
                   prompts_done: bool = False, agree: Agree | None = None) -> list[torch.Tensor]:
     """Positions of rows [n] grouped into micro-batches, shortest rows first, cut where
-    `perf.buckets.split_sorted` says (least padding plus per-micro-batch overhead) under a
+    `perf.model.buckets.split_sorted` says (least padding plus per-micro-batch overhead) under a
     `budget` of padded tokens (`train.micro_batch_tokens`); None: all rows in one.
     `prompts_done`: the prompts ran in a shared pass; sort and cost by the responses.
     `agree` maps this rank's micro-batch count to the one every rank runs (under torchrun the

@@ -1,9 +1,9 @@
 """Alpha-beta cost of the collectives a layout implies, on the link its group spans."""
 from __future__ import annotations
 
-from rlloom.perf import memory as mem
-from rlloom.perf.hardware import Hardware
-from rlloom.perf.shapes import ModelShape
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.hardware import Hardware
+from rlloom.perf.model.shapes import ModelShape
 from rlloom.plan import Layout
 
 

@@ -11,14 +11,14 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from rlloom.perf import comm
-from rlloom.perf import memory as mem
-from rlloom.perf.engine_schedule import EngineSchedule, Turn, engine_schedule, queue_lengths
-from rlloom.perf.hardware import Hardware
-from rlloom.perf.model_state import offload_copy_s, optimizer_s
-from rlloom.perf.partial_pool import pool_steps
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.workload import Workload
+from rlloom.perf.model import comm
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.engine_schedule import EngineSchedule, Turn, engine_schedule, queue_lengths
+from rlloom.perf.model.hardware import Hardware
+from rlloom.perf.model.model_state import offload_copy_s, optimizer_s
+from rlloom.perf.model.partial_pool import pool_steps
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Workload
 from rlloom.plan import Layout
 
 ENGINE_POINTS = 2048  # rollouts simulated one by one per replica; beyond, each stands for several
@@ -347,7 +347,7 @@ def skipped(stage: str, role: str) -> StageCost:
 
 def _hardware_key(hw: Hardware) -> tuple:
     """Every field's value (not the object's id, which a discarded variant's successor may
-    reuse, e.g. in `perf.validate.calibrate`)."""
+    reuse, e.g. in `perf.validation.validate.calibrate`)."""
     return tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
                  for k, v in vars(hw).items())
 

@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass, field, replace
 
 from rlloom.algos.presets import PRESETS
-from rlloom.perf import cost
-from rlloom.perf import memory as mem
-from rlloom.perf.compose import TRAINABLE, Priced, price, role_models
-from rlloom.perf.hardware import Hardware
-from rlloom.perf.model_state import host_fits, resident_bytes
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.workload import Workload
+from rlloom.perf.model import cost
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.compose import TRAINABLE, Priced, price, role_models
+from rlloom.perf.model.hardware import Hardware
+from rlloom.perf.model.model_state import host_fits, resident_bytes
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Workload
 from rlloom.plan import Layout, Plan, engine_problems, lora_problems, runnable_problems
 
 TOP_K = 4

@@ -10,7 +10,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Literal
 
-from rlloom.perf.buckets import padded_tokens, split_sorted
+from rlloom.perf.model.buckets import padded_tokens, split_sorted
 
 Z99 = NormalDist().inv_cdf(0.99)
 

@@ -2,9 +2,9 @@
 copies between device and host memory of an offloaded layout (`Layout.offload`)."""
 from __future__ import annotations
 
-from rlloom.perf import memory as mem
-from rlloom.perf.hardware import GIB, Hardware
-from rlloom.perf.shapes import ModelShape
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.hardware import GIB, Hardware
+from rlloom.perf.model.shapes import ModelShape
 from rlloom.plan import Layout
 
 # AdamW per parameter: reads the fp32 weight, gradient and two moments, writes the weight and

@@ -12,14 +12,14 @@ import yaml
 
 from rlloom.algos.presets import PRESETS
 from rlloom.algos.rollout_correction import recomputes_behaviour
-from rlloom.perf import memory as mem
-from rlloom.perf.compose import Priced, role_models
-from rlloom.perf.gantt import plot_gantt
-from rlloom.perf.hardware import Hardware, hardware, load_hardware
-from rlloom.perf.planner import Search, cost_per_step, describe, naive, search
-from rlloom.perf.shapes import ModelShape, model_shape
-from rlloom.perf.simulate import simulate
-from rlloom.perf.workload import Lengths, Workload, lengths_from
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.compose import Priced, role_models
+from rlloom.perf.model.hardware import Hardware, hardware, load_hardware
+from rlloom.perf.model.shapes import ModelShape, model_shape
+from rlloom.perf.model.workload import Lengths, Workload, lengths_from
+from rlloom.perf.search.gantt import plot_gantt
+from rlloom.perf.search.planner import Search, cost_per_step, describe, naive, search
+from rlloom.perf.validation.simulate import simulate
 
 
 def _sec(x: float) -> str:

@@ -22,10 +22,10 @@ import yaml
 from rlloom.algos.presets import PRESETS
 from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.config import RunConfig
-from rlloom.perf.compose import price, role_models
-from rlloom.perf.hardware import Hardware
-from rlloom.perf.shapes import ModelShape, model_shape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.compose import price, role_models
+from rlloom.perf.model.hardware import Hardware
+from rlloom.perf.model.shapes import ModelShape, model_shape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Plan
 
 STAGES = (("generation", "gen_s"), ("assessment", "assess_s"), ("training", "train_s"))

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from rlloom.perf.simulate import Simulation  # noqa: E402
+from rlloom.perf.validation.simulate import Simulation  # noqa: E402
 
 COLORS = {"generation": "tab:blue", "assessment": "tab:orange", "training": "tab:green"}
 

@@ -12,10 +12,10 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlloom.perf.compose import price
-from rlloom.perf.hardware import Hardware
-from rlloom.perf.shapes import ModelShape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.compose import price
+from rlloom.perf.model.hardware import Hardware
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout, Plan
 
 WARMUP_STEPS = 2  # steps excluded from the steady-state step time (pipelines still filling)

@@ -8,7 +8,7 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from rlloom.perf.workload import Workload
+from rlloom.perf.model.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ before sharding. Frozen models keep bf16 weights only.
 """
 from __future__ import annotations
 
-from rlloom.perf.shapes import ModelShape
+from rlloom.perf.model.shapes import ModelShape
 from rlloom.plan import Layout
 
 PARAM_B = 2

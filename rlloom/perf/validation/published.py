@@ -14,10 +14,10 @@ from typing import Any
 import yaml
 
 from rlloom.algos.presets import PRESETS
-from rlloom.perf.compose import Priced, price, role_models
-from rlloom.perf.hardware import Hardware, hardware
-from rlloom.perf.shapes import model_shape
-from rlloom.perf.workload import Lengths, Workload
+from rlloom.perf.model.compose import Priced, price, role_models
+from rlloom.perf.model.hardware import Hardware, hardware
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Plan
 
 EFFICIENCIES = tuple(round(0.05 * i, 2) for i in range(6, 17))  # 0.30, 0.35, ..., 0.80
