@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from rlloom.config import RunConfig
+from rlloom.config_sections import ModelSection
 from rlloom.data.prompts import DataError, read_prompt_file
 from rlloom.data.synthetic import generate
 from rlloom.models.config import ModelConfig
@@ -28,8 +29,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLLOOM_CACHE", Path.home() / ".cache" / "rlloom"))
 
 
-def tiny_model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
-    m = cfg.model
+def tiny_model_config(m: ModelSection, vocab_size: int) -> ModelConfig:
     head_dim = m.hidden_size // m.heads
     moe = m.family == "qwen3_moe"
     experts = dict(n_experts=m.experts, experts_per_token=m.experts_per_token,
@@ -62,7 +62,7 @@ def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) ->
         model = load_model(cfg.model.path)
     else:
         tokenizer = build_char_tokenizer()
-        model = CausalLM(tiny_model_config(cfg, len(tokenizer)))
+        model = CausalLM(tiny_model_config(cfg.model, len(tokenizer)))
         model.init_weights(seed=cfg.seed)
     if cfg.data.prompt_file:
         d = cfg.data

@@ -43,7 +43,7 @@ def test_reward_model_critic_starts_with_its_trained_head(tmp_path, policy_dir):
     hf = transformers.Qwen3ForSequenceClassification(_qwen3(16, num_labels=1)).eval()
     hf.save_pretrained(rm)
     build_char_tokenizer().save_pretrained(rm)
-    critic = build_critic(_cfg(policy_dir, rm), policy_dir, load_model(policy_dir)).eval()
+    critic = build_critic(_cfg(policy_dir, rm).model, policy_dir, load_model(policy_dir)).eval()
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():   # per-position scores of HF's head, before its last-token pooling
         expected = hf.score(hf.model(input_ids=ids).last_hidden_state).squeeze(-1)
@@ -56,7 +56,7 @@ def test_causal_lm_critic_takes_its_backbone_and_a_zero_head(tmp_path, policy_di
     small = tmp_path / "small"
     torch.manual_seed(3)
     save_checkpoint(load_model(_save_lm(tmp_path / "src", 16)), build_char_tokenizer(), small)
-    critic = build_critic(_cfg(policy_dir, small), policy_dir, load_model(policy_dir))
+    critic = build_critic(_cfg(policy_dir, small).model, policy_dir, load_model(policy_dir))
     lm = load_model(small)
     assert all(torch.equal(v, lm.model.state_dict()[k])
                for k, v in critic.model.state_dict().items())
@@ -71,7 +71,7 @@ def _save_lm(path, hidden, vocab=VOCAB):
 def test_a_critic_of_another_vocabulary_is_refused(tmp_path, policy_dir):
     other = _save_lm(tmp_path / "other", 16, vocab=500)  # no tokenizer: rows must match
     with pytest.raises(Exception, match="must share the tokenizer"):
-        build_critic(_cfg(policy_dir, other), policy_dir, load_model(policy_dir))
+        build_critic(_cfg(policy_dir, other).model, policy_dir, load_model(policy_dir))
 
 
 def test_critic_path_needs_a_separate_critic(tmp_path, policy_dir, capsys):

@@ -20,7 +20,7 @@ from tests.conftest import TINY
 def _setup(*overrides):
     cfg = load_config(None, [*TINY, "rollout.max_new_tokens=12", *overrides])
     tok = build_char_tokenizer()
-    policy = CausalLM(tiny_model_config(cfg, len(tok)))
+    policy = CausalLM(tiny_model_config(cfg.model, len(tok)))
     policy.init_weights(seed=0)
     critic = ValueModel.from_policy(policy)
     torch.nn.init.normal_(critic.score.weight, std=0.5, generator=torch.Generator().manual_seed(1))

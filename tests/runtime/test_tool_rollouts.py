@@ -38,7 +38,7 @@ def caller():
     """The tiny model after a few steps on tool-use traces, so its turns end in calls."""
     cfg = load_config(None, ["rollout.tools=[calculator]", "rollout.max_turns=3"])
     torch.manual_seed(0)
-    model = CausalLM(tiny_model_config(cfg, len(TOK)))
+    model = CausalLM(tiny_model_config(cfg.model, len(TOK)))
     model.init_weights(seed=0)
     supervised_finetune(model, TOK, TRACES, steps=150, batch_size=16, lr=1e-2, seed=0)
     return model.eval()
@@ -127,7 +127,7 @@ def test_sampled_logprobs_equal_the_trainers_across_turns(tiny, caller, engine):
     tok, model = TOK, caller
     prompts = encode(tok, [p.prompt for p in TRACES[:10]])
     with torch.no_grad():
-        rollout, stats = respond(model, tok, prompts, _params(cfg, 48), cfg,
+        rollout, stats = respond(model, tok, prompts, _params(cfg.rollout, 48), cfg,
                                  torch.Generator().manual_seed(1), 0, Tools.of(cfg.rollout))
         trainer, _, _ = response_logprobs(model, rollout, cfg.rollout.temperature)
     assert stats[:, 1].sum() >= 4  # calls made, so results sit between sampled turns

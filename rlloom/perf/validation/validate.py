@@ -22,6 +22,7 @@ import yaml
 from rlloom.algos.presets import PRESETS
 from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.config import RunConfig
+from rlloom.config_sections import ModelSection
 from rlloom.perf.model.compose import price, role_models
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.shapes import ModelShape, model_shape
@@ -45,19 +46,19 @@ class StagePoint:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
-def run_shape(run_dir: Path, cfg: RunConfig) -> ModelShape:
+def run_shape(run_dir: Path, model: ModelSection) -> ModelShape:
     """The policy's shape from the run's exported model, or from the model it started from."""
     for candidate in (run_dir / "final" / "config.json",
-                      Path(cfg.model.path or "") / "config.json"):
+                      Path(model.path or "") / "config.json"):
         if candidate.is_file():
             return ModelShape.from_hf_config(json.loads(candidate.read_text()), "policy")
     raise ValueError(f"{run_dir}: no final/config.json and no model.path config.json; "
                      "validate a finished run")
 
 
-def critic_shape(cfg: RunConfig) -> ModelShape | None:
+def critic_shape(model: ModelSection) -> ModelShape | None:
     """The critic's shape when it starts from a checkpoint of its own (`model.critic_path`)."""
-    return model_shape(cfg.model.critic_path) if cfg.model.critic_path else None
+    return model_shape(model.critic_path) if model.critic_path else None
 
 
 def run_dtype(cfg: RunConfig) -> str:
@@ -112,7 +113,7 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
         raise ValueError(f"{run_dir}: validation covers online presets; {cfg.algo.name} is not")
     if cfg.reward.model_path:
         raise ValueError(f"{run_dir}: runs with a reward model are not validated yet")
-    shape = run_shape(run_dir, cfg)
+    shape = run_shape(run_dir, cfg.model)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ValueError(f"{run_dir}: no metrics.jsonl; is it a run directory?")
@@ -125,8 +126,8 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
             raise ValueError(f"{metrics}: no response_lens; the run predates validation "
                              "support, run it again")
         steps.append(measured_step(row, cfg))
-    return LoadedRun(run_dir.name, role_models(shape, run_roles(cfg), critic=critic_shape(cfg)),
-                     cfg.plan, steps)
+    models = role_models(shape, run_roles(cfg), critic=critic_shape(cfg.model))
+    return LoadedRun(run_dir.name, models, cfg.plan, steps)
 
 
 def price_run(run: LoadedRun, hw: Hardware) -> list[StagePoint]:

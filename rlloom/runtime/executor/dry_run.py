@@ -24,7 +24,7 @@ from rlloom.runtime.executor.preflight import preflight
 def _architecture(cfg: RunConfig) -> ModelConfig:
     if cfg.model.path:
         return read_model_config(Path(cfg.model.path))
-    return tiny_model_config(cfg, len(build_char_tokenizer()))  # the built-in model, unbuilt
+    return tiny_model_config(cfg.model, len(build_char_tokenizer()))  # the built-in model, unbuilt
 
 
 def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None = None) -> str:
@@ -65,7 +65,7 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None =
                   max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
                   partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank,
                   turns=cfg.rollout.max_turns)
-    priced = price(cfg.plan, role_models(shape, run_roles(cfg), critic=critic_shape(cfg)), wl,
+    priced = price(cfg.plan, role_models(shape, run_roles(cfg), critic=critic_shape(cfg.model)), wl,
                    hw)
     lines.append(f"memory per device on {hw.name} ({hw.mem_gib:g} GiB): "
                  + ", ".join(f"{g} {gib:.2f} GiB" for g, gib in sorted(priced.mem_gib.items()))

@@ -160,7 +160,7 @@ class TrainingHost:
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if "critic" in PRESETS[a.name].roles and plan.actor_critic != "shared":
-            self.critic = build_critic(self.cfg, model_path, self.policy).to(ranks.device)
+            self.critic = build_critic(self.cfg.model, model_path, self.policy).to(ranks.device)
         # generation beside training (and held-out evaluation) reads the policy itself, or a
         # copy in its own layout: always when the actor trains data-parallel (see
         # ranks.RankGroup.generating), on sequence shards, which a KV cache cannot decode, or
@@ -353,7 +353,7 @@ class AssessmentHost:
                 def build() -> torch.nn.Module | PipelinedModel:
                     policy = build_policy(cfg, model_path)
                     critic = (policy if isinstance(policy, ActorCritic)
-                              else build_critic(cfg, model_path, policy))
+                              else build_critic(cfg.model, model_path, policy))
                     whole.update({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
                                   for k, v in synced_state(critic).items()})
                     return ranks.frozen(critic.to(ranks.device), layout)

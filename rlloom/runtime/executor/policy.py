@@ -9,6 +9,7 @@ import torch
 
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
+from rlloom.config_sections import ModelSection
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import (
     DTYPES,
@@ -38,14 +39,14 @@ def build_policy(cfg: RunConfig, model_path: Path) -> torch.nn.Module:
     return policy
 
 
-def build_critic(cfg: RunConfig, model_path: Path, policy: torch.nn.Module) -> ValueModel:
+def build_critic(model: ModelSection, model_path: Path, policy: torch.nn.Module) -> ValueModel:
     """A separate critic: from `model.critic_path` when given (a reward model's trained head,
     or a causal LM's backbone with a zero head), else from the policy's backbone. It reads
     the policy's token ids, so its tokenizer must be the policy's."""
-    path = cfg.model.critic_path
+    path = model.critic_path
     if path is None:
         return ValueModel.from_policy(policy)
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = DTYPES[model.dtype]
     read_model_config(Path(path))  # a clear error when it is no checkpoint
     architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures")
     critic = (load_value_model(path, dtype)

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.algos.dapo import groups_with_signal
 from rlloom.config import RunConfig
+from rlloom.config_sections import RolloutSection
 from rlloom.data.chat import is_chat
 from rlloom.data.prompts import PromptStream
 from rlloom.data.synthetic import Problem, row_columns
@@ -187,8 +188,7 @@ class Rewarder:
 
 
 
-def _params(cfg: RunConfig, max_new_tokens: int) -> SamplingParams:
-    r = cfg.rollout
+def _params(r: RolloutSection, max_new_tokens: int) -> SamplingParams:
     return SamplingParams(max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p,
                           r.repetition_penalty, stop=tuple(r.stop))
 
@@ -275,8 +275,8 @@ def sample_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, problems
                   tools: Tools | None = None) -> Samples:
     k = cfg.rollout.n_samples
     prompts = [ids for ids in encode(tokenizer, [p.prompt for p in problems]) for _ in range(k)]
-    rollout, stats = respond(policy, tokenizer, prompts,
-                             _params(cfg, cfg.rollout.max_new_tokens), cfg, generator, k, tools)
+    params = _params(cfg.rollout, cfg.rollout.max_new_tokens)
+    rollout, stats = respond(policy, tokenizer, prompts, params, cfg, generator, k, tools)
     return _scored(problems, rollout, k, rewarder, tools=stats)
 
 
@@ -289,7 +289,7 @@ def partial_groups(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, pool: P
     the results all-gathered); the oldest complete groups are taken and scored (on every
     rank alike)."""
     k = cfg.rollout.n_samples
-    params = _params(cfg, pool.chunk)
+    params = _params(cfg.rollout, pool.chunk)
     stops = StopMatcher(params, tokenizer.decode)
 
     def admit(more: int) -> None:

@@ -13,7 +13,8 @@ from rlloom.algos.dapo import overlong_penalty
 from rlloom.algos.kl import kl_shaped_rewards
 from rlloom.algos.masks import valid
 from rlloom.algos.value import value_loss
-from rlloom.config import RunConfig
+from rlloom.config import AlgoSection, RunConfig
+from rlloom.config_sections import RolloutSection
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.data_parallel import before_backward
@@ -167,7 +168,7 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
             if tokens == 0:
                 continue  # every sample was filtered out (overlong), on every rank alike
             optimizer.zero_grad(set_to_none=True)
-            norm = _norm(tokens, seqs, share, cfg)
+            norm = _norm(tokens, seqs, share, cfg.rollout)
             if isinstance(policy, PipelinedModel):
                 stats = pipelined_backward(policy, exp, share.rows(idx), norm, kl_coef, cfg,
                                            budget, agree)
@@ -187,12 +188,12 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
             optimizer.step()
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-                rows, norm = critic_share.rows(idx), _norm(tokens, seqs, critic_share, cfg)
+                rows, norm = critic_share.rows(idx), _norm(tokens, seqs, critic_share, cfg.rollout)
                 if isinstance(critic, PipelinedModel):
-                    stats["value_loss"] = pipelined_critic_backward(critic, exp, rows, norm, cfg,
-                                                                    budget, agree)
+                    stats["value_loss"] = pipelined_critic_backward(
+                        critic, exp, rows, norm, cfg.algo, budget, agree)
                 else:
-                    stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg, budget,
+                    stats["value_loss"] = critic_backward(critic, exp, rows, norm, cfg.algo, budget,
                                                           agree)
                 critic_share.reduce(_module(critic))
                 if nonfinite.finite(critic_share.clip_grad_norm(critic, cfg.train.grad_clip)):
@@ -209,9 +210,9 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
     return {**out, "nonfinite_skips": float(skipped)} if skipped else out
 
 
-def _norm(tokens: float, seqs: float, share: Share, cfg: RunConfig) -> LossNorm:
+def _norm(tokens: float, seqs: float, share: Share, rollout: RolloutSection) -> LossNorm:
     """The whole mini-batch's normalisers over the replicas whose gradients DP averages."""
-    return LossNorm(tokens / share.parts, seqs / share.parts, const=cfg.rollout.max_new_tokens)
+    return LossNorm(tokens / share.parts, seqs / share.parts, const=rollout.max_new_tokens)
 
 
 def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: LossNorm,
@@ -258,16 +259,16 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
 
 
 def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm: LossNorm,
-                    cfg: RunConfig, micro_batch_tokens: int | None, agree: Agree | None = None
-                    ) -> float:
+                    algo: AlgoSection, micro_batch_tokens: int | None,
+                    agree: Agree | None = None) -> float:
     """Accumulate a separate critic's value-loss gradient of mini-batch `idx`; the loss."""
-    aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
+    aggregate = AGGREGATIONS.get(algo.loss_agg)
     total = 0.0
     parts = list(micro_rows(exp, idx, micro_batch_tokens, agree=agree))
     for j, (_, rows, mb, t) in enumerate(parts):
         mask = exp.loss_mask[rows, :t]
         vloss = aggregate(value_loss(response_values(critic, mb), exp.old_values[rows, :t],
-                                     exp.returns[rows, :t], mask, cfg.algo.value_clip),
+                                     exp.returns[rows, :t], mask, algo.value_clip),
                           mask, norm)
         before_backward(critic, last=j == len(parts) - 1)
         vloss.backward()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
 from rlloom.algos.policy_losses import entropy_from_logits
 from rlloom.algos.value import value_loss
-from rlloom.config import RunConfig
+from rlloom.config import AlgoSection, RunConfig
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
 from rlloom.rollout.sampling import policy_logprobs
@@ -112,11 +112,12 @@ def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
 
 
 def pipelined_critic_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
-                              norm: LossNorm, cfg: RunConfig, micro_batch_tokens: int | None,
-                              agree: Agree | None = None) -> float:
+                              norm: LossNorm, algo: AlgoSection,
+                              micro_batch_tokens: int | None, agree: Agree | None = None
+                              ) -> float:
     """`online.critic_backward` for a pipelined critic: accumulate mini-batch `idx`'s value-loss
     gradient into this stage's parameters; the loss, on every rank of the pipeline."""
-    aggregate = AGGREGATIONS.get(cfg.algo.loss_agg)
+    aggregate = AGGREGATIONS.get(algo.loss_agg)
     total = 0.0
     for _, rows, mb, t in micro_rows(exp, idx, micro_batch_tokens, agree=agree):
         ids, mask, span = joined(mb)
@@ -131,7 +132,7 @@ def pipelined_critic_backward(pipe: PipelinedModel, exp: Experience, idx: torch.
                     dtypes: list[torch.dtype] = dtypes) -> torch.Tensor:
             old, returns, keep = (target[..., i].to(d) for i, d in enumerate(dtypes))
             return aggregate(value_loss(values[:, span], old, returns, keep,
-                                        cfg.algo.value_clip), keep, norm)
+                                        algo.value_clip), keep, norm)
         total += float(pipe.train_step(ids, mask, target, loss_fn))
     return total
 
