@@ -21,10 +21,9 @@ from rlloom.runtime.default_model import ensure_default_model
 from rlloom.runtime.device import resolve_device, torchrun_device
 from rlloom.runtime.executor.groups import check_group_layouts, group_specs, world_size
 from rlloom.runtime.executor.interface import RunOptions, WorkerFailure
-from rlloom.runtime.executor.local import LocalExecutor
+from rlloom.runtime.executor.local import LocalExecutor, join_torchrun
 from rlloom.runtime.executor.loop import StepLoop
 from rlloom.runtime.executor.preflight import Runtime, preflight
-from rlloom.runtime.executor.torchrun import join_torchrun
 from rlloom.runtime.ranks import leave_world
 from rlloom.runtime.run_dir import claim, record_resume, rewind
 from rlloom.runtime.stages.batch import encode

@@ -1,7 +1,8 @@
 """The executor in this process: a colocated plan's one group (`plan.device_groups`) as this
 process alone (one rank, where every collective is the identity) or as one rank of a torchrun
-world, where every process runs the same step loop (SPMD) and calls its own `GroupWorker`
-in place; the stage code is what a Ray rank runs."""
+world (`join_torchrun`; what one can run: `preflight.torchrun_problems`), where every process
+runs the same step loop (SPMD) and calls its own `GroupWorker` in place; the stage code is
+what a Ray rank runs."""
 from __future__ import annotations
 
 import os
@@ -14,8 +15,17 @@ import torch
 from rlloom.config import RunConfig
 from rlloom.plan import DeviceGroup
 from rlloom.runtime.checkpoint import save_checkpoint as save_state
+from rlloom.runtime.device import torchrun_device
+from rlloom.runtime.executor.groups import world_size
 from rlloom.runtime.executor.interface import GroupCall, Method, routed
 from rlloom.runtime.executor.worker import GroupWorker
+from rlloom.runtime.ranks import RankGroup
+
+
+def join_torchrun(requested: str) -> RankGroup:
+    """This process's place in the world torchrun started, on its device for
+    `train.device=requested` (cuda:LOCAL_RANK under NCCL, else the CPU with gloo)."""
+    return RankGroup.join(torchrun_device(requested), world=world_size())
 
 
 class LocalGroup:
