@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,12 +16,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rlloom.perf.model.hardware import GIB, Hardware, local_hardware_path
+from rlloom.perf.model.hardware import (
+    GIB,
+    Hardware,
+    installed_version,
+    local_hardware_path,
+    measurement_doubts,
+)
 
 
-def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, repeats: int = 3) -> float:
-    """Fastest mean time per call over `repeats` timed batches of at least `min_time` each:
-    the minimum filters out the noise of a shared machine."""
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 4.0
+                  ) -> tuple[float, float]:
+    """Fastest mean time per call over timed batches of at least `min_time` each, and the
+    batches' spread ((median - fastest) / fastest): batches repeat, 3 at least, until the
+    spread is under 5% or `budget_s` has passed. The minimum filters out a shared machine's
+    noise; a spread that stays wide says the noise won (`measurement_doubts`)."""
     fn()
     calls, t = 1, 0.0
     while True:  # grow the batch until it runs long enough to time
@@ -31,39 +41,47 @@ def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, repeats: int 
         if t >= min_time:
             break
         calls *= 2
-    best = t / calls
-    for _ in range(repeats - 1):
+    times, start = [t / calls], time.perf_counter()
+    while True:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
+        times.append((time.perf_counter() - t0) / calls)
+        best = min(times)
+        spread = (statistics.median(times) - best) / best
+        if len(times) >= 3 and (spread < 0.05 or time.perf_counter() - start > budget_s):
+            return best, spread
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 1024) -> float:
+def matmul_flops(dtype: torch.dtype, n: int = 1024) -> tuple[float, float]:
+    """FLOP/s of an n x n matmul, and its spread."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best_seconds(lambda: a @ b)
+    best, spread = _best_seconds(lambda: a @ b)
+    return 2 * n**3 / best, spread
 
 
-def memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
-    """Bytes read plus written per second by a large copy."""
+def memory_bandwidth(nbytes: int = 256 * 2**20) -> tuple[float, float]:
+    """Bytes read plus written per second by a large copy, and its spread."""
     src = torch.empty(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src))
+    best, spread = _best_seconds(lambda: dst.copy_(src))
+    return 2 * nbytes / best, spread
 
 
-def attention_element_seconds(rows: int = 32, heads: int = 4, head_dim: int = 32) -> float:
+def attention_element_seconds(rows: int = 32, heads: int = 4, head_dim: int = 32
+                              ) -> tuple[float, float]:
     """Seconds per causal score element and head of a fused attention forward (SDPA, as the
     runtime's teacher-forced passes call it), from the difference between two context
-    lengths so that the call's fixed cost cancels."""
-    def seconds(t: int) -> float:
+    lengths so that the call's fixed cost cancels; and the wider spread of the two."""
+    def seconds(t: int) -> tuple[float, float]:
         q, k, v = (torch.randn(rows, heads, t, head_dim) for _ in range(3))
         with torch.no_grad():
             return _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v,
                                                                         is_causal=True))
     short, long = 64, 128
     elements = rows * heads * (long * (long + 1) - short * (short + 1)) / 2
-    return max(seconds(long) - seconds(short), 0.0) / elements
+    (t_long, s_long), (t_short, s_short) = seconds(long), seconds(short)
+    return max(t_long - t_short, 0.0) / elements, max(s_long, s_short)
 
 
 def _dispatch_model() -> tuple[torch.nn.Module, torch.Tensor, int]:
@@ -93,11 +111,13 @@ def _operators(fn: Callable[[], object]) -> int:
     return Count.ops
 
 
-def dispatch_seconds() -> float:
-    """Host time per operator: a forward of `_dispatch_model` divided by its operators."""
+def dispatch_seconds() -> tuple[float, float]:
+    """Host time per operator: a forward of `_dispatch_model` divided by its operators; and
+    its spread."""
     model, ids, ops = _dispatch_model()
     with torch.no_grad():
-        return _best_seconds(lambda: model(ids)) / ops
+        best, spread = _best_seconds(lambda: model(ids))
+    return best / ops, spread
 
 
 # A run of a model too small to compute, at the batch of a small experiment: its stages'
@@ -181,17 +201,18 @@ def _wrapper_worker(rank: int, port: int, out: dict) -> None:
             step()
             timed.append((_best_seconds(pass_), _best_seconds(step)))
         ops = _operators(step)  # the wrapped model's: the same operators as the plain one
-        out["wrapped_pass_s"] = max(timed[1][0] - timed[0][0], 0.0) / (len(layers) + 1)
-        out["sharded_launch_s"] = max(timed[1][1] - timed[0][1], 0.0) / ops
+        out["wrapped_pass_s"] = max(timed[1][0][0] - timed[0][0][0], 0.0) / (len(layers) + 1)
+        out["sharded_launch_s"] = max(timed[1][1][0] - timed[0][1][0], 0.0) / ops
+        out["spread"] = max(spread for pair in timed for _, spread in pair)
     finally:
         dist.destroy_process_group()
 
 
-def wrapper_seconds() -> tuple[float, float]:
+def wrapper_seconds() -> tuple[float, float, float]:
     """(seconds per wrapped module per forward + backward, added seconds per optimizer-step
-    operator) of FSDP2's data-parallel wrappers (see `_wrapper_worker`)."""
+    operator) of FSDP2's data-parallel wrappers (see `_wrapper_worker`), and the spread."""
     out = _spawned(_wrapper_worker, 1)
-    return out["wrapped_pass_s"], out["sharded_launch_s"]
+    return out["wrapped_pass_s"], out["sharded_launch_s"], out["spread"]
 
 
 def _reduce_worker(rank: int, port: int, out: dict) -> None:
@@ -220,15 +241,17 @@ def _reduce_worker(rank: int, port: int, out: dict) -> None:
             dist.barrier()
             timed.append(_best_seconds(pass_, min_time=0.2))
         if rank == 0:
-            out["reduce_s"] = max(timed[0] - timed[1], 0.0) / len(modules)
+            out["reduce_s"] = max(timed[0][0] - timed[1][0], 0.0) / len(modules)
+            out["spread"] = max(spread for _, spread in timed)
     finally:
         dist.destroy_process_group()
 
 
-def reduce_seconds() -> float:
+def reduce_seconds() -> tuple[float, float]:
     """Seconds of one wrapped module's gradient all-reduce under replicate, two ranks busy
-    (see `_reduce_worker`)."""
-    return _spawned(_reduce_worker, 2)["reduce_s"]
+    (see `_reduce_worker`), and the spread."""
+    out = _spawned(_reduce_worker, 2)
+    return out["reduce_s"], out["spread"]
 
 
 def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> None:
@@ -245,8 +268,8 @@ def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> Non
         dist.destroy_process_group()
 
 
-def all_reduce_times(sizes: list[int]) -> dict[int, float]:
-    """Seconds per gloo all-reduce between two local processes, by message bytes."""
+def all_reduce_times(sizes: list[int]) -> dict[int, tuple[float, float]]:
+    """(seconds, spread) per gloo all-reduce between two local processes, by message bytes."""
     return _spawned(_all_reduce_worker, 2, sizes)
 
 
@@ -262,28 +285,73 @@ def _spawned(worker: Callable[..., None], nprocs: int, *args: Any) -> dict:
         return dict(out)
 
 
+class OthersLoad:
+    """The share of the machine's CPU time that other processes used while the block ran:
+    on Linux, /proc/stat's busy time less this process's own and its finished children's;
+    elsewhere the 1-minute load average less this process's one busy CPU."""
+
+    def __enter__(self) -> OthersLoad:
+        self.start = self._sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        """(machine busy, machine total, own CPU) in seconds."""
+        own = os.times()
+        mine = own.user + own.system + own.children_user + own.children_system
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except OSError:
+            return math.nan, math.nan, mine
+        tick = os.sysconf("SC_CLK_TCK")
+        idle = fields[3] + fields[4]  # idle, iowait
+        return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick, mine
+
+    @property
+    def share(self) -> float:
+        (busy0, total0, own0), (busy1, total1, own1) = self.start, self.end
+        if math.isnan(total0) or total1 <= total0:
+            cpus = os.cpu_count() or 1
+            return min(max(os.getloadavg()[0] - 1, 0.0) / cpus, 1.0)
+        return min(max((busy1 - busy0 - (own1 - own0)) / (total1 - total0), 0.0), 1.0)
+
+
 def measure(progress: Callable[[str], None] = print) -> Hardware:
+    """This machine's rates, each microbenchmark's spread and the load of other processes
+    while it measured (`measurement_doubts` reads them)."""
+    with OthersLoad() as load:
+        hw, spreads = _measure(progress)
+    return replace(hw, rlloom_version=installed_version(),
+                   extra={**hw.extra, "measured_at": round(time.time()),
+                          "spread_max": round(max(spreads), 4),
+                          "other_load": round(load.share, 4)})
+
+
+def _measure(progress: Callable[[str], None]) -> tuple[Hardware, list[float]]:
     progress("matmul fp32 ...")
-    fp32 = matmul_flops(torch.float32)
+    fp32, s_fp32 = matmul_flops(torch.float32)
     progress("matmul bf16 ...")
-    bf16 = matmul_flops(torch.bfloat16)
+    bf16, s_bf16 = matmul_flops(torch.bfloat16)
     progress("memory bandwidth ...")
-    bw = memory_bandwidth()
+    bw, s_bw = memory_bandwidth()
     progress("attention ...")
-    attn_elem = attention_element_seconds()
+    attn_elem, s_attn = attention_element_seconds()
     progress("operator dispatch ...")
-    launch = dispatch_seconds()
+    launch, s_launch = dispatch_seconds()
     progress("data-parallel wrappers ...")
-    wrapped, sharded = wrapper_seconds()
+    wrapped, sharded, s_wrapped = wrapper_seconds()
     progress("gloo all-reduce between 2 processes ...")
     small, large = 4, 16 * 2**20
     times = all_reduce_times([small, large])
     progress("gradient all-reduce from replicate's hooks, 2 ranks busy ...")
-    reduce = reduce_seconds()
+    reduce, s_reduce = reduce_seconds()
     # A 2-process ring all-reduce sends n/2 bytes twice: alpha from the tiny message, the
     # bandwidth from the large one net of that latency.
-    alpha = times[small] / 2
-    link = large / max(times[large] - times[small], 1e-9)
+    alpha = times[small][0] / 2
+    link = large / max(times[large][0] - times[small][0], 1e-9)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     hw = Hardware("local", {"fp32": fp32, "bf16": bf16}, mem_gib=round(ram, 1), mem_bw=bw,
                   intra_node_bw=link, inter_node_bw=link, devices_per_node=1,
@@ -297,13 +365,21 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
                          "cpus": float(os.cpu_count() or 1)})
     progress("the runtime's stages on a model too small to compute ...")
     assess_launch, train_launch = stage_dispatch_seconds(hw)
-    return replace(hw, assess_launch_s=assess_launch, train_launch_s=train_launch)
+    spreads = [s_fp32, s_bf16, s_bw, s_attn, s_launch, s_wrapped, s_reduce,
+               *(spread for _, spread in times.values())]
+    return replace(hw, assess_launch_s=assess_launch, train_launch_s=train_launch), spreads
 
 
 def bench_hw(out: Path | None = None) -> str:
     hw = measure()
     path = out or local_hardware_path()
     hw.save(path)
+    doubts = measurement_doubts(hw)
+    quality = (f"repeats within {hw.extra['spread_max']:.0%} of each other, other processes "
+               f"used {hw.extra['other_load']:.0%} of the CPUs meanwhile")
+    if doubts:
+        quality = ("WARNING, this measurement is doubtful: " + "; ".join(doubts) + ". Stop "
+                   "what else runs and measure again (`rlloom bench hw`)")
     return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
             f"attention {hw.attn_elem_s * 1e9:.1f} ns per score element, "
@@ -317,4 +393,4 @@ def bench_hw(out: Path | None = None) -> str:
             f"{hw.intra_node_latency * 1e6:.0f} us and {hw.intra_node_bw / 1e9:.2f} GB/s\n"
             f"saved {path} (use it as --gpus NxLOCAL or `rlloom perf validate`); its "
             "efficiencies are 1.0, the microbenchmarks' rates: `rlloom perf calibrate RUN_DIR` "
-            "fits them to measured runs")
+            f"fits them to measured runs\n{quality}")

@@ -1,6 +1,7 @@
 """The measured side of the performance model: operator counts, empirical lengths, hardware
 files, `rlloom perf validate` against hand computation, plan files and DPO pricing."""
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,13 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.transformer import CausalLM
 from rlloom.perf.model import cost
 from rlloom.perf.model.compose import price, role_models
-from rlloom.perf.model.hardware import hardware, load_hardware
+from rlloom.perf.model.hardware import (
+    HardwareWarning,
+    hardware,
+    installed_version,
+    load_hardware,
+    measurement_doubts,
+)
 from rlloom.perf.model.shapes import ModelShape, model_shape
 from rlloom.perf.model.workload import Lengths, Workload, lengths_from
 from rlloom.perf.validation.validate import step_workload, validate_run
@@ -311,13 +318,22 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     from rlloom.cli import main
     hw_file, run = tmp_path / "hw.json", tmp_path / "run"
     main(["bench", "hw", "--out", str(hw_file)])
-    hw = load_hardware(hw_file)
+    # how far its repeats spread and how busy others kept the machine, kept and told
+    assert "of the CPUs" in capsys.readouterr().out
+    with warnings.catch_warnings():  # a suite running beside it may well disturb it
+        warnings.simplefilter("ignore", HardwareWarning)
+        hw = load_hardware(hw_file)
+    assert hw.rlloom_version == installed_version() and hw.extra["measured_at"] > 1.7e9
+    assert hw.extra["spread_max"] >= 0 and 0 <= hw.extra["other_load"] <= 1
     assert hw.peak_flops["fp32"] > 1e8 and hw.mem_bw > 1e8 and 0 < hw.launch_s < 1e-3
     assert 0 <= hw.sharded_launch_s < 1e-2 and 0 <= hw.wrapped_pass_s < 1e-1
     assert 0 < hw.attn_elem_s < 1e-6  # CPU attention: a few ns per score element
     # the runtime's stages cost more host time per operator than a plain forward (2-3x and
-    # 1.5-2x measured); half of it bounds them below whatever the host's noise
-    assert 0.5 * hw.launch_s < hw.train_launch_s < hw.assess_launch_s < 1e-3
+    # 1.5-2x measured); half of it bounds them below. Measured beside other work (a parallel
+    # suite) the file says so, and its stage prices are not this machine's: not held to it
+    assert hw.train_launch_s < 1e-3 and hw.assess_launch_s < 1e-3
+    if not measurement_doubts(hw):
+        assert 0.5 * hw.launch_s < hw.train_launch_s < hw.assess_launch_s
     main(["train", *tiny, f"run_dir={run}"])
     capsys.readouterr()
     main(["perf", "validate", str(run), "--hardware", str(hw_file)])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -91,6 +93,11 @@ class Hardware:
     host_link_bw: float = 0.0
     host_mem_gib: float = 0.0
     host_mem_bw: float = 0.0
+    # a measured file's provenance (`rlloom bench hw`): the rlloom that measured it; `extra`
+    # holds when (`measured_at`, Unix seconds), its microbenchmarks' worst spread
+    # (`spread_max`) and the share of the machine's CPUs other processes used meanwhile
+    # (`other_load`); `measurement_doubts` reads them
+    rlloom_version: str = ""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -146,9 +153,49 @@ def load_hardware(path: str | Path) -> Hardware:
             data[key] = {k: number(f"{key}.{k}", v) for k, v in dict(value).items()}
         elif key == "devices_per_node":
             data[key] = int(number(key, value))
-        elif key != "name":
+        elif key not in ("name", "rlloom_version"):
             data[key] = number(key, value)
-    return Hardware(**data)
+    hw = Hardware(**data)
+    doubts = measurement_doubts(hw)
+    if doubts:
+        warnings.warn(f"{path}: " + "; ".join(doubts) + ". Its prices may be off: remeasure "
+                      "with `rlloom bench hw` while nothing else runs", HardwareWarning,
+                      stacklevel=2)
+    return hw
+
+
+class HardwareWarning(UserWarning):
+    """A hardware file measured under load, with noisy repeats, or by another rlloom."""
+
+
+# a measurement is doubted when its repeats spread wider, or others used more of the CPUs
+SPREAD_LIMIT = 0.10
+LOAD_LIMIT = 0.25
+
+
+def measurement_doubts(hw: Hardware) -> list[str]:
+    """Why a measured hardware file may not hold this machine's quiet rates (empty for a
+    catalogue entry and for a clean measurement by this rlloom)."""
+    doubts = []
+    spread, load = hw.extra.get("spread_max", 0.0), hw.extra.get("other_load", 0.0)
+    if spread > SPREAD_LIMIT:
+        doubts.append(f"its microbenchmarks' repeats differed by up to {spread:.0%} (limit "
+                      f"{SPREAD_LIMIT:.0%})")
+    if load > LOAD_LIMIT:
+        doubts.append(f"other processes used {load:.0%} of the CPUs while it was measured "
+                      f"(limit {LOAD_LIMIT:.0%})")
+    installed = installed_version()
+    if hw.rlloom_version and installed and hw.rlloom_version != installed:
+        doubts.append(f"rlloom {hw.rlloom_version} measured it, this is rlloom {installed}")
+    return doubts
+
+
+def installed_version() -> str:
+    """The installed rlloom's version ("" when it is not installed)."""
+    try:
+        return metadata.version("rlloom")
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def local_hardware_path() -> Path:
