@@ -25,7 +25,7 @@ from rlloom.perf.model.hardware import (
 )
 
 
-def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 4.0
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 1.5
                   ) -> tuple[float, float]:
     """Fastest mean time per call over timed batches of at least `min_time` each, and the
     batches' spread ((median - fastest) / fastest): batches repeat, 3 at least, until the
