@@ -223,3 +223,9 @@ def lengths_from(path: Path) -> Lengths:
     if not values:
         raise ValueError(f"{metrics}: no lengths in it")
     return Lengths.empirical([float(v) for v in values])
+
+
+def step_lengths(wl: Workload, rng: random.Random) -> Lengths:
+    """One step's B*K lengths, drawn from the workload's distribution and priced as they are
+    (no refit: `rlloom plan` and `rlloom simulate` read one distribution the same way)."""
+    return Lengths.empirical(wl.response.sample(wl.rollouts, rng))

@@ -15,6 +15,7 @@ from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.compose import Priced, role_models
 from rlloom.perf.model.hardware import Hardware, hardware, load_hardware
+from rlloom.perf.model.interval import Interval, step_interval
 from rlloom.perf.model.shapes import ModelShape, model_shape
 from rlloom.perf.model.workload import Lengths, Workload, lengths_from
 from rlloom.perf.search.gantt import plot_gantt
@@ -36,8 +37,9 @@ def parse_gpus(spec: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2).lower()
 
 
-def _row(p: Priced, hw: Hardware) -> dict:
+def _row(p: Priced, hw: Hardware, interval: Interval | None = None) -> dict:
     return {"plan": describe(p.plan, p.gen_layout, p.micro_batch), "step_s": p.step_s,
+            "step_interval_s": [interval.low, interval.high] if interval else None,
             "gen_s": p.gen_s, "assess_s": p.assess_s, "train_s": p.train_s, "sync_s": p.sync_s,
             "cost_usd": cost_per_step(p, hw), "devices": p.devices,
             "micro_batch": p.micro_batch,
@@ -183,6 +185,10 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
     found = req.search(shape, wl, hw, devices)
     base = naive(shape, algo, wl, hw, devices, critic=req.critic_shape())
+    models = role_models(shape, PRESETS[algo].roles, critic=req.critic_shape())
+    shown = found.ranked[:top]
+    intervals = [step_interval(p.plan, models, p.workload, hw, p.gen_layout,
+                               not PRESETS[algo].online, mid=p.step_s) for p in shown]
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
         critic_dir = req.critic if req.critic and Path(req.critic).is_dir() else None
@@ -192,7 +198,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
                            "objective": req.objective,
-                           "ranked": [_row(p, hw) for p in found.ranked[:top]],
+                           "ranked": [_row(p, hw, iv) for p, iv in zip(shown, intervals)],
                            "naive": _row(base, hw) if base else None,
                            "rejected": found.rejected[:20]}, indent=2)
     runnable = (" (plans torchrun runs)" if req.runtime == "torchrun" else
@@ -202,13 +208,18 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
              f"{OBJECTIVES[req.objective]}: "
              f"searched in {found.seconds:.2f} s, {len(found.ranked)} feasible plans, "
              f"{len(found.rejected)} rejected",
-             f"{'step s':>8} {'gen s':>8} {'assess s':>8} {'train s':>8} {'$/step':>8} "
-             f"{'devices':>7}  plan"]
-    for p in found.ranked[:top]:
-        lines.append(f"{_sec(p.step_s):>8} {_sec(p.gen_s):>8} {_sec(p.assess_s):>8} "
-                     f"{_sec(p.train_s):>8} "
-                     f"{cost_per_step(p, hw):8.2f} {p.devices:7d}  "
+             f"{'step s':>8} {'range s':>13} {'gen s':>8} {'assess s':>8} {'train s':>8} "
+             f"{'$/step':>8} {'devices':>7}  plan"]
+    for i, (p, iv) in enumerate(zip(shown, intervals)):
+        tie = "~" if i and iv.overlaps(intervals[0]) else " "
+        lines.append(f"{_sec(p.step_s):>8} {str(iv):>13} {_sec(p.gen_s):>8} "
+                     f"{_sec(p.assess_s):>8} {_sec(p.train_s):>8} "
+                     f"{cost_per_step(p, hw):8.2f} {p.devices:7d} {tie}"
                      f"{describe(p.plan, p.gen_layout, p.micro_batch)}")
+    if any(iv.overlaps(intervals[0]) for iv in intervals[1:]):
+        lines.append("~ its range overlaps the first plan's: not distinguishable from it "
+                     "(range: 10th-90th percentile over sampled steps' response lengths, "
+                     "widened by the hardware file's measured spread and calibration error)")
     if found.ranked and base is not None:
         lines += explain(found.ranked, base, hw, req.objective)
     for plan, reason in found.rejected[:3]:

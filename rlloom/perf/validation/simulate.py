@@ -15,7 +15,7 @@ from pathlib import Path
 from rlloom.perf.model.compose import price
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.shapes import ModelShape
-from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.perf.model.workload import Workload, step_lengths
 from rlloom.plan import Layout, Plan
 
 WARMUP_STEPS = 2  # steps excluded from the steady-state step time (pipelines still filling)
@@ -42,12 +42,6 @@ class Simulation:
                    "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": {"step": s.step}}
                   for s in self.spans]
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-
-
-def step_lengths(wl: Workload, rng: random.Random) -> Lengths:
-    """This step's B*K lengths, drawn from the workload's distribution and priced as they are
-    (no refit: `rlloom plan` and `rlloom simulate` read one distribution the same way)."""
-    return Lengths.empirical(wl.response.sample(wl.rollouts, rng))
 
 
 def simulate(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,

@@ -25,6 +25,7 @@ from rlloom.config import RunConfig
 from rlloom.config_sections import ModelSection
 from rlloom.perf.model.compose import price, role_models
 from rlloom.perf.model.hardware import Hardware
+from rlloom.perf.model.interval import hardware_error
 from rlloom.perf.model.shapes import ModelShape, model_shape
 from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Plan
@@ -166,14 +167,20 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
     points = [pt for d in run_dirs for pt in validate_run(d, hw, skip)]
     if not points:
         raise ValueError(f"no steps after the first {skip} to validate")
-    lines = [f"{'run':<16} {'stage':<11} {'steps':>5} {'predicted s':>12} {'measured s':>11} "
-             f"{'error':>7} {'median |step error|':>20}"]
+    # each run's lengths are the measured ones: only the hardware file's error widens a price
+    h = hardware_error(hw)
+    lines = [f"{'run':<16} {'stage':<11} {'steps':>5} {'predicted s':>12} {'range s':>15} "
+             f"{'measured s':>11} {'error':>7} {'median |step error|':>20}"]
     errors = stage_errors(points)
+    inside = 0
     for (run, stage), pts in _by_stage(points).items():
         pred = statistics.mean(p.predicted_s for p in pts)
         meas = statistics.mean(p.measured_s for p in pts)
         step_err = statistics.median(abs(p.error) for p in pts)
-        lines.append(f"{run[:16]:<16} {stage:<11} {len(pts):>5} {pred:>12.3f} {meas:>11.3f} "
+        low, high = pred * (1 - h), pred * (1 + h)
+        inside += low <= meas <= high
+        lines.append(f"{run[:16]:<16} {stage:<11} {len(pts):>5} {pred:>12.3f} "
+                     f"{f'{low:.3f}-{high:.3f}':>15} {meas:>11.3f} "
                      f"{errors[run, stage]:>+7.1%} {step_err:>19.1%}")
     median = statistics.median(abs(e) for e in errors.values())
     (run, stage), worst = max(errors.items(), key=lambda kv: abs(kv[1]))
@@ -181,6 +188,8 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
                  f"(hardware {hw.name}); worst: {stage} of {run} at {worst:+.1%}; per step, "
                  f"median over {len(points)} stage measurements: "
                  f"{statistics.median(abs(p.error) for p in points):.1%}")
+    lines.append(f"measured within the predicted range (+-{h:.1%}: the hardware file's measured "
+                 f"spread and calibration error): {inside} of {len(errors)} run stages")
     if hw.dispatch_overlap == 0 and not (hw.assess_launch_s and hw.train_launch_s):
         lines.append("the hardware file prices assessment and training at a plain forward's "
                      "dispatch: a CPU file from an older `rlloom bench hw`, which did not "
@@ -248,7 +257,10 @@ def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
     errors = {point: error(point) for point in itertools.product(SCALES, ATTENTION)}
     best = min(errors, key=errors.__getitem__)
     ties = [a for (_, a), e in errors.items() if e <= errors[best] + TIE]
-    return Fit(_scaled(hw, *best), before, errors[best], (min(ties), max(ties)))
+    fitted = _scaled(hw, *best)
+    # what the fit leaves unexplained widens every price made with it (`model.interval`)
+    fitted = replace(fitted, extra={**fitted.extra, "calibration_error": round(errors[best], 4)})
+    return Fit(fitted, before, errors[best], (min(ties), max(ties)))
 
 
 def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1,
