@@ -44,7 +44,10 @@ def test_async_is_never_slower_than_sync_on_the_same_devices():
 
 def test_simulate_command_writes_trace_and_gantt(tmp_path, capsys):
     main(["simulate", "--gpus", "16xH100", "--steps", "4", "--out", str(tmp_path)])
-    assert "4 simulated steps: steady-state step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "4 simulated steps: steady-state step" in out
+    low, high = (float(x) for x in out.split(", range ")[1].split(" s)")[0].split("-"))
+    assert low <= float(out.split("p50/p99: ")[1].split(" s")[0]) <= high
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["name"].split()[0] for e in events} >= {"generation", "training"}
     assert len({e["args"]["step"] for e in events}) == 4

@@ -167,16 +167,18 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
         if which == "naive" else (req.search(shape, wl, hw, devices).ranked or [None])[0]
     if chosen is None:
         raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
-    sim = simulate(chosen.plan, role_models(shape, PRESETS[req.algo].roles,
-                                            critic=req.critic_shape()), chosen.workload,
-                   hw, steps, seed, chosen.gen_layout)
+    models = role_models(shape, PRESETS[req.algo].roles, critic=req.critic_shape())
+    sim = simulate(chosen.plan, models, chosen.workload, hw, steps, seed, chosen.gen_layout)
+    iv = step_interval(chosen.plan, models, chosen.workload, hw, chosen.gen_layout,
+                       mid=chosen.step_s)
     out.mkdir(parents=True, exist_ok=True)
     sim.chrome_trace(out / "trace.json")
     label = describe(chosen.plan, chosen.gen_layout, chosen.micro_batch)
     plot_gantt(sim, out / "gantt.png", f"{which} plan")
     idle = ", ".join(f"{g} {f:.0%}" for g, f in sorted(sim.idle.items()))
     return (f"{which} plan {label}\n{steps} simulated steps: steady-state step "
-            f"{_sec(sim.step_s)} s (priced at the workload's p50/p99: {_sec(chosen.step_s)} s); "
+            f"{_sec(sim.step_s)} s (priced at the workload's p50/p99: {_sec(chosen.step_s)} s, "
+            f"range {iv} s); "
             f"idle: {idle}\nwrote {out / 'trace.json'} and {out / 'gantt.png'}")
 
 
@@ -187,8 +189,11 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     base = naive(shape, algo, wl, hw, devices, critic=req.critic_shape())
     models = role_models(shape, PRESETS[algo].roles, critic=req.critic_shape())
     shown = found.ranked[:top]
-    intervals = [step_interval(p.plan, models, p.workload, hw, p.gen_layout,
-                               not PRESETS[algo].online, mid=p.step_s) for p in shown]
+    # 16 more pricings a plan: the ranks a reader compares get a range, the long tail none
+    intervals: list[Interval | None] = [
+        step_interval(p.plan, models, p.workload, hw, p.gen_layout, not PRESETS[algo].online,
+                      mid=p.step_s) for p in shown[:INTERVAL_ROWS]]
+    intervals += [None] * (len(shown) - len(intervals))
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
         critic_dir = req.critic if req.critic and Path(req.critic).is_dir() else None
@@ -210,13 +215,14 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
              f"{len(found.rejected)} rejected",
              f"{'step s':>8} {'range s':>13} {'gen s':>8} {'assess s':>8} {'train s':>8} "
              f"{'$/step':>8} {'devices':>7}  plan"]
-    for i, (p, iv) in enumerate(zip(shown, intervals)):
-        tie = "~" if i and iv.overlaps(intervals[0]) else " "
-        lines.append(f"{_sec(p.step_s):>8} {str(iv):>13} {_sec(p.gen_s):>8} "
+    first = intervals[0] if intervals else None
+    ties = [bool(i and iv and first and iv.overlaps(first)) for i, iv in enumerate(intervals)]
+    for p, iv, tie in zip(shown, intervals, ties):
+        lines.append(f"{_sec(p.step_s):>8} {str(iv or ''):>13} {_sec(p.gen_s):>8} "
                      f"{_sec(p.assess_s):>8} {_sec(p.train_s):>8} "
-                     f"{cost_per_step(p, hw):8.2f} {p.devices:7d} {tie}"
+                     f"{cost_per_step(p, hw):8.2f} {p.devices:7d} {'~' if tie else ' '}"
                      f"{describe(p.plan, p.gen_layout, p.micro_batch)}")
-    if any(iv.overlaps(intervals[0]) for iv in intervals[1:]):
+    if any(ties):
         lines.append("~ its range overlaps the first plan's: not distinguishable from it "
                      "(range: 10th-90th percentile over sampled steps' response lengths, "
                      "widened by the hardware file's measured spread and calibration error)")
@@ -230,6 +236,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
 
 
 OBJECTIVES = {"time": "step time", "cost": "cost per step"}
+INTERVAL_ROWS = 20  # ranked plans that get a step-time range
 
 
 def explain(ranked: list[Priced], base: Priced, hw: Hardware, objective: str = "time"
