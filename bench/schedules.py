@@ -1,6 +1,12 @@
 """Colocated sync against disaggregated async at equal devices, with long-tailed response
 lengths, measured next to the performance model:
-``python bench/schedules.py [--steps 12] [--max-new 256] [--difficulty "{1: 0.94, 16: 0.06}"]``.
+``python bench/schedules.py [--repeats 3] [--steps 12] [--max-new 256]
+[--difficulty "{1: 0.94, 16: 0.06}"]``.
+
+The arms run interleaved, A B A B ..., `--repeats` times each, so a slow spell of a shared
+machine falls on both; the speed-up is each pair's ratio, reported as the median with its
+range, and the predicted speed-up as an interval: the pairs' predicted ratios, widened by the
+hardware file's relative error (`perf.model.interval.hardware_error`) on each arm's side.
 
 Both arms run 2 one-thread ranks of one CPU each on Ray:
 - colocated sync dp2: one group of 2 ranks; each generates half the prompts (the K samples
@@ -32,6 +38,7 @@ from pathlib import Path
 
 from rlloom.config import load_config
 from rlloom.perf.model.compose import price
+from rlloom.perf.model.interval import hardware_error
 from rlloom.perf.validation.validate import load_run
 from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.launch import train
@@ -54,29 +61,32 @@ def step_interval(run: Path, warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
-def predicted(runs: dict[str, Path]) -> dict[str, float] | None:
-    """Each arm's mean predicted step time over its steps after the warm-up, priced as
-    `rlloom perf validate` prices a run: its plan, each step's own lengths."""
+def predicted(runs: dict[str, list[Path]]) -> tuple[dict[str, list[float]], float] | None:
+    """Each arm's mean predicted step time over its steps after the warm-up, per repeat,
+    priced as `rlloom perf validate` prices a run (its plan, each step's own lengths), and the
+    hardware file's relative error."""
     from rlloom.perf.model.hardware import hardware
     try:
         hw = hardware("local")
     except KeyError as e:
         print(f"no predicted column: {e.args[0]}")
         return None
-    out = {}
-    for name, run in runs.items():
-        loaded = load_run(run, skip=WARMUP)
-        out[name] = statistics.mean(price(loaded.plan, loaded.models, wl, hw).step_s
-                                    for _, wl, _ in loaded.steps)
-    return out
+    out: dict[str, list[float]] = {}
+    for name, dirs in runs.items():
+        for run in dirs:
+            loaded = load_run(run, skip=WARMUP)
+            out.setdefault(name, []).append(statistics.mean(
+                price(loaded.plan, loaded.models, wl, hw).step_s for _, wl, _ in loaded.steps))
+    return out, hardware_error(hw)
 
 
-def _dir(arm: str) -> str:
-    return arm.replace(" ", "_").replace(":", "-")
+def _dir(arm: str, repeat: int) -> str:
+    return f"{arm.replace(' ', '_').replace(':', '-')}_{repeat}"
 
 
-def run_arms(a: argparse.Namespace, base: Path) -> dict[str, float]:
-    """Run each arm on a local Ray instance of 2 CPUs; its measured step time."""
+def run_arms(a: argparse.Namespace, base: Path) -> dict[str, list[float]]:
+    """Run the arms interleaved, `a.repeats` times each, on a local Ray instance of 2 CPUs;
+    their measured step times, by arm, in run order."""
     import ray
     temp = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
     ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
@@ -88,17 +98,18 @@ def run_arms(a: argparse.Namespace, base: Path) -> dict[str, float]:
                  f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
                  "algo.kl_coef=0", "eval.max_new_tokens=16", "eval.every=1000",
                  "checkpoint.every=1000", "train.threads=1"]
-    measured: dict[str, float] = {}
+    measured: dict[str, list[float]] = {name: [] for name in ARMS}
     try:
-        for name, plan_overrides in ARMS.items():
-            run = base / _dir(name)
-            shutil.rmtree(run, ignore_errors=True)
-            cfg = load_config(None, [*overrides, *plan_overrides, f"run_dir={run}"])
-            t0 = time.perf_counter()
-            train(cfg, None, RunOptions(worker_timeout_s=600), ray=True)
-            measured[name] = step_interval(run, WARMUP + 1)
-            print(f"{name}: {measured[name]:.3f} s/step ({time.perf_counter() - t0:.0f}s "
-                  "with start-up)", flush=True)
+        for i in range(a.repeats):
+            for name, plan_overrides in ARMS.items():
+                run = base / _dir(name, i)
+                shutil.rmtree(run, ignore_errors=True)
+                cfg = load_config(None, [*overrides, *plan_overrides, f"run_dir={run}"])
+                t0 = time.perf_counter()
+                train(cfg, None, RunOptions(worker_timeout_s=600), ray=True)
+                measured[name].append(step_interval(run, WARMUP + 1))
+                print(f"{name} #{i + 1}: {measured[name][-1]:.3f} s/step "
+                      f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
@@ -107,6 +118,7 @@ def run_arms(a: argparse.Namespace, base: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -122,26 +134,39 @@ def main() -> None:
     if a.reprice and not a.out:
         ap.error("--reprice needs --out, the directory of an earlier run of this bench")
     base = Path(a.out or tempfile.mkdtemp(prefix="rlloom-bench-"))
+    runs = {name: [base / _dir(name, i) for i in range(a.repeats)] for name in ARMS}
     measured = (run_arms(a, base) if not a.reprice else
-                {name: step_interval(base / _dir(name), WARMUP + 1) for name in ARMS})
-    runs = {name: base / _dir(name) for name in ARMS}
+                {name: [step_interval(d, WARMUP + 1) for d in dirs]
+                 for name, dirs in runs.items()})
     pred = predicted(runs)
-    first = runs["colocated sync dp2"]
+    first = runs["colocated sync dp2"][0]
     lens = sorted(n for line in (first / "metrics.jsonl").read_text().splitlines()
                   for n in json.loads(line)["response_lens"])
     q = {p: lens[int(p * (len(lens) - 1))] for p in (0.5, 0.9, 0.99)}
     print(f"\nresponse lengths (colocated run): p50 {q[0.5]}, p90 {q[0.9]}, p99 {q[0.99]} "
           f"(p99/p50 {q[0.99] / q[0.5]:.1f}) of {a.max_new}; {a.prompts}x{a.samples} "
           f"rollouts/step; 2 ranks of 1 thread per arm (os.cpu_count()={os.cpu_count()})")
-    print(f"step time after {WARMUP} warm-up steps")
-    print(f"{'arm':<26}{'measured s':>11}{'predicted s':>13}")
-    for name, s in measured.items():
-        print(f"{name:<26}{s:>11.3f}" + (f"{pred[name]:>13.4f}" if pred else ""))
-    coloc, disagg = measured["colocated sync dp2"], measured["disaggregated async 1:1"]
-    line = f"speed-up of async over colocated sync: measured {coloc / disagg:.2f}x"
+    print(f"step time after {WARMUP} warm-up steps, {a.repeats} interleaved runs per arm")
+    print(f"{'arm':<26}{'measured s (each run)':>30}{'predicted s':>22}")
+    for name, times in measured.items():
+        print(f"{name:<26}{' '.join(f'{t:.3f}' for t in times):>30}"
+              + (f"{' '.join(f'{t:.3f}' for t in pred[0][name]):>22}" if pred else ""))
+    ratios = [c / d for c, d in zip(measured["colocated sync dp2"],
+                                    measured["disaggregated async 1:1"])]
+    median = statistics.median(ratios)
+    line = (f"speed-up of async over colocated sync: measured median {median:.2f}x "
+            f"(range {min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} pairs)")
     if pred:
-        p = pred["colocated sync dp2"] / pred["disaggregated async 1:1"]
-        line += f", predicted {p:.2f}x ({100 * (p / (coloc / disagg) - 1):+.0f}%)"
+        (times, h) = pred
+        p = [c / d for c, d in zip(times["colocated sync dp2"], times["disaggregated async 1:1"])]
+        # the hardware error may move either arm either way
+        low, high = min(p) * (1 - h) / (1 + h), max(p) * (1 + h) / (1 - h)
+        centre = statistics.median(p)
+        width = max(centre - low, high - centre) / centre
+        inside = low <= median <= high
+        line += (f"; predicted {centre:.2f}x, interval {low:.2f}-{high:.2f}x (+-{width:.0%}, "
+                 f"hardware error {h:.1%}): the measured median is "
+                 f"{'inside' if inside else 'OUTSIDE'} it")
     print(line)
     if a.out is None:
         shutil.rmtree(base, ignore_errors=True)

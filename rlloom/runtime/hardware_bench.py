@@ -25,12 +25,14 @@ from rlloom.perf.model.hardware import (
 )
 
 
-def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 1.5
-                  ) -> tuple[float, float]:
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 1.5,
+                  agree: Callable[[bool], bool] = lambda more: more) -> tuple[float, float]:
     """Fastest mean time per call over timed batches of at least `min_time` each, and the
     batches' spread ((median - fastest) / fastest): batches repeat, 3 at least, until the
     spread is under 5% or `budget_s` has passed. The minimum filters out a shared machine's
-    noise; a spread that stays wide says the noise won (`measurement_doubts`)."""
+    noise; a spread that stays wide says the noise won (`measurement_doubts`). Ranks timing a
+    collective must call it as often as each other: `agree(more)` turns this rank's wish for
+    another batch into the ranks' common answer (`_any_rank`)."""
     fn()
     calls, t = 1, 0.0
     while True:  # grow the batch until it runs long enough to time
@@ -38,7 +40,7 @@ def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: flo
         for _ in range(calls):
             fn()
         t = time.perf_counter() - t0
-        if t >= min_time:
+        if not agree(t < min_time):
             break
         calls *= 2
     times, start = [t / calls], time.perf_counter()
@@ -49,8 +51,16 @@ def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: flo
         times.append((time.perf_counter() - t0) / calls)
         best = min(times)
         spread = (statistics.median(times) - best) / best
-        if len(times) >= 3 and (spread < 0.05 or time.perf_counter() - start > budget_s):
+        done = len(times) >= 3 and (spread < 0.05 or time.perf_counter() - start > budget_s)
+        if not agree(not done):
             return best, spread
+
+
+def _any_rank(more: bool) -> bool:
+    """True on every rank when any rank wants another batch (a one-element all-reduce)."""
+    flag = torch.tensor([int(more)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 1024) -> tuple[float, float]:
@@ -239,7 +249,7 @@ def _reduce_worker(rank: int, port: int, out: dict) -> None:
             model.set_requires_gradient_sync(sync)
             pass_()
             dist.barrier()
-            timed.append(_best_seconds(pass_, min_time=0.2))
+            timed.append(_best_seconds(pass_, min_time=0.2, agree=_any_rank))
         if rank == 0:
             out["reduce_s"] = max(timed[0][0] - timed[1][0], 0.0) / len(modules)
             out["spread"] = max(spread for _, spread in timed)
@@ -261,7 +271,7 @@ def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> Non
     try:
         for n in sizes:
             x = torch.ones(n // 4)
-            seconds = _best_seconds(lambda: dist.all_reduce(x), min_time=0.2)
+            seconds = _best_seconds(lambda: dist.all_reduce(x), min_time=0.2, agree=_any_rank)
             if rank == 0:
                 out[n] = seconds
     finally:
@@ -324,13 +334,17 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
     while it measured (`measurement_doubts` reads them)."""
     with OthersLoad() as load:
         hw, spreads = _measure(progress)
+    # a 2-process round trip's latency on a host with no spare core is scheduling jitter
+    # (23-52% measured on a quiet 2-core host): kept, but it says nothing of a disturbance
+    judged = [v for k, v in spreads.items() if k != "gloo_latency"]
     return replace(hw, rlloom_version=installed_version(),
                    extra={**hw.extra, "measured_at": round(time.time()),
-                          "spread_max": round(max(spreads), 4),
+                          **{f"spread_{k}": round(v, 4) for k, v in spreads.items()},
+                          "spread_max": round(max(judged), 4),
                           "other_load": round(load.share, 4)})
 
 
-def _measure(progress: Callable[[str], None]) -> tuple[Hardware, list[float]]:
+def _measure(progress: Callable[[str], None]) -> tuple[Hardware, dict[str, float]]:
     progress("matmul fp32 ...")
     fp32, s_fp32 = matmul_flops(torch.float32)
     progress("matmul bf16 ...")
@@ -365,8 +379,9 @@ def _measure(progress: Callable[[str], None]) -> tuple[Hardware, list[float]]:
                          "cpus": float(os.cpu_count() or 1)})
     progress("the runtime's stages on a model too small to compute ...")
     assess_launch, train_launch = stage_dispatch_seconds(hw)
-    spreads = [s_fp32, s_bf16, s_bw, s_attn, s_launch, s_wrapped, s_reduce,
-               *(spread for _, spread in times.values())]
+    spreads = {"fp32": s_fp32, "bf16": s_bf16, "memory": s_bw, "attention": s_attn,
+               "dispatch": s_launch, "wrappers": s_wrapped, "grad_reduce": s_reduce,
+               "gloo_latency": times[small][1], "gloo_bandwidth": times[large][1]}
     return replace(hw, assess_launch_s=assess_launch, train_launch_s=train_launch), spreads
 
 

@@ -55,6 +55,22 @@ def test_disagreeing_batches_repeat_until_the_budget_and_report_their_spread(mon
     assert clock.calls == 5
 
 
+def test_a_rank_goes_on_while_another_wants_more(monkeypatch):
+    """Ranks timing a collective must call it equally often: `agree` answers for all of them.
+    Here the other rank wants more for the first 3 decisions (all in the growth phase): the
+    batch grows to 8 calls although 1 would do, then 2 more batches agree; 1 + 15 + 16 = 32
+    calls in all."""
+    clock = Clock([1.0])
+    monkeypatch.setattr(hardware_bench.time, "perf_counter", clock.perf_counter)
+    asked = []
+
+    def agree(more):
+        asked.append(more)
+        return more or len(asked) <= 3
+    assert _best_seconds(clock.fn, min_time=1.0, budget_s=5.0, agree=agree) == (1.0, 0.0)
+    assert clock.calls == 32 and asked == [False, False, False, False, True, False]
+
+
 def test_busy_processes_show_as_other_load():
     """Two processes spinning on the 2 cores while this one sleeps: most of the machine's
     CPU time is theirs (whatever else runs only adds to it)."""
