@@ -348,9 +348,7 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     main(["perf", "calibrate", str(run), "--hardware", str(hw_file), "--out", str(fitted_file)])
     out = capsys.readouterr().out
     assert "calibrated on run: compute_eff" in out
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", HardwareWarning)
-        fitted = load_hardware(fitted_file)
+    fitted = load_hardware(fitted_file)  # may warn as hw_file did: its provenance carries over
     assert fitted.peak_flops == hw.peak_flops  # only the efficiencies change
     assert 0.1 <= fitted.compute_eff == fitted.mem_eff <= 1.0  # one scale of 1.0 and 1.0
     # what the fit leaves unexplained (the error it reports after fitting) is kept: it
