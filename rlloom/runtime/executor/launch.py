@@ -127,8 +127,8 @@ def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | Non
     the checkpoint step `--resume` named, when it named one."""
     opts = opts or RunOptions()
     lock = None
-    run_dir = resume_dir or new_run_dir(cfg)
     try:
+        run_dir = resume_dir or new_run_dir(cfg)  # under torchrun: joins the world
         if ray:
             model_path, main = prepare(cfg, "ray", opts)[0], True
         else:
