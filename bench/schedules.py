@@ -38,7 +38,7 @@ from pathlib import Path
 
 from rlloom.config import load_config
 from rlloom.perf.model.compose import price
-from rlloom.perf.model.interval import hardware_error
+from rlloom.perf.model.interval import Interval, hardware_error
 from rlloom.perf.validation.validate import load_run
 from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.launch import train
@@ -160,11 +160,10 @@ def main() -> None:
         (times, h) = pred
         p = [c / d for c, d in zip(times["colocated sync dp2"], times["disaggregated async 1:1"])]
         # the hardware error may move either arm either way
-        low, high = min(p) * (1 - h) / (1 + h), max(p) * (1 + h) / (1 - h)
-        centre = statistics.median(p)
-        width = max(centre - low, high - centre) / centre
-        inside = low <= median <= high
-        line += (f"; predicted {centre:.2f}x, interval {low:.2f}-{high:.2f}x (+-{width:.0%}, "
+        iv = Interval(min(p) * (1 - h) / (1 + h), statistics.median(p),
+                      max(p) * (1 + h) / (1 - h))
+        inside = iv.low <= median <= iv.high
+        line += (f"; predicted {iv.mid:.2f}x, interval {iv}x (+-{iv.half_width:.0%}, "
                  f"hardware error {h:.1%}): the measured median is "
                  f"{'inside' if inside else 'OUTSIDE'} it")
     print(line)

@@ -79,6 +79,10 @@ class Request:
     def critic_shape(self) -> ModelShape | None:
         return model_shape(self.critic) if self.critic else None
 
+    def models(self, shape: ModelShape) -> dict[str, ModelShape | None]:
+        """The shape of every model the algorithm builds, the policy's being `shape`."""
+        return role_models(shape, PRESETS[self.algo].roles, critic=self.critic_shape())
+
     def workload(self) -> Workload:
         if self.lengths_from is not None:
             response = lengths_from(self.lengths_from)
@@ -167,7 +171,7 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
         if which == "naive" else (req.search(shape, wl, hw, devices).ranked or [None])[0]
     if chosen is None:
         raise ValueError(f"no feasible {which} plan for {req.model} on {req.gpus}")
-    models = role_models(shape, PRESETS[req.algo].roles, critic=req.critic_shape())
+    models = req.models(shape)
     sim = simulate(chosen.plan, models, chosen.workload, hw, steps, seed, chosen.gen_layout)
     iv = step_interval(chosen.plan, models, chosen.workload, hw, chosen.gen_layout,
                        mid=chosen.step_s)
@@ -187,7 +191,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
     found = req.search(shape, wl, hw, devices)
     base = naive(shape, algo, wl, hw, devices, critic=req.critic_shape())
-    models = role_models(shape, PRESETS[algo].roles, critic=req.critic_shape())
+    models = req.models(shape)
     shown = found.ranked[:top]
     # 16 more pricings a plan: the ranks a reader compares get a range, the long tail none
     intervals: list[Interval | None] = [
