@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -143,7 +143,6 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     rates, over the operators the cost model prices for them. What a plain forward's
     dispatch (`launch_s`) leaves out: the stage code's Python between operators, the
     objective's and the scoring's small operators over tokens."""
-    import tempfile
 
     from rlloom.config import load_config
     from rlloom.perf.model.compose import role_models
@@ -175,7 +174,7 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     return per_op("assessment"), per_op("training")
 
 
-def _wrapper_worker(rank: int, port: int, out: dict) -> None:
+def _wrapper_worker(rank: int, rendezvous: str, out: dict) -> None:
     """In a world of one gloo process, `_dispatch_model` trained plain and under FSDP2's
     replicate (each layer and the root wrapped, as every data-parallel layout that trains):
     the added time of a forward + backward per wrapped module, and of an optimizer step
@@ -185,9 +184,8 @@ def _wrapper_worker(rank: int, port: int, out: dict) -> None:
 
     from rlloom.parallel.grads import clip_grad_norm
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
     try:
         timed = []
         for wrapped in (False, True):
@@ -225,16 +223,15 @@ def wrapper_seconds() -> tuple[float, float, float]:
     return out["wrapped_pass_s"], out["sharded_launch_s"], out["spread"]
 
 
-def _reduce_worker(rank: int, port: int, out: dict) -> None:
+def _reduce_worker(rank: int, rendezvous: str, out: dict) -> None:
     """Two gloo processes training `_dispatch_model` under replicate, both at once: the
     added time of a backward that all-reduces the gradients over one that does not, per
     wrapped module."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
         model, ids, _ = _dispatch_model()
         modules = [*model.model.layers, model]
@@ -264,10 +261,9 @@ def reduce_seconds() -> tuple[float, float]:
     return out["reduce_s"], out["spread"]
 
 
-def _all_reduce_worker(rank: int, port: int, sizes: list[int], out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _all_reduce_worker(rank: int, rendezvous: str, sizes: list[int], out: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
         for n in sizes:
             x = torch.ones(n // 4)
@@ -284,14 +280,12 @@ def all_reduce_times(sizes: list[int]) -> dict[int, tuple[float, float]]:
 
 
 def _spawned(worker: Callable[..., None], nprocs: int, *args: Any) -> dict:
-    """What `worker(rank, port, *args, out)` put in `out`, run in `nprocs` processes that
-    meet at a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
+    """What `worker(rank, rendezvous, *args, out)` put in `out`, run in `nprocs` processes
+    that meet at a rendezvous file: a free port picked here could be taken by another job
+    before they bind it, and a rank that met a stranger's store aborts."""
+    with tempfile.TemporaryDirectory(prefix="rlloom-bench-") as tmp, mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(worker, args=(port, *args, out), nprocs=nprocs)
+        mp.spawn(worker, args=(f"file://{tmp}/rendezvous", *args, out), nprocs=nprocs)
         return dict(out)
 
 
