@@ -22,6 +22,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
         if name in SLOW:
             item.add_marker(pytest.mark.slow)
+    # Slow modules first, ray's first among them: xdist deals tests out in this order, so the
+    # long ones overlap each other instead of one of them running last beside an idle worker.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("ray") is None))
 
 # A model and run small enough that a full RL step takes well under a second on 2 cores.
 TINY = ["model.hidden_size=32", "model.layers=2", "model.heads=2", "model.kv_heads=1",
