@@ -44,12 +44,13 @@ from rlloom.parallel.tensor_parallel import apply_tensor_parallel, backbone_of
 from rlloom.plan import Layout
 
 
-def free_address() -> str:
-    """tcp://HOST:PORT with a port free on this host, for a group's rendezvous."""
+def free_address(host: str) -> str:
+    """tcp://HOST:PORT with a port free on this machine, for a rendezvous; `host` is the
+    address other machines reach this one at (a hostname may resolve to 127.0.0.1, so it is
+    not derived from one)."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    host = socket.gethostbyname(socket.gethostname())
     return f"tcp://{host}:{port}"
 
 

@@ -57,6 +57,31 @@ from rlloom.runtime.stages.experience import Experience
 HOST_ATTRIBUTES = {"TrainingHost": "training", "GenerationHost": "generation",
                    "AssessmentHost": "assessment", "PreferenceHost": "preferences"}
 
+def node_ip() -> str:
+    """The address other nodes reach this process's node at: Ray's node IP in a Ray worker,
+    else this machine alone."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def use_node_interface() -> None:
+    """Point gloo and NCCL at the network interface holding this node's IP, unless the user
+    chose one: by default they bind to what the hostname resolves to, on many machines
+    127.0.0.1, which no other node reaches."""
+    ip = node_ip()
+    if ip.startswith("127."):
+        return
+    import psutil
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+            return
+
+
 # -- the process ----------------------------------------------------------------------------
 
 class GroupWorker:
@@ -66,6 +91,7 @@ class GroupWorker:
     def __init__(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
                  threads: int, device: str, spmd: bool = False) -> None:
         torch.set_num_threads(threads)
+        use_node_interface()
         self.cfg, self.path, self.group, self.rank = cfg, Path(model_path), group, rank
         self.spmd = spmd
         self.device = torch.device(device)
@@ -79,8 +105,8 @@ class GroupWorker:
         self.channels: dict[str, WeightChannel] = {}  # weight sync: "policy", "critic"
 
     def address(self) -> str:
-        """Where the group's ranks meet (asked of rank 0, whose host it is)."""
-        return free_address()
+        """Where the group's ranks meet (asked of rank 0, whose node it is)."""
+        return free_address(node_ip())
 
     def start(self, address: str | None, timeout_s: float) -> dict[str, Any]:
         cfg, group = self.cfg, self.group
@@ -104,8 +130,8 @@ class GroupWorker:
 
     # control calls (answered while a stage runs; no collectives)
     def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "group": self.group.name,
-                "rank": self.rank}
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node": node_ip(),
+                "group": self.group.name, "rank": self.rank}
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()
