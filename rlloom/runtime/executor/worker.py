@@ -47,6 +47,7 @@ from rlloom.runtime.executor.hosts import (
     PreferenceHost,
     TrainingHost,
 )
+from rlloom.runtime.executor.ray.files import localise
 from rlloom.runtime.executor.weight_channel import WeightChannel
 from rlloom.runtime.executor.weight_sync import SyncStats
 from rlloom.runtime.outputs.spans import SpanLog
@@ -89,9 +90,12 @@ class GroupWorker:
     `start` joins the group's world and builds the models (every rank at once)."""
 
     def __init__(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
-                 threads: int, device: str, spmd: bool = False) -> None:
+                 threads: int, device: str, spmd: bool = False,
+                 files: dict[str, tuple[str, Any]] | None = None) -> None:
         torch.set_num_threads(threads)
         use_node_interface()
+        if files:  # the driver's inputs this node lacks, shipped (ray/files.py)
+            cfg, model_path = localise(cfg, model_path, files)
         self.cfg, self.path, self.group, self.rank = cfg, Path(model_path), group, rank
         self.spmd = spmd
         self.device = torch.device(device)

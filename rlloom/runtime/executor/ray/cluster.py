@@ -23,6 +23,7 @@ from rlloom.runtime.executor.interface import (
     WorkerFailure,
     routed,
 )
+from rlloom.runtime.executor.ray.files import ship
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
 USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)
@@ -84,6 +85,7 @@ class WorkerGroup:
     pg: Any
     actors: list[Any]  # rank -> actor handle
     infos: list[dict[str, Any]]  # rank -> pid, host
+    nodes: list[str]  # rank -> its node's IP
 
     @property
     def name(self) -> str:
@@ -109,12 +111,14 @@ def worker_device(requested: str, cluster_gpus: float) -> torch.device:
 
 
 def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], model_path: Path,
-                 device: torch.device, worker: Any) -> dict[str, WorkerGroup]:
+                 run_dir: Path, device: torch.device, worker: Any) -> dict[str, WorkerGroup]:
     """Each group: a placement group of one bundle per rank (one GPU each on GPU machines)
-    and one (not yet started) `worker` actor per bundle; refused at once when the cluster
-    cannot hold every rank."""
+    and one (not yet started) `worker` actor per bundle, the ranks that share a node numbered
+    one after another (so a group's tensor-parallel ranks, innermost, share a node when a
+    node holds a multiple of them); refused at once when the cluster cannot hold every rank.
+    Nodes other than the driver's get the driver's inputs they lack (`files.ship`)."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     gpu = device.type == "cuda"
     have = ray.cluster_resources()
@@ -127,25 +131,38 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
             f"({', '.join(f'{g.name}: {g.ranks} ranks' for g in specs)}); the Ray cluster has "
             f"{', '.join(f'{have.get(k, 0):g} {k}s' for k in short)}: use fewer ranks per "
             "group, fewer CPUs per rank (--group-cpus), or a larger cluster")
-    groups = {}
+    pgs, bundles, nodes = {}, {}, {}
     for spec in specs:
-        cpus = opts.cpus(spec.name)
-        bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
+        bundle = {"CPU": opts.cpus(spec.name), **({"GPU": 1} if gpu else {})}
         pg = placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK")
+        pgs[spec.name] = pg
         try:
             ray.get(pg.ready(), timeout=opts.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
+            for placed in pgs.values():
+                ray.util.remove_placement_group(placed)
             raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
                               f"they were not free within {opts.startup_timeout_s:g}s") from None
+        where = placement_group_table(pg)["bundles_to_node_id"]
+        first = {n: i for i, n in reversed(list(enumerate(where[b] for b in range(spec.ranks))))}
+        bundles[spec.name] = sorted(range(spec.ranks), key=lambda b: (first[where[b]], b))
+        nodes[spec.name] = [where[b] for b in bundles[spec.name]]
+    shipped = ship(cfg, model_path, run_dir, nodes,
+                   {g.name for g in specs if g.runs("training") and g.ranks > 1})
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    groups = {}
+    for spec in specs:
+        cpus = opts.cpus(spec.name)
         threads = cfg.train.threads or max(1, round(cpus))
         actors = [worker.options(
             num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pgs[spec.name], bundle),
         ).remote(cfg, str(model_path), spec, rank, threads,
-                 "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
-            for rank in range(spec.ranks)]
-        groups[spec.name] = WorkerGroup(spec, pg, actors, [])
+                 "cuda:0" if gpu else "cpu",  # Ray shows each worker its own GPU only
+                 files=shipped.get(nodes[spec.name][rank]))
+            for rank, bundle in enumerate(bundles[spec.name])]
+        groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [],
+                                        [ips.get(n, n) for n in nodes[spec.name]])
     return groups
 
 

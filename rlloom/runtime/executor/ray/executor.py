@@ -60,10 +60,11 @@ class RayExecutor:
     main = True
     label = "rl (ray)"
 
-    def __init__(self, cfg: RunConfig, opts: RunOptions, model_path: Path,
+    def __init__(self, cfg: RunConfig, opts: RunOptions, model_path: Path, run_dir: Path,
                  specs: list[DeviceGroup], has_critic: bool) -> None:
         import ray
         self.cfg, self.opts, self.model_path, self.specs = cfg, opts, model_path, specs
+        self.run_dir = run_dir
         self.device = worker_device(cfg.train.device, ray.cluster_resources().get("GPU", 0))
         self.copies = weight_copies(specs, has_critic)
         self.groups: dict[str, WorkerGroup] = {}
@@ -146,7 +147,7 @@ class RayExecutor:
         import ray
         self.started += 1
         self.groups = place_groups(self.cfg, self.opts, self.specs, self.model_path,
-                                   self.device, _remote_class())
+                                   self.run_dir, self.device, _remote_class())
         started = {}
         for name, g in self.groups.items():
             address = (self.get(g.actors[0].address.options(concurrency_group="control")
@@ -236,7 +237,8 @@ def ray_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, model_path: Path
     if cluster.note:
         print(cluster.note)
     try:
-        ex = RayExecutor(cfg, opts, model_path, specs, "critic" in PRESETS[cfg.algo.name].roles)
+        ex = RayExecutor(cfg, opts, model_path, run_dir, specs,
+                         "critic" in PRESETS[cfg.algo.name].roles)
         yield StepLoop(cfg, run_dir, ex, model_path, specs, opts)
     finally:
         cluster.stop()
