@@ -36,17 +36,20 @@ class WorkerFailure(RuntimeError):
     """A worker died or stopped answering; names its group, the stages it runs and its rank."""
 
     def __init__(self, group: str, rank: int, stages: tuple[str, ...], state: str, what: str,
-                 step: int, cause: str, detected_after_s: float | None = None) -> None:
+                 step: int, cause: str, detected_after_s: float | None = None,
+                 node: str | None = None) -> None:
         self.group, self.rank, self.stages, self.state = group, rank, stages, state
-        self.what, self.step, self.cause = what, step, cause
+        self.what, self.step, self.cause, self.node = what, step, cause, node
         self.detected_after_s = detected_after_s
         self.run_dir: Path | None = None  # set by launch.train
+        where = f" on node {node}" if node else ""
         super().__init__(
-            f"worker rank {rank} of group {group!r} (stages: {', '.join(stages)}) {state} while "
-            f"the driver waited for {what} of step {step}: {cause}")
+            f"worker rank {rank} of group {group!r}{where} (stages: {', '.join(stages)}) {state} "
+            f"while the driver waited for {what} of step {step}: {cause}")
 
     def record(self) -> dict[str, Any]:
-        return {"group": self.group, "rank": self.rank, "stages": list(self.stages),
+        return {"group": self.group, "rank": self.rank, "node": self.node,
+                "stages": list(self.stages),
                 "state": self.state, "what": self.what, "step": self.step,
                 "cause": self.cause[:500], "detected_after_s": self.detected_after_s}
 

@@ -222,4 +222,4 @@ def diagnose(groups: list[WorkerGroup], what: str, step: int, cause: str,
     silent = [(g, r) for g, r, _ in ranks if states[g.name, r].startswith("did not")]
     g, r = (by_id or dead or silent or [(waited_on or groups[0], 0)])[0]
     return WorkerFailure(g.name, r, g.spec.stages, states[g.name, r], what, step, cause,
-                         detected_after_s)
+                         detected_after_s, g.nodes[r])

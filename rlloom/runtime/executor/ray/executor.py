@@ -148,6 +148,10 @@ class RayExecutor:
         self.started += 1
         self.groups = place_groups(self.cfg, self.opts, self.specs, self.model_path,
                                    self.run_dir, self.device, _remote_class())
+        nodes = {n for g in self.groups.values() for n in g.nodes}
+        if len(nodes) > 1:
+            print(f"placement on {len(nodes)} nodes (rank by rank): " + ", ".join(
+                f"{name} [{' '.join(g.nodes)}]" for name, g in self.groups.items()))
         started = {}
         for name, g in self.groups.items():
             address = (self.get(g.actors[0].address.options(concurrency_group="control")
