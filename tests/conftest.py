@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from tiny_run import TINY
 
 # Markers, set here by where a test lives so that no test can miss one (pyproject lists them):
 # ray (starts or joins a Ray instance), vllm (the vLLM backend), slow (a module whose tests
@@ -10,13 +11,15 @@ SLOW = {"test_ray_groups.py", "test_plan_contract.py", "test_torchrun.py", "test
         "test_readme_example.py", "test_validate.py", "test_humaneval.py", "test_ray_runtime.py",
         "test_parallel_equivalence.py", "test_train_e2e.py", "test_faults.py",
         "test_code_attacks.py", "test_partial_rollouts.py", "test_lora_run.py",
-        "test_published_runs.py", "test_bench_layouts.py", "test_presets.py"}
+        "test_published_runs.py", "test_bench_layouts.py", "test_presets.py",
+        "test_multinode.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         name = Path(str(item.fspath)).name
-        if name.startswith("test_ray_") or "ray_cluster" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if name.startswith("test_ray_") or {"ray_cluster", "ns_cluster"} & set(fixtures):
             item.add_marker(pytest.mark.ray)
         if "vllm" in name:
             item.add_marker(pytest.mark.vllm)
@@ -26,14 +29,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # long ones overlap each other instead of one of them running last beside an idle worker.
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
                                  item.get_closest_marker("ray") is None))
-
-# A model and run small enough that a full RL step takes well under a second on 2 cores.
-TINY = ["model.hidden_size=32", "model.layers=2", "model.heads=2", "model.kv_heads=1",
-        "data.difficulty=1", "data.train_size=200", "data.eval_size=16", "sft.steps=20",
-        "sft.batch_size=16", "train.steps=3", "train.prompts_per_step=4",
-        "rollout.n_samples=4", "rollout.max_new_tokens=16", "eval.max_new_tokens=16",
-        "eval.every=2", "checkpoint.every=1", "train.threads=1"]
-
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):

@@ -2,49 +2,18 @@
 single-process run step for step, and a killed rank of a group is named by group and rank and
 the run resumes from its sharded checkpoint with the uninterrupted run's numbers."""
 import json
-import math
 
 import pytest
+from same_as_one_process import EXACT, assert_same, rows
 
 from rlloom.cli import main
 
 ray = pytest.importorskip("ray")
 
-TIMING = {"gen_s", "assess_s", "train_s", "step_s"}
-RAY_ONLY = {"staleness", "staleness_hist", "dropped", "behaviour_kl", "sync_s", "sync_bytes",
-            "reshard_s", "reshard_bytes"}
-# tp=2 splits the key/value heads; float64 leaves only reduction-order differences (~1e-16);
-# a TP layout samples with the plain decode loop, so the one process does too; the soft
-# overlong penalty spreads the tiny model's rewards so the runs really train
-EXACT = ["model.kv_heads=2", "model.dtype=float64", "rollout.engine=plain",
-         "algo.overlong=penalty", "train.steps=3"]
 DISAGGREGATED = ["plan.placement=disaggregated", "plan.layouts.actor.dp=2",
                  "plan.layouts.actor.zero=3", "plan.layouts.generation.tp=2"]
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-
-
-def _rows(run):
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING | RAY_ONLY}
-            for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _assert_same(expected, got):
-    """Equal within 1e-6 (absolute, or relative for large values); prints the largest
-    difference. The models run in float64 but sampling log-probs and entropies are float32,
-    so those statistics differ at the 1e-8 to 3e-7 level (the one process shares each prompt's
-    pass, a group cuts plain micro-batches)."""
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    worst = (0.0, (0, ""))
-    for a, b in zip(expected, got):
-        assert set(a) == set(b)
-        for key, value in a.items():
-            if isinstance(value, float):
-                assert math.isclose(value, b[key], rel_tol=1e-6, abs_tol=1e-6), (a["step"], key)
-                worst = max(worst, (abs(value - b[key]), (a["step"], key)))
-            else:
-                assert value == b[key], (a["step"], key)
-    print(f"largest difference from one process: {worst[0]:.2e} at step/key {worst[1]}")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +27,7 @@ def single(tmp_path_factory):
         if key not in runs:
             out = tmp_path_factory.mktemp(f"single-{algo}")
             main(["train", *tiny, f"algo={algo}", *EXACT, *extra, f"run_dir={out}"])
-            runs[key] = _rows(out)
+            runs[key] = rows(out)
         return runs[key]
     return run
 
@@ -71,7 +40,7 @@ def test_disaggregated_zero3_training_and_tp_generation_match_one_process(tmp_pa
     run = tmp_path / "ray"
     main(["train", *tiny, "algo=ppo", *EXACT, *DISAGGREGATED, f"run_dir={run}",
           "plan.layouts.actor.offload=true", "--worker-timeout", "300"])
-    _assert_same(single("ppo", tiny), _rows(run))
+    assert_same(single("ppo", tiny), rows(run))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # every step the whole policy reaches each TP rank's half (the tied embedding whole)
     assert all(m["sync_bytes"] > 0 for m in metrics)
@@ -89,7 +58,7 @@ def test_context_parallel_training_group_matches_one_process(tmp_path, tiny, sin
     main(["train", *tiny, f"algo={algo}", *EXACT, "plan.placement=disaggregated",
           "plan.layouts.actor.cp=2", f"plan.layouts.actor.tp={tp}", "plan.layouts.generation.dp=1",
           f"run_dir={run}", "--worker-timeout", "300"])
-    _assert_same(single(algo, tiny), _rows(run))
+    assert_same(single(algo, tiny), rows(run))
 
 
 @pytest.mark.parametrize("algo, plan", [
@@ -114,7 +83,7 @@ def test_pipeline_parallel_training_group_matches_one_process(tmp_path, tiny, si
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, "plan.layouts.actor.pp=2", *plan,
           f"run_dir={run}", "--worker-timeout", "300"])
-    _assert_same(single(algo, tiny), _rows(run))
+    assert_same(single(algo, tiny), rows(run))
 
 
 @pytest.mark.parametrize("algo, plan", [
@@ -133,7 +102,7 @@ def test_pipelined_reference_matches_one_process(tmp_path, tiny, single, algo, p
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, *plan, f"run_dir={run}",
           "--worker-timeout", "300"])
-    _assert_same(single(algo, tiny), _rows(run))
+    assert_same(single(algo, tiny), rows(run))
 
 
 def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(tmp_path,
@@ -146,7 +115,7 @@ def test_reference_beside_the_actor_in_a_disaggregated_plan_matches_one_process(
           "plan.reference=with_actor", "plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
           "plan.layouts.reference.dp=2", "plan.layouts.generation.tp=2", f"run_dir={run}",
           "--worker-timeout", "300"])
-    _assert_same(single("ppo", tiny), _rows(run))
+    assert_same(single("ppo", tiny), rows(run))
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {"generation", "actor"}
 
@@ -169,7 +138,7 @@ def test_expert_parallel_training_group_matches_one_process(tmp_path, tiny, sing
           f"plan.layouts.actor.{split}", "plan.layouts.actor.ep=2",
           f"plan.layouts.actor.zero={zero}", "plan.layouts.generation.dp=1", f"run_dir={run}",
           "--worker-timeout", "300"])
-    _assert_same(single(algo, tiny, "model.family=qwen3_moe"), _rows(run))
+    assert_same(single(algo, tiny, "model.family=qwen3_moe"), rows(run))
 
 
 def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
@@ -180,7 +149,7 @@ def test_colocated_hybrid_layout_matches_one_process(tmp_path, tiny, single):
     main(["train", *tiny, "algo=grpo", *EXACT, "plan.layouts.actor.dp=2",
           "plan.layouts.actor.zero=2", "plan.layouts.generation.tp=2", f"run_dir={run}",
           "--worker-timeout", "300"])
-    _assert_same(single("grpo", tiny), _rows(run))
+    assert_same(single("grpo", tiny), rows(run))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reshard_bytes"] > 0 and m["sync_bytes"] == 0 for m in metrics)
 
@@ -203,12 +172,12 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
     run = tmp_path / "ray"
     main(["train", *tiny, f"algo={algo}", *EXACT, *plan, f"run_dir={run}",
           "--worker-timeout", "300"])
-    rows = _rows(run)
+    got = rows(run)
     if algo == "ppo":
-        _assert_same(single("ppo", tiny, "plan.actor_critic=shared"), rows)
+        assert_same(single("ppo", tiny, "plan.actor_critic=shared"), got)
     else:
-        assert [r["step"] for r in rows] == [1, 2, 3]
-        assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in rows)
+        assert [r["step"] for r in got] == [1, 2, 3]
+        assert all(r["sample_rounds"] >= 1 and r["grad_norm"] > 0 for r in got)
 
 
 @pytest.mark.parametrize("group, layout", [
@@ -231,7 +200,7 @@ def test_a_killed_rank_resumes_as_if_uninterrupted(tmp_path, tiny, single, monke
     plan = ["algo=grpo", *EXACT, "plan.placement=disaggregated", *layout]
     if group == "generation":
         main(["train", *tiny, *plan, f"run_dir={tmp_path / 'whole'}", "--worker-timeout", "120"])
-        expected = _rows(tmp_path / "whole")
+        expected = rows(tmp_path / "whole")
     elif "model.family=qwen3_moe" in layout:
         expected = single("grpo", tiny, "model.family=qwen3_moe")
     else:
@@ -245,4 +214,4 @@ def test_a_killed_rank_resumes_as_if_uninterrupted(tmp_path, tiny, single, monke
     assert failure["rank"] == 1 and failure["step"] == 2 and failure["detected_after_s"] < 120
     print(f"kill of {group} rank 1 detected after {failure['detected_after_s']:.2f}s")
     assert (run / "checkpoints" / "step_000003").is_dir()
-    _assert_same(expected, _rows(run))
+    assert_same(expected, rows(run))

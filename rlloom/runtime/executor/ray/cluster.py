@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,10 +122,21 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
     from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     gpu = device.type == "cuda"
-    have = ray.cluster_resources()
     need = {"CPU": sum(opts.cpus(g.name) * g.ranks for g in specs),
             "GPU": sum(g.ranks for g in specs) if gpu else 0}
-    short = {k: v for k, v in need.items() if v > have.get(k, 0)}
+    # a joined cluster may grow (a lost node rejoining, an autoscaler): wait for it
+    deadline = time.monotonic() + (opts.startup_timeout_s if opts.address else 0)
+    said = False
+    while True:
+        have = ray.cluster_resources()
+        short = {k: v for k, v in need.items() if v > have.get(k, 0)}
+        if not short or time.monotonic() >= deadline:
+            break
+        if not said:
+            print(f"waiting up to {opts.startup_timeout_s:g}s for the cluster to hold "
+                  f"{', '.join(f'{v:g} {k}s' for k, v in short.items())}")
+            said = True
+        time.sleep(1)
     if short:
         raise ConfigError(
             f"the plan's groups need {', '.join(f'{v:g} {k}s' for k, v in short.items())} "
