@@ -58,12 +58,15 @@ def test_groups_on_two_nodes_equal_one_process(ns_cluster, single):
 
 def test_a_group_spanning_two_nodes_equals_one_process(ns_cluster, single):
     """One colocated group of 2 ranks, one per node (2 CPUs each): the actor's data-parallel
-    ranks meet across the bridge and generation is a TP copy split over the two machines."""
+    ranks meet across the bridge and generation is a TP copy split over the two machines
+    (which the planner never proposes, so the run warns)."""
     done = _train(ns_cluster, "span", ["plan.layouts.actor.dp=2", "plan.layouts.generation.tp=2"],
                   ["--group-cpus", "2"])
     assert done.returncode == 0
     [(group, ips)] = _placement(done.stdout).items()
     assert len(set(ips)) == 2
+    # it runs, and the user is told the TP copy's every layer crosses the link
+    assert f"warning: group {group!r} has tensor/context-parallel groups of 2 ranks" in done.stdout
     assert_same(single, rows(ns_cluster.shared / "span"))
 
 

@@ -79,6 +79,8 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
         for pp, cp in splits:
             if shape.heads % tp or n % (tp * pp * cp) or shape.layers % pp:
                 continue
+            if tp * cp > hw.devices_per_node:  # every layer's collectives: inside a node
+                continue
             if runnable and not _tp_applies(tp, shape):
                 continue
             dp = n // (tp * pp * cp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -29,12 +29,16 @@ def _sec(x: float) -> str:
     return f"{x:.1f}" if x >= 1 or x == 0 else f"{x:.3g}"
 
 
-def parse_gpus(spec: str) -> tuple[int, str]:
-    """'64xH100' -> (64, 'h100')."""
-    m = re.fullmatch(r"(\d+)x([\w.-]+)", spec.strip(), flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"--gpus {spec!r} must look like 64xH100")
-    return int(m.group(1)), m.group(2).lower()
+def parse_gpus(spec: str) -> tuple[int, str, int | None]:
+    """'64xH100' -> (64, 'h100', None): the catalogue's devices per node; '2x8xH100' ->
+    (16, 'h100', 8): 2 nodes of 8."""
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)x([a-z][\w.-]*)", spec.strip(), flags=re.IGNORECASE)
+    if not m or int(m.group(2)) == 0 or (m.group(1) is not None and int(m.group(1)) == 0):
+        raise ValueError(f"--gpus {spec!r} must look like 64xH100 (devices) or 8x8xH100 "
+                         "(nodes x devices per node)")
+    nodes, per = m.group(1), int(m.group(2))
+    return ((int(nodes) * per, m.group(3).lower(), per) if nodes
+            else (per, m.group(3).lower(), None))
 
 
 def _row(p: Priced, hw: Hardware, interval: Interval | None = None) -> dict:
@@ -109,14 +113,20 @@ class Request:
                       critic=self.critic_shape())
 
     def cluster(self) -> tuple[int, Hardware]:
+        """The device count and hardware; a node size (`2x8x...`) replaces the hardware's
+        devices per node, where collectives leave NVLink for the NIC."""
         if self.hardware_file is not None:
-            count = self.gpus.split("x")[0]
-            if not count.isdigit():
+            counts = self.gpus.split("x")
+            if not all(c.isdigit() for c in counts) or len(counts) > 2:
                 raise ValueError(f"--gpus {self.gpus!r}: with --hardware give the device "
-                                 "count, e.g. --gpus 64")
-            return int(count), load_hardware(self.hardware_file)
-        devices, hw_name = parse_gpus(self.gpus)
-        return devices, hardware(hw_name)
+                                 "count, e.g. --gpus 64, or nodes x devices, e.g. --gpus 8x8")
+            hw = load_hardware(self.hardware_file)
+            per = int(counts[-1]) if len(counts) == 2 else None
+            devices = math.prod(int(c) for c in counts)
+        else:
+            devices, hw_name, per = parse_gpus(self.gpus)
+            hw = hardware(hw_name)
+        return devices, (replace(hw, devices_per_node=per) if per else hw)
 
 
 def _latency(p50: float, p99: float) -> Lengths:

@@ -16,7 +16,7 @@ from rlloom.config import ConfigError, RunConfig
 from rlloom.data.prompts import DataError
 from rlloom.models.hf_io import CheckpointError
 from rlloom.parallel.mesh import LayoutError
-from rlloom.plan import DeviceGroup
+from rlloom.plan import DeviceGroup, generation_layout, model_layout
 from rlloom.runtime.executor.interface import (
     GroupCall,
     Method,
@@ -159,9 +159,13 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
         first = {n: i for i, n in reversed(list(enumerate(where[b] for b in range(spec.ranks))))}
         bundles[spec.name] = sorted(range(spec.ranks), key=lambda b: (first[where[b]], b))
         nodes[spec.name] = [where[b] for b in bundles[spec.name]]
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    for spec in specs:
+        split = node_split_warning(cfg, spec, [ips.get(n, n) for n in nodes[spec.name]])
+        if split:
+            print(split)
     shipped = ship(cfg, model_path, run_dir, nodes,
                    {g.name for g in specs if g.runs("training") and g.ranks > 1})
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     groups = {}
     for spec in specs:
         cpus = opts.cpus(spec.name)
@@ -176,6 +180,23 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
         groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [],
                                         [ips.get(n, n) for n in nodes[spec.name]])
     return groups
+
+
+def node_split_warning(cfg: RunConfig, spec: DeviceGroup, nodes: list[str]) -> str | None:
+    """A warning when a tensor- or context-parallel group of `spec`'s ranks (numbered node by
+    node, tp innermost, then cp) spans nodes: its collectives, in every layer, would cross
+    the slow inter-node link (the planner never proposes that)."""
+    layouts = [model_layout(cfg.plan, spec, m) for m in spec.models]
+    if spec.runs("generation"):
+        layouts.append(generation_layout(cfg.plan))
+    inner = max((x.tp * x.cp for x in layouts), default=1)
+    blocks = [set(nodes[i:i + inner]) for i in range(0, len(nodes), inner)]
+    if inner == 1 or all(len(b) == 1 for b in blocks):
+        return None
+    return (f"warning: group {spec.name!r} has tensor/context-parallel groups of {inner} ranks "
+            f"that span nodes (ranks by node: {' '.join(nodes)}): every layer's collectives "
+            "cross the inter-node link; give each node a multiple of "
+            f"{inner} of the group's ranks (--group-cpus, the nodes' sizes) or lower tp/cp")
 
 
 def remove_groups(groups: list[WorkerGroup], wait_s: float) -> None:
