@@ -387,8 +387,8 @@ def bench_hw(out: Path | None = None) -> str:
     quality = (f"repeats within {hw.extra['spread_max']:.0%} of each other, other processes "
                f"used {hw.extra['other_load']:.0%} of the CPUs meanwhile")
     if doubts:
-        quality = ("WARNING, this measurement is doubtful: " + "; ".join(doubts) + ". Stop "
-                   "what else runs and measure again (`rlloom bench hw`)")
+        quality += ("; WARNING, this measurement is doubtful: " + "; ".join(doubts) + ". Stop "
+                    "what else runs and measure again (`rlloom bench hw`)")
     return (f"fp32 matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
             f"{hw.peak_flops['bf16'] / 1e9:.1f} GFLOP/s, memory {hw.mem_bw / 1e9:.1f} GB/s, "
             f"attention {hw.attn_elem_s * 1e9:.1f} ns per score element, "

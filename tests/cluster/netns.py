@@ -5,8 +5,9 @@ the driver keeps to itself (`private`: its model cache, its other files) is hidd
 other nodes by an empty tmpfs, and each node has its own temp dir and /dev/shm. The head runs
 no workers (`--num-cpus 0`), as on a login node: the driver runs there.
 
-Run as a script it brings a cluster up, prints how to reach it, and takes it down on Enter:
-    sudo python tests/cluster/netns.py 2      # a head and 2 worker nodes of 2 CPUs
+Run as a script it brings up a head and NODES worker nodes of 2 CPUs, runs a command on the
+head as the driver (HEAD in it stands for the cluster's address), and takes it all down:
+    python tests/cluster/netns.py 2 rlloom train ... run_dir=/mnt/r1 --ray-address HEAD
 """
 from __future__ import annotations
 
@@ -190,14 +191,20 @@ class NamespaceCluster:
 
 if __name__ == "__main__":
     root = Path(tempfile.mkdtemp(prefix="rlns-"))
-    cluster = NamespaceCluster(root, root / "private", nodes=int(sys.argv[1])
-                               if len(sys.argv) > 1 else 2).up()
-    print(f"Ray cluster at {cluster.address}: nodes "
-          + ", ".join(f"{n} {cluster.ip(n)} (netns {cluster.netns(n)})" for n in cluster.names)
-          + f"; shared storage {cluster.shared} at {SHARED_AT}. Run the driver on the head:\n"
-          f"  ip netns exec {cluster.netns('head')} env RAY_AUTH_MODE=token rlloom train ... "
-          f"--ray-address {cluster.address}\nEnter takes it down.")
+    (root / "private").mkdir()
+    nodes, command = int(sys.argv[1]), sys.argv[2:]
+    cluster = NamespaceCluster(root, root / "private", nodes=nodes).up()
+    print(f"Ray cluster at {cluster.address}: "
+          + ", ".join(f"{n} {cluster.ip(n)}" for n in cluster.names)
+          + f"; shared storage at {SHARED_AT}; the driver's cache {root / 'private' / 'cache'} "
+          "is on the head only", flush=True)
     try:
-        input()
+        if command:  # run on the head, as the driver; HEAD in it stands for the address
+            argv = [a.replace("HEAD", cluster.address) for a in command]
+            proc = cluster.popen("head", argv, env={
+                "RLLOOM_CACHE": str(root / "private" / "cache")})
+            sys.exit(proc.wait())
+        input("Enter takes it down.")
     finally:
         cluster.down()
+        shutil.rmtree(root, ignore_errors=True)

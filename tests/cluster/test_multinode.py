@@ -14,23 +14,36 @@ from tiny_run import TINY
 
 from rlloom.cli import main
 
-# no reference model (kl 0), so the groups fit 2 nodes of 2 CPUs exactly
-RUN = [*EXACT, "algo=grpo", "algo.kl_coef=0"]
+# a user's reward function (the reward, alone: TRL's default weights)
+TOKENS = '''
+def n_tokens(completion_ids, **columns):
+    return [len(ids) / 16 for ids in completion_ids]
+'''
 SPLIT = ["plan.placement=disaggregated", "plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
          "plan.layouts.generation.tp=2"]
 ONE_CPU_A_RANK = ["--group-cpus", "generation=1,actor=1"]
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def run_args(tmp_path_factory):
+    """The run's settings: no reference model (kl 0), so the groups fit 2 nodes of 2 CPUs
+    exactly, and a reward function in a file only the driver sees."""
+    reward = tmp_path_factory.mktemp("driver-only") / "rewards.py"
+    reward.write_text(TOKENS)
+    return [*TINY, *EXACT, "algo=grpo", "algo.kl_coef=0",
+            f"reward.functions=[{reward}:n_tokens]"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, run_args):
     out = tmp_path_factory.mktemp("single")
-    main(["train", *TINY, *RUN, f"run_dir={out}"])
+    main(["train", *run_args, f"run_dir={out}"])
     return rows(out)
 
 
-def _train(cluster, name, overrides, options, timeout_s=300):
+def _train(cluster, run_args, name, overrides, options, timeout_s=300):
     """`rlloom train` on the head; its run directory on the shared storage."""
-    argv = ["rlloom", "train", *TINY, *RUN, *overrides, f"run_dir=/mnt/{name}",
+    argv = ["rlloom", "train", *run_args, *overrides, f"run_dir=/mnt/{name}",
             "--ray-address", cluster.address, "--worker-timeout", "60", *options]
     done = cluster.run("head", argv, timeout_s,
                        env={"RLLOOM_CACHE": os.environ["RLLOOM_CACHE"]})
@@ -44,23 +57,26 @@ def _placement(out):
     return {g: ips.split() for g, ips in re.findall(r"(\w+) \[([^\]]+)\]", line)}
 
 
-def test_groups_on_two_nodes_equal_one_process(ns_cluster, single):
+def test_groups_on_two_nodes_equal_one_process(ns_cluster, run_args, single):
     """Generation (tp2) on one node, training (dp2, ZeRO-3) on the other; the built-in model,
-    in the driver's private cache, reaches both through the object store."""
-    done = _train(ns_cluster, "split", SPLIT, ONE_CPU_A_RANK)
+    in the driver's private cache, and the reward function's file reach both through the
+    object store."""
+    done = _train(ns_cluster, run_args, "split", SPLIT, ONE_CPU_A_RANK)
     assert done.returncode == 0
     where = _placement(done.stdout)
     assert len(set(where["generation"])) == 1 and len(set(where["actor"])) == 1
     assert set(where["generation"]) != set(where["actor"])
-    assert "shipped through the object store" in done.stdout
+    shipped = [x for x in done.stdout.splitlines() if "shipped through the object store" in x]
+    assert len(shipped) == 2 and all("rewards.py" in x and "models/" in x for x in shipped)
     assert_same(single, rows(ns_cluster.shared / "split"))
 
 
-def test_a_group_spanning_two_nodes_equals_one_process(ns_cluster, single):
+def test_a_group_spanning_two_nodes_equals_one_process(ns_cluster, run_args, single):
     """One colocated group of 2 ranks, one per node (2 CPUs each): the actor's data-parallel
     ranks meet across the bridge and generation is a TP copy split over the two machines
     (which the planner never proposes, so the run warns)."""
-    done = _train(ns_cluster, "span", ["plan.layouts.actor.dp=2", "plan.layouts.generation.tp=2"],
+    done = _train(ns_cluster, run_args, "span",
+                  ["plan.layouts.actor.dp=2", "plan.layouts.generation.tp=2"],
                   ["--group-cpus", "2"])
     assert done.returncode == 0
     [(group, ips)] = _placement(done.stdout).items()
@@ -70,10 +86,10 @@ def test_a_group_spanning_two_nodes_equals_one_process(ns_cluster, single):
     assert_same(single, rows(ns_cluster.shared / "span"))
 
 
-def test_a_run_dir_the_nodes_cannot_see_is_refused(ns_cluster, tmp_path):
+def test_a_run_dir_the_nodes_cannot_see_is_refused(ns_cluster, run_args, tmp_path):
     """The driver's own disk is not shared storage: training ranks on the other nodes could
     not write their checkpoint shards there, so the run stops before it starts."""
-    argv = ["rlloom", "train", *TINY, *RUN, *SPLIT, f"run_dir={tmp_path / 'private-run'}",
+    argv = ["rlloom", "train", *run_args, *SPLIT, f"run_dir={tmp_path / 'private-run'}",
             "--ray-address", ns_cluster.address, *ONE_CPU_A_RANK]
     done = ns_cluster.run("head", argv, 300, env={"RLLOOM_CACHE": os.environ["RLLOOM_CACHE"]})
     assert done.returncode != 0
@@ -82,7 +98,7 @@ def test_a_run_dir_the_nodes_cannot_see_is_refused(ns_cluster, tmp_path):
     assert not (tmp_path / "private-run" / "metrics.jsonl").exists()
 
 
-def test_a_lost_node_is_named_and_the_run_resumes_when_it_returns(ns_cluster, single):
+def test_a_lost_node_is_named_and_the_run_resumes_when_it_returns(ns_cluster, run_args, single):
     """Every process of one worker node is killed once step 1 is written; the driver names
     the group, rank and node, waits for the node to rejoin (`ray start` again 3 s later) and
     resumes from the step-1 checkpoint on the shared storage with the uninterrupted numbers."""
@@ -99,7 +115,7 @@ def test_a_lost_node_is_named_and_the_run_resumes_when_it_returns(ns_cluster, si
             time.sleep(0.02)
     thread = threading.Thread(target=lose_node2)
     thread.start()
-    done = _train(ns_cluster, "lost", SPLIT, [*ONE_CPU_A_RANK, "--max-restarts", "1"])
+    done = _train(ns_cluster, run_args, "lost", SPLIT, [*ONE_CPU_A_RANK, "--max-restarts", "1"])
     thread.join()
     assert done.returncode == 0
     [failure] = [json.loads(x) for x in

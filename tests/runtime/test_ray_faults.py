@@ -38,7 +38,8 @@ def test_killed_generation_worker_is_named_and_the_run_resumes(tmp_path, tiny, m
     main(["train", *args, "plan.placement=disaggregated", f"run_dir={run}",
           "--worker-timeout", "60", "--max-restarts", "1"])
     out = capsys.readouterr().out
-    assert "worker rank 0 of group 'generation' (stages: generation) died" in out
+    assert "worker rank 0 of group 'generation' on node " in out
+    assert "(stages: generation) died" in out
     [failure] = _failures(run)
     assert failure["step"] == 2 and failure["state"] == "died"
     assert failure["detected_after_s"] < 60  # reported by Ray, long before the timeout
@@ -68,7 +69,8 @@ def test_silent_worker_times_out_then_its_checkpoint_resumes_either_way(tmp_path
               "--worker-timeout", "4"])
     assert exit_.value.code == 1
     err = capsys.readouterr().err
-    assert "worker rank 0 of group 'generation' (stages: generation) did not answer a ping" in err
+    assert "worker rank 0 of group 'generation' on node " in err
+    assert "(stages: generation) did not answer a ping" in err
     assert "no answer within 4s" in err and f"--resume {run}" in err
     [failure] = _failures(run)
     assert 4 <= failure["detected_after_s"] < 4 + 10  # the timeout, then a 4 s ping
