@@ -153,8 +153,29 @@ def _perf_errors(fn: Callable[[], str]) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from rlloom.perf.search.report import plan_report
+    if args.from_run:
+        return _perf_errors(lambda: _from_run(args))
     _perf_errors(lambda: plan_report(_request(args), args.top, args.json,
                                      Path(args.write_plan) if args.write_plan else None))
+
+
+def _from_run(args: argparse.Namespace) -> str:
+    from rlloom.perf.model.hardware import hardware, load_hardware
+    from rlloom.perf.search.report import plan_file
+    from rlloom.perf.validation.from_run import from_run_report
+    from rlloom.perf.validation.validate import CALIBRATE_POINTS
+    from rlloom.runtime.outputs.progress import progress_bar
+    if args.json:
+        raise ValueError("--from-run prints a report; --json is not supported with it")
+    hw = load_hardware(args.hardware) if args.hardware else hardware("local")
+    with progress_bar("calibrate", CALIBRATE_POINTS, every=CALIBRATE_POINTS // 4) as bar:
+        report, best, algo = from_run_report(Path(args.from_run), hw, args.top, bar.advance)
+    if args.write_plan:
+        Path(args.write_plan).write_text(plan_file(
+            best, f"rlloom plan --from-run {args.from_run}: predicted {best.step_s:.3g} s "
+            "per step", algo))
+        report += f"\nwrote the best plan to {args.write_plan}"
+    return report
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -305,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--price-only", action="store_true", help="also search pipeline, context "
                    "and expert parallelism, which are priced but do not run yet (a plan file "
                    "written then may not run)")
+    p.add_argument("--from-run", metavar="RUN_DIR", help="a finished run's model, algorithm, "
+                   "workload (its measured response lengths) and devices instead of the "
+                   "options above; the hardware file (--hardware, else `local`) is calibrated "
+                   "on the run first; says how much faster the best plan would have been")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("simulate", help="simulate steps of a plan with sampled lengths; "
                        "writes a Chrome trace and a Gantt chart")

@@ -160,7 +160,8 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
         finally:
             loop.ex.stop()
         models = role_models(model_shape(str(loop.model_path)), run_roles(cfg))
-    run = LoadedRun("stages", models, cfg.plan, [measured_step(row, cfg) for row in rows])
+    run = LoadedRun("stages", models, cfg.plan, [measured_step(row, cfg) for row in rows],
+                    cfg.algo.name)
     plain = replace(hw, assess_launch_s=0.0, train_launch_s=0.0)
     ops = price_run(run, replace(plain, launch_s=1.0, attn_elem_s=0.0, mem_bw=math.inf,
                                  peak_flops={k: math.inf for k in hw.peak_flops}))

@@ -37,7 +37,7 @@ def engine_counts(monkeypatch):
 def fake_run(tmp_path):
     """A finished run's directory written by hand: a 2-layer qwen3 policy, GRPO with K=2, 2
     epochs of 2 mini-batches and a KL term, and two steps of the given response lengths, each
-    stage measured at 1 s, named `name` under tmp_path."""
+    stage measured at 1 s and the step at 3.25 s, named `name` under tmp_path."""
     def make(lengths: list[int], name: str = "run") -> Path:
         cfg = load_config(None, ["model.layers=2", "algo.epochs=2", "algo.minibatches=2",
                                  "rollout.n_samples=2", "algo.kl_coef=0.001"])
@@ -49,7 +49,7 @@ def fake_run(tmp_path):
             "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
             "head_dim": 16, "vocab_size": 40}))
         rows = [{"step": s, "prompt_len": 7.0, "response_lens": lengths, "gen_s": 1.0,
-                 "assess_s": 1.0, "train_s": 1.0} for s in (1, 2)]
+                 "assess_s": 1.0, "train_s": 1.0, "step_s": 3.25} for s in (1, 2)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return run
     return make

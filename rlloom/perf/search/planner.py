@@ -186,7 +186,8 @@ def _splits(units: int, parts: int) -> list[tuple[int, ...]]:
 def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
            reward: ModelShape | None = None, objective: str = "time",
            runtime: str = "any", price_only: bool = False, staleness: int = 1,
-           offload: bool = False, critic: ModelShape | None = None) -> Search:
+           offload: bool = False, critic: ModelShape | None = None,
+           roles: tuple[str, ...] | None = None) -> Search:
     """Rank the plans this module enumerates for `devices` devices of `hw`, at every micro-batch
     size of MICRO_BATCHES (`wl.micro_batch` is replaced), fastest first; with objective "cost",
     also on 1/2, 1/4 and 1/8 of the devices, cheapest per step first (a slower plan on fewer
@@ -196,7 +197,8 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     context and expert layouts the model prices but the executor does not run yet. Async
     plans are searched at bound `staleness`. `offload`: also try each ZeRO-3 layout with its
     shards in host memory (`Layout.offload`), which trades memory for host traffic.
-    `critic`: a critic of its own shape (default: the actor's)."""
+    `critic`: a critic of its own shape (default: the actor's). `roles`: the models a run
+    builds, when not the preset's (a run without a KL term has no reference)."""
     start = time.perf_counter()
     result = Search([], runnable=not price_only, offload=offload)
     if objective == "cost" and hw.price_per_hour <= 0:
@@ -206,7 +208,7 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
         if objective == "cost" else [devices]
     for n, micro_batch in itertools.product(counts, MICRO_BATCHES):
         _search_at(actor, algo, replace(wl, micro_batch=micro_batch), hw, n, reward, result,
-                   staleness, critic)
+                   staleness, critic, roles)
     if runtime == "torchrun":  # one world: every model on all of it
         result.ranked = [p for p in result.ranked if p.plan.placement == "colocated"]
     # stable: of equally good plans the smaller micro-batch (less memory) comes first
@@ -223,15 +225,15 @@ def cost_per_step(p: Priced, hw: Hardware) -> float:
 
 def _search_at(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: int,
                reward: ModelShape | None, result: Search, staleness: int = 1,
-               critic: ModelShape | None = None) -> None:
+               critic: ModelShape | None = None, roles: tuple[str, ...] | None = None) -> None:
     """Plans on the device groups of `plan.device_groups`: colocated (all roles on every
     device), interleaved (actor and critic with generation, the reference apart) and
     disaggregated (generation, training and the reference each on their own share, or the
     reference beside the actor on the training share). The critic
     trains on the actor's devices; a reward model scores beside generation and runs
     data-parallel there, so the plans give it no layout."""
-    roles, online = PRESETS[algo].roles, PRESETS[algo].online
-    models = role_models(actor, roles, reward, critic)
+    online = PRESETS[algo].online
+    models = role_models(actor, roles or PRESETS[algo].roles, reward, critic)
     active = [r for r, m in models.items() if m is not None]
     ref = ["reference"] if "reference" in active else []
     # a shared actor-critic changes the algorithm (one backbone for policy and values): the

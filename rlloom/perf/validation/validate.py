@@ -104,6 +104,7 @@ class LoadedRun:
     models: dict[str, ModelShape | None]
     plan: Plan  # as the run ran it
     steps: list[tuple[int, Workload, dict[str, float]]]  # step, its workload, measured s
+    algo: str  # the preset it trained with
 
 
 def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
@@ -128,7 +129,7 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
                              "support, run it again")
         steps.append(measured_step(row, cfg))
     models = role_models(shape, run_roles(cfg), critic=critic_shape(cfg.model))
-    return LoadedRun(run_dir.name, models, cfg.plan, steps)
+    return LoadedRun(run_dir.name, models, cfg.plan, steps, cfg.algo.name)
 
 
 def price_run(run: LoadedRun, hw: Hardware) -> list[StagePoint]:
