@@ -66,13 +66,20 @@ def input_paths(cfg: RunConfig, model_path: Path) -> list[str]:
     return found
 
 
+def _same(path: Path, fp: str) -> bool:
+    """Whether `path` here holds what the driver's does (unreadable counts as not)."""
+    try:
+        return path.exists() and fingerprint(path) == fp
+    except OSError:
+        return False
+
+
 def probe(wanted: dict[str, str], run_dir: str, token: str) -> dict[str, Any]:
     """On a node: which of `wanted` (path -> fingerprint) it lacks, and whether it sees the
     run directory (the driver's token in it)."""
     import ray
     check = Path(run_dir) / CHECK_FILE
-    missing = [p for p, fp in wanted.items()
-               if not Path(p).exists() or fingerprint(Path(p)) != fp]
+    missing = [p for p, fp in wanted.items() if not _same(Path(p), fp)]
     try:
         shared = check.read_text() == token
     except OSError:
