@@ -310,6 +310,12 @@ class RunConfig(Strict):
         problems = task_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
+        if self.plan.adapt.every and not PRESETS[self.algo.name].online:
+            raise ValueError(f"plan.adapt re-prices generation, assessment and training; "
+                             f"algo={self.algo.name} trains offline: set plan.adapt.every=0")
+        if self.plan.adapt.every and self.reward.model_path:
+            raise ValueError("plan.adapt does not price runs with a reward model yet: set "
+                             "plan.adapt.every=0 or drop reward.model_path")
         if not PRESETS[self.algo.name].online and not self.data.preference_file:
             raise ValueError(f"algo={self.algo.name} trains offline on preference pairs; set "
                              "data.preference_file to a jsonl of prompt/chosen/rejected rows")

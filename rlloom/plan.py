@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # "generation" is the actor's generation layout when it differs from its training layout (a
 # hybrid layout, or the separate generation group of an asynchronous plan). Plans before
@@ -48,6 +48,31 @@ class Layout(Strict):
         return self.dp * self.tp * self.pp * self.cp
 
 
+class Adapt(Strict):
+    """Re-pricing the plan while the run goes (`runtime/executor/adapt.py`)."""
+    every: int = Field(0, ge=0, description="every N steps, calibrate the cost model on the "
+                       "run's measured stages, re-plan with the lengths of the last `window` "
+                       "steps and log what a better plan on the same devices would gain "
+                       "(adapt.jsonl); 0: off")
+    min_gain: float = Field(1.15, gt=1.0, description="the predicted speed-up a plan needs to "
+                            "count as better")
+    window: int = Field(8, ge=1, description="recent steps whose lengths and times are used")
+    hardware: str = Field("local", description="the hardware file priced with: a catalogue "
+                          "name, a file, or local (`rlloom bench hw`)")
+    dry: bool = Field(True, description="only log the decision; switching plans mid-run is "
+                      "not implemented yet")
+
+    @field_validator("dry")
+    @classmethod
+    def _only_dry(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("plan.adapt.dry=false would switch plans mid-run, which rlloom "
+                             "does not do yet: keep dry (the decisions are logged in "
+                             "adapt.jsonl), and start a new run from a checkpoint with the "
+                             "recommended plan (`rlloom plan --from-run RUN_DIR --write-plan`)")
+        return v
+
+
 class Plan(Strict):
     """Placement, per-role layouts and schedule of one run."""
     placement: Literal["colocated", "interleaved", "disaggregated"] = Field(
@@ -65,6 +90,7 @@ class Plan(Strict):
                                         "reward, and generation: the actor's layout for "
                                         "generation when it differs); missing roles use 1 "
                                         "device")
+    adapt: Adapt = Field(default_factory=Adapt, description="re-pricing while the run goes")
 
     @model_validator(mode="before")
     @classmethod

@@ -149,7 +149,7 @@ def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str |
         plan.layouts["generation"] = p.gen_layout
     wl = p.workload
     budget = math.ceil(p.micro_batch * wl.max_context)
-    config: dict = {"plan": plan.model_dump(mode="json"),
+    config: dict = {"plan": plan.model_dump(mode="json", exclude={"adapt"}),
                     "train": {"micro_batch_tokens": budget}}
     if algo:
         config["algo"] = {"name": algo}

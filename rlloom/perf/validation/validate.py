@@ -247,8 +247,12 @@ def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
     not fitted: `rlloom bench hw` measures it, and with it the raw rates price the engine's
     decode steps of 64, 256 and 512 rows within 6-16% (docs/performance-model.md, section
     10). Fit on some runs, validate on others. `tick()` follows each point priced."""
-    runs = [load_run(d, skip) for d in run_dirs]
+    return fit_runs([load_run(d, skip) for d in run_dirs], hw, tick)
 
+
+def fit_runs(runs: list[LoadedRun], hw: Hardware, tick: Callable[[], None] = lambda: None
+             ) -> Fit:
+    """`calibrate` on runs already loaded (a running run's recent steps, say)."""
     def error(point: tuple[float, float]) -> float:
         tick()
         return _stage_error(runs, _scaled(hw, *point))

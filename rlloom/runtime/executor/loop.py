@@ -23,6 +23,7 @@ from rlloom.algos.presets import DECOUPLED_LOSSES, PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
+from rlloom.runtime.executor.adapt import Adapter, decision_line
 from rlloom.runtime.executor.groups import state_keys
 from rlloom.runtime.executor.hosts import PreferenceHost, TrainingHost, step_row
 from rlloom.runtime.executor.interface import Executor, Group, RunOptions, WorkerFailure
@@ -71,6 +72,8 @@ class StepLoop:
                                      lambda: self.kl.value)
         self.failures: list[dict[str, Any]] = []
         self.attempt = 0
+        self.adapter = (Adapter(cfg, run_dir, model_path)
+                        if cfg.plan.adapt.every and self.main else None)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -240,6 +243,8 @@ class StepLoop:
                     scores = self.evaluate()
                     if scores is not None:
                         row.update(scores)
+                if self.adapter is not None:
+                    self._adapt(row)
                 if self.main:
                     self.metrics.append(row)
                 for tracker in trackers:
@@ -264,6 +269,19 @@ class StepLoop:
                                   f"{cfg.train.steps}, checkpoint written to "
                                   f"{checkpoint_dirs(self.run_dir)[-1]}; continue with rlloom "
                                   f"train --resume {self.run_dir}", 128 + signals.received)
+
+    def _adapt(self, row: dict[str, Any]) -> None:
+        """plan.adapt's decision at this step, if it is one: printed, in the row (adapt_*)
+        and marked in the trace."""
+        decision = self.adapter.after(row)
+        if decision is None:
+            return
+        print(decision_line(decision, self.cfg.plan.adapt.min_gain))
+        row.update(adapt_gain=decision["gain"], adapt_predicted_s=decision["predicted_s"],
+                   adapt_best_s=decision["best_s"])
+        self.tracer.events.append({"name": "adapt", "ph": "i", "s": "g", "pid": "plan",
+                                   "tid": "adapt", "ts": decision["time"] * 1e6,
+                                   "args": {k: v for k, v in decision.items() if k != "time"}})
 
     def _final(self) -> dict[str, float]:
         train = self._host("training")

@@ -1,0 +1,65 @@
+"""`plan.adapt`: every N steps the run asks the cost model, calibrated on its own recent
+steps, whether another plan on the same devices would run them at least `min_gain` faster
+(`perf/validation/advice.py`), and records the answer: a line printed, a row of adapt.jsonl,
+`adapt_*` columns in metrics.jsonl and a mark in trace.json. It does not switch plans yet
+(`plan.adapt.dry` must stay true): the recommended plan is for the next run."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rlloom.config import ConfigError, RunConfig
+from rlloom.perf.model.compose import role_models
+from rlloom.perf.model.hardware import Hardware, hardware, load_hardware
+from rlloom.perf.model.shapes import model_shape
+from rlloom.perf.validation.advice import advise
+from rlloom.perf.validation.validate import LoadedRun, critic_shape, measured_step, run_roles
+
+
+def adapt_hardware(name: str) -> Hardware:
+    """`plan.adapt.hardware`: a file, a catalogue name, or local."""
+    try:
+        return load_hardware(name) if Path(name).is_file() else hardware(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"plan.adapt.hardware={name!r}: {e.args[0]}") from None
+
+
+class Adapter:
+    """Checked when the run starts (the hardware file, the model's shape); `after(row)` with
+    every step's metrics row."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, model_path: Path) -> None:
+        self.cfg, self.settings = cfg, cfg.plan.adapt
+        self.hw = adapt_hardware(self.settings.hardware)
+        self.models = role_models(model_shape(str(model_path)), run_roles(cfg),
+                                  critic=critic_shape(cfg.model))
+        self.rows: deque[dict[str, Any]] = deque(maxlen=self.settings.window)
+        self.path = run_dir / "adapt.jsonl"
+
+    def after(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The decision at this step (written to adapt.jsonl), or None between decisions."""
+        # step 1 pays the warm-up; a step of several sampling rounds is not one priced step
+        if row["step"] > 1 and row.get("sample_rounds", 1) == 1 and "response_lens" in row:
+            self.rows.append(row)
+        if row["step"] % self.settings.every or not self.rows:
+            return None
+        run = LoadedRun("recent", self.models, self.cfg.plan,
+                        [measured_step(r, self.cfg) for r in self.rows], self.cfg.algo.name)
+        advice = advise(run, self.hw, statistics.median(r["step_s"] for r in self.rows))
+        decision = {"step": row["step"], "time": time.time(), "dry": True,
+                    **advice.record(self.settings.min_gain)}
+        with self.path.open("a") as out:
+            out.write(json.dumps(decision) + "\n")
+        return decision
+
+
+def decision_line(d: dict[str, Any], min_gain: float) -> str:
+    verdict = (f"a better plan exists (>= {min_gain:g}x); not switching (plan.adapt.dry)"
+               if d["better"] else f"keeping the plan (< {min_gain:g}x)")
+    return (f"adapt at step {d['step']} (steps {d['steps'][0]}-{d['steps'][1]}): this plan "
+            f"measured {d['measured_s']:.3g} s, priced {d['predicted_s']:.3g} s; best on the "
+            f"same devices {d['best_s']:.3g} s ({d['gain']:.2f}x): {d['best']}; {verdict}")

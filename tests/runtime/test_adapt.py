@@ -1,0 +1,53 @@
+"""plan.adapt: every N steps the run re-prices its plan against the best on its devices with
+the cost model calibrated on its recent steps, and records the decision (it does not switch)."""
+import json
+import statistics
+
+import pytest
+
+from rlloom.cli import main
+from rlloom.config import ConfigError, load_config
+
+
+def test_every_second_step_the_plan_is_re_priced_and_the_decision_recorded(tmp_path, tiny,
+                                                                          capsys):
+    run = tmp_path / "run"
+    main(["train", *tiny, "train.steps=4", "plan.adapt.every=2", "plan.adapt.hardware=h100",
+          f"run_dir={run}"])
+    out = capsys.readouterr().out
+    decisions = [json.loads(x) for x in (run / "adapt.jsonl").read_text().splitlines()]
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text()
+                                      .splitlines())}
+    # step 1 is the warm-up: the windows are steps 2-2, then 2-4
+    assert [(d["step"], d["steps"]) for d in decisions] == [(2, [2, 2]), (4, [2, 4])]
+    for d in decisions:
+        window = [rows[s]["step_s"] for s in range(d["steps"][0], d["step"] + 1)]
+        assert d["measured_s"] == pytest.approx(statistics.median(window), rel=1e-12)
+        assert d["gain"] == pytest.approx(d["predicted_s"] / d["best_s"], rel=1e-12)
+        assert d["gain"] >= 1 - 1e-9  # the run's own plan is among those searched
+        assert d["better"] == (d["gain"] >= 1.15) and d["dry"] is True
+        assert rows[d["step"]]["adapt_gain"] == pytest.approx(d["gain"], rel=1e-12)
+        assert f"adapt at step {d['step']} (steps {d['steps'][0]}-{d['steps'][1]})" in out
+    assert "adapt_gain" not in rows[1] and "adapt_gain" not in rows[3]
+    marks = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"]
+             if e["name"] == "adapt"]
+    assert [m["args"]["step"] for m in marks] == [2, 4]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.adapt.dry=false"], "does not do yet"),
+    (["plan.adapt.every=2", "algo=dpo", "data.preference_file=x.jsonl"], "trains offline"),
+])
+def test_what_adapt_cannot_do_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_an_unknown_hardware_file_stops_the_run_before_it_starts(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *tiny, "plan.adapt.every=2", "plan.adapt.hardware=nowhere",
+              f"run_dir={run}"])
+    assert stop.value.code == 2
+    assert "plan.adapt.hardware='nowhere': unknown hardware" in capsys.readouterr().err
+    assert not (run / "metrics.jsonl").exists()
