@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # "generation" is the actor's generation layout when it differs from its training layout (a
 # hybrid layout, or the separate generation group of an asynchronous plan). Plans before
@@ -59,18 +59,8 @@ class Adapt(Strict):
     window: int = Field(8, ge=1, description="recent steps whose lengths and times are used")
     hardware: str = Field("local", description="the hardware file priced with: a catalogue "
                           "name, a file, or local (`rlloom bench hw`)")
-    dry: bool = Field(True, description="only log the decision; switching plans mid-run is "
-                      "not implemented yet")
-
-    @field_validator("dry")
-    @classmethod
-    def _only_dry(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("plan.adapt.dry=false would switch plans mid-run, which rlloom "
-                             "does not do yet: keep dry (the decisions are logged in "
-                             "adapt.jsonl), and start a new run from a checkpoint with the "
-                             "recommended plan (`rlloom plan --from-run RUN_DIR --write-plan`)")
-        return v
+    dry: bool = Field(True, description="only log the decision; false (Ray runs): switch to "
+                      "the better plan, from a checkpoint of that step")
 
 
 class Plan(Strict):

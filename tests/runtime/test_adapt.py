@@ -1,5 +1,6 @@
 """plan.adapt: every N steps the run re-prices its plan against the best on its devices with
-the cost model calibrated on its recent steps, and records the decision (it does not switch)."""
+the cost model calibrated on its recent steps, and records the decision (dry: no switch;
+test_ray_adapt.py switches)."""
 import json
 import statistics
 
@@ -34,13 +35,19 @@ def test_every_second_step_the_plan_is_re_priced_and_the_decision_recorded(tmp_p
     assert [m["args"]["step"] for m in marks] == [2, 4]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["plan.adapt.dry=false"], "does not do yet"),
-    (["plan.adapt.every=2", "algo=dpo", "data.preference_file=x.jsonl"], "trains offline"),
-])
-def test_what_adapt_cannot_do_is_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+def test_an_offline_algorithm_has_no_stages_to_re_price():
+    with pytest.raises(ConfigError, match="trains offline"):
+        load_config(None, ["plan.adapt.every=2", "algo=dpo", "data.preference_file=x.jsonl"])
+
+
+def test_switching_in_one_process_is_refused_before_the_run(tmp_path, tiny, capsys):
+    """A switch rebuilds Ray groups; one process has none to rebuild."""
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        main(["train", *tiny, "plan.adapt.every=2", "plan.adapt.dry=false",
+              "plan.adapt.hardware=h100", f"run_dir={run}"])
+    assert "switches plans by rebuilding Ray groups" in capsys.readouterr().err
+    assert not (run / "metrics.jsonl").exists()
 
 
 def test_an_unknown_hardware_file_stops_the_run_before_it_starts(tmp_path, tiny, capsys):

@@ -1,11 +1,13 @@
 """`plan.adapt`: every N steps the run asks the cost model, calibrated on its own recent
 steps, whether another plan on the same devices would run them at least `min_gain` faster
 (`perf/validation/advice.py`), and records the answer: a line printed, a row of adapt.jsonl,
-`adapt_*` columns in metrics.jsonl and a mark in trace.json. It does not switch plans yet
-(`plan.adapt.dry` must stay true): the recommended plan is for the next run."""
+`adapt_*` columns in metrics.jsonl and a mark in trace.json. With `dry: false` (Ray runs) the
+step loop then checkpoints, rebuilds its groups at the new plan (`switched_config`) and
+continues from that checkpoint."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections import deque
@@ -16,7 +18,7 @@ from rlloom.config import ConfigError, RunConfig
 from rlloom.perf.model.compose import role_models
 from rlloom.perf.model.hardware import Hardware, hardware, load_hardware
 from rlloom.perf.model.shapes import model_shape
-from rlloom.perf.validation.advice import advise
+from rlloom.perf.validation.advice import Advice, advise
 from rlloom.perf.validation.validate import LoadedRun, critic_shape, measured_step, run_roles
 
 
@@ -35,6 +37,7 @@ class Adapter:
     def __init__(self, cfg: RunConfig, run_dir: Path, model_path: Path) -> None:
         self.cfg, self.settings = cfg, cfg.plan.adapt
         self.hw = adapt_hardware(self.settings.hardware)
+        self.last: Advice | None = None
         self.models = role_models(model_shape(str(model_path)), run_roles(cfg),
                                   critic=critic_shape(cfg.model))
         self.rows: deque[dict[str, Any]] = deque(maxlen=self.settings.window)
@@ -50,16 +53,43 @@ class Adapter:
         run = LoadedRun("recent", self.models, self.cfg.plan,
                         [measured_step(r, self.cfg) for r in self.rows], self.cfg.algo.name)
         advice = advise(run, self.hw, statistics.median(r["step_s"] for r in self.rows))
-        decision = {"step": row["step"], "time": time.time(), "dry": True,
-                    **advice.record(self.settings.min_gain)}
+        self.last = advice
+        record = advice.record(self.settings.min_gain)
+        decision = {"step": row["step"], "time": time.time(), "dry": self.settings.dry,
+                    **record, "switch": (record["better"] and not self.settings.dry
+                                         and row["step"] < self.cfg.train.steps)}
         with self.path.open("a") as out:
             out.write(json.dumps(decision) + "\n")
         return decision
 
 
-def decision_line(d: dict[str, Any], min_gain: float) -> str:
-    verdict = (f"a better plan exists (>= {min_gain:g}x); not switching (plan.adapt.dry)"
-               if d["better"] else f"keeping the plan (< {min_gain:g}x)")
+    def switched_config(self) -> RunConfig:
+        """The run's config at the last decision's best plan: its placement, schedule and
+        layouts (the generation layout too) and its micro-batch as a token budget, as
+        `rlloom plan --write-plan` writes them; the run's workload and the adapt settings
+        stay."""
+        best = self.last.best
+        plan = best.plan.model_copy(deep=True)
+        if best.gen_layout is not None:
+            plan.layouts["generation"] = best.gen_layout
+        data = self.cfg.model_dump(mode="json")
+        data["plan"] = {**plan.model_dump(mode="json"), "adapt": data["plan"]["adapt"]}
+        data["train"]["micro_batch_tokens"] = math.ceil(
+            best.micro_batch * self.last.workload.max_context)
+        return RunConfig.model_validate(data)
+
+    def use(self, cfg: RunConfig) -> None:
+        """After a switch: decide about the new plan on its own steps."""
+        self.cfg = cfg
+        self.rows.clear()
+
+
+def decision_line(d: dict[str, Any], settings: Any) -> str:
+    min_gain = settings.min_gain
+    verdict = (f"keeping the plan (< {min_gain:g}x)" if not d["better"] else
+               f"a better plan exists (>= {min_gain:g}x); "
+               + ("switching to it from this step's checkpoint" if d["switch"]
+                  else "not switching (plan.adapt.dry)"))
     return (f"adapt at step {d['step']} (steps {d['steps'][0]}-{d['steps'][1]}): this plan "
             f"measured {d['measured_s']:.3g} s, priced {d['predicted_s']:.3g} s; best on the "
             f"same devices {d['best_s']:.3g} s ({d['gain']:.2f}x): {d['best']}; {verdict}")

@@ -21,6 +21,7 @@ from typing import Any
 from rlloom.algos.kl import kl_controller
 from rlloom.algos.presets import DECOUPLED_LOSSES, PRESETS
 from rlloom.config import ConfigError, RunConfig, dump_config
+from rlloom.models.hf_io import read_model_config
 from rlloom.plan import DeviceGroup, stage_group
 from rlloom.runtime.checkpoint import checkpoint_dirs, load_latest
 from rlloom.runtime.executor.adapt import Adapter, decision_line
@@ -55,28 +56,48 @@ def weight_copies(groups: list[DeviceGroup], has_critic: bool) -> list[tuple[str
         [(ass.name, "critic")] if has_critic and ass is not train else [])
 
 
+class PlanSwitch(Exception):
+    """plan.adapt found a better plan: the groups are rebuilt for `cfg` from the checkpoint
+    of this step."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__("switching plans")
+        self.cfg = cfg
+
+
 class StepLoop:
     def __init__(self, cfg: RunConfig, run_dir: Path, ex: Executor, model_path: Path,
-                 specs: list[DeviceGroup], opts: RunOptions) -> None:
-        self.cfg, self.run_dir, self.ex, self.model_path = cfg, run_dir, ex, model_path
-        self.specs, self.opts = specs, opts
+                 specs: list[DeviceGroup], opts: RunOptions,
+                 rebuild: Callable[[RunConfig], tuple[Executor, list[DeviceGroup]]] | None
+                 = None) -> None:
+        self.run_dir, self.model_path, self.opts, self.rebuild = run_dir, model_path, opts, rebuild
+        self._bind(cfg, ex, specs)
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.tracer = Tracer(run_dir / "trace.json")
+        self.failures: list[dict[str, Any]] = []
+        self.attempt = 0
+        self.adapter = (Adapter(cfg, run_dir, model_path)
+                        if cfg.plan.adapt.every and self.main else None)
+        if self.adapter and not cfg.plan.adapt.dry and rebuild is None:
+            raise ConfigError("plan.adapt.dry=false switches plans by rebuilding Ray groups; "
+                              "this run is one process or a torchrun world: run it on Ray "
+                              "(--ray), or keep plan.adapt.dry=true")
+        self._reset_state()
+
+    def _bind(self, cfg: RunConfig, ex: Executor, specs: list[DeviceGroup]) -> None:
+        """Run `cfg`'s plan on `ex`'s groups (at the start, and after a plan switch)."""
+        self.cfg, self.ex, self.specs = cfg, ex, specs
         self.online = PRESETS[cfg.algo.name].online
         # stale samples, or tokens of older weights in a partial rollout, are corrected
         stale = (cfg.plan.schedule == "async" and cfg.plan.staleness > 0
                  or cfg.rollout.partial_tokens > 0)
         self.correct = stale and cfg.algo.policy_loss in DECOUPLED_LOSSES
         self.copies = weight_copies(specs, "critic" in PRESETS[cfg.algo.name].roles)
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
-        self.tracer = Tracer(run_dir / "trace.json")
-        self.schedule = schedule_for(cfg, opts, ex, self._host, self._get,
+        self.schedule = schedule_for(cfg, self.opts, ex, self._host, self._get,
                                      lambda: self.kl.value)
-        self.failures: list[dict[str, Any]] = []
-        self.attempt = 0
-        self.adapter = (Adapter(cfg, run_dir, model_path)
-                        if cfg.plan.adapt.every and self.main else None)
-        self._reset_state()
 
     def _reset_state(self) -> None:
+        self._switch_to: RunConfig | None = None
         a = self.cfg.algo
         self.kl = kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)
         self.step = 0
@@ -264,6 +285,10 @@ class StepLoop:
                 if halt and self.step < cfg.train.steps:
                     print(f"a callback stopped the run after step {self.step}")
                     break
+                if self._switch_to is not None and self.step < cfg.train.steps:
+                    if self.step % cfg.checkpoint.every:  # the new plan starts from here
+                        self.checkpoint()
+                    raise PlanSwitch(self._switch_to)
                 if signals.received and self.step < cfg.train.steps:
                     raise Stopped(f"{signals.name} received: stopped after step {self.step} of "
                                   f"{cfg.train.steps}, checkpoint written to "
@@ -276,9 +301,11 @@ class StepLoop:
         decision = self.adapter.after(row)
         if decision is None:
             return
-        print(decision_line(decision, self.cfg.plan.adapt.min_gain))
+        print(decision_line(decision, self.cfg.plan.adapt))
         row.update(adapt_gain=decision["gain"], adapt_predicted_s=decision["predicted_s"],
                    adapt_best_s=decision["best_s"])
+        if decision["switch"]:
+            self._switch_to = self.adapter.switched_config()
         self.tracer.events.append({"name": "adapt", "ph": "i", "s": "g", "pid": "plan",
                                    "tid": "adapt", "ts": decision["time"] * 1e6,
                                    "args": {k: v for k, v in decision.items() if k != "time"}})
@@ -314,14 +341,25 @@ class StepLoop:
         """Train to `train.steps`, recreating the groups after a worker fault while
         `max_restarts` allows."""
         try:
+            switched = False
             while True:
                 try:
                     self.ex.start()
-                    restored = self.restore(from_checkpoint=resume or self.attempt > 0)
-                    if restored and self.main and self.attempt == 0:
+                    restored = self.restore(from_checkpoint=resume or self.attempt > 0
+                                            or switched)
+                    if restored and self.main and self.attempt == 0 and not switched:
                         print(f"resuming {self.run_dir} at step {self.step}")
                     self._loop()
                     return self._final()
+                except PlanSwitch as switch:
+                    self.ex.stop()
+                    self.schedule.clear()
+                    self._switch_to = None
+                    self._bind(switch.cfg, *self.rebuild(switch.cfg))
+                    self.adapter.use(switch.cfg)
+                    (self.run_dir / "config.yaml").write_text(dump_config(
+                        switch.cfg, read_model_config(self.model_path).describe()))
+                    switched = True
                 except WorkerFailure as f:
                     self.failures.append(f.record())
                     with (self.run_dir / "failures.jsonl").open("a") as out:

@@ -241,8 +241,13 @@ def ray_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, model_path: Path
     if cluster.note:
         print(cluster.note)
     try:
-        ex = RayExecutor(cfg, opts, model_path, run_dir, specs,
-                         "critic" in PRESETS[cfg.algo.name].roles)
-        yield StepLoop(cfg, run_dir, ex, model_path, specs, opts)
+        has_critic = "critic" in PRESETS[cfg.algo.name].roles
+
+        def rebuild(new: RunConfig) -> tuple[RayExecutor, list[DeviceGroup]]:
+            """Groups for another plan of the run (plan.adapt's switch)."""
+            new_specs = group_specs(new)
+            return RayExecutor(new, opts, model_path, run_dir, new_specs, has_critic), new_specs
+        ex = RayExecutor(cfg, opts, model_path, run_dir, specs, has_critic)
+        yield StepLoop(cfg, run_dir, ex, model_path, specs, opts, rebuild)
     finally:
         cluster.stop()

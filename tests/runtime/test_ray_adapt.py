@@ -1,0 +1,49 @@
+"""plan.adapt.dry=false on Ray: a run that finds a better plan checkpoints, rebuilds its
+groups at it and continues; from the switch on it equals a run resumed from that checkpoint
+at the new plan (float64, gloo)."""
+import json
+import shutil
+
+import pytest
+from same_as_one_process import EXACT, assert_same, rows
+
+from rlloom.cli import main
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def _without_adapt(got):
+    return [{k: v for k, v in r.items() if not k.startswith("adapt_")} for r in got]
+
+
+def test_a_run_that_switches_plans_equals_the_new_plan_resumed_from_its_checkpoint(
+        tmp_path, tiny, capsys):
+    # activation checkpointing recomputes every forward: the planner's best plan drops it,
+    # so a better plan exists whatever the calibration finds
+    run = tmp_path / "adaptive"
+    main(["train", *tiny, *EXACT, "algo=grpo", "algo.kl_coef=0", "train.steps=4",
+          "plan.layouts.actor.dp=2", "plan.layouts.actor.activation_checkpointing=true",
+          "plan.adapt.every=2", "plan.adapt.min_gain=1.0001", "plan.adapt.dry=false",
+          "plan.adapt.hardware=h100", "checkpoint.keep=10", f"run_dir={run}",
+          "--worker-timeout", "120"])
+    out = capsys.readouterr().out
+    first = json.loads((run / "adapt.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 2 and first["switch"] and first["gain"] >= 1.0001
+    print(f"switched at step 2 from {first['plan']} to {first['best']} ({first['gain']:.2f}x "
+          "predicted)")
+    assert "switching to it from this step's checkpoint" in out
+    assert "activation_checkpointing: true" not in (run / "config.yaml").read_text()
+    marks = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"]
+             if e["name"] == "adapt"]
+    assert marks and marks[0]["args"]["switch"] is True
+    # the same run resumed at step 2 with the plan it switched to (its config.yaml now)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("ray"))
+    main(["train", "--resume", str(resumed / "checkpoints" / "step_000002"),
+          "--worker-timeout", "120"])
+    last = json.loads((resumed / "adapt.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 4 and not last["switch"]  # nothing left to switch for
+    switched, again = _without_adapt(rows(run)), _without_adapt(rows(resumed))
+    assert [r["step"] for r in switched] == [1, 2, 3, 4]
+    assert_same(switched[2:], again[2:])
