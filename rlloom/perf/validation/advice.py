@@ -51,9 +51,10 @@ class Advice:
 
 
 def advise(run: LoadedRun, hw: Hardware, measured_s: float,
-           tick: Callable[[], None] = lambda: None) -> Advice:
-    """The run's plan against the best on its devices, both priced with `hw` calibrated on
-    the run's steps; `measured_s` is their measured step time."""
+           tick: Callable[[], None] = lambda: None,
+           keep: Callable[[Priced], bool] = lambda p: True) -> Advice:
+    """The run's plan against the best on its devices that `keep` accepts, both priced with
+    `hw` calibrated on the run's steps; `measured_s` is their measured step time."""
     if not run.steps:
         raise ValueError("no steps to learn from after the warm-up; run longer")
     fit = fit_runs([run], hw, tick)
@@ -65,6 +66,7 @@ def advise(run: LoadedRun, hw: Hardware, measured_s: float,
     found = search(run.models["actor"], run.algo, wl, fit.hardware, own.devices,
                    reward=run.models.get("reward"), critic=run.models.get("critic"),
                    roles=tuple(run.models))
+    found.ranked = [p for p in found.ranked if keep(p)]
     if not found.ranked:
         raise ValueError(f"no plan fits {own.devices} devices of {hw.name} for this run")
     return Advice([s for s, _, _ in run.steps], wl, fit, measured_s, own, found)

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from rlloom.config import ConfigError, RunConfig
-from rlloom.perf.model.compose import role_models
+from rlloom.perf.model.compose import Priced, role_models
 from rlloom.perf.model.hardware import Hardware, hardware, load_hardware
 from rlloom.perf.model.shapes import model_shape
 from rlloom.perf.validation.advice import Advice, advise
 from rlloom.perf.validation.validate import LoadedRun, critic_shape, measured_step, run_roles
+from rlloom.plan import Plan, device_groups, stage_group
+from rlloom.runtime.executor.groups import run_models
 
 
 def adapt_hardware(name: str) -> Hardware:
@@ -52,7 +54,8 @@ class Adapter:
             return None
         run = LoadedRun("recent", self.models, self.cfg.plan,
                         [measured_step(r, self.cfg) for r in self.rows], self.cfg.algo.name)
-        advice = advise(run, self.hw, statistics.median(r["step_s"] for r in self.rows))
+        advice = advise(run, self.hw, statistics.median(r["step_s"] for r in self.rows),
+                        keep=self._reachable)
         self.last = advice
         record = advice.record(self.settings.min_gain)
         decision = {"step": row["step"], "time": time.time(), "dry": self.settings.dry,
@@ -62,6 +65,16 @@ class Adapter:
             out.write(json.dumps(decision) + "\n")
         return decision
 
+
+    def _reachable(self, p: Priced) -> bool:
+        """Whether the run can switch to `p` from its checkpoint: a one-rank training group
+        writes whole weights, which a training group of several ranks cannot load."""
+        if training_ranks(self.cfg.plan, self.cfg) > 1:
+            return True
+        plan = p.plan.model_copy(deep=True)
+        if p.gen_layout is not None:
+            plan.layouts["generation"] = p.gen_layout
+        return training_ranks(plan, self.cfg) == 1
 
     def switched_config(self) -> RunConfig:
         """The run's config at the last decision's best plan: its placement, schedule and
@@ -82,6 +95,10 @@ class Adapter:
         """After a switch: decide about the new plan on its own steps."""
         self.cfg = cfg
         self.rows.clear()
+
+
+def training_ranks(plan: Plan, cfg: RunConfig) -> int:
+    return stage_group(device_groups(plan, run_models(cfg)), "training").ranks
 
 
 def decision_line(d: dict[str, Any], settings: Any) -> str:
