@@ -53,7 +53,7 @@ class Adapt(Strict):
     every: int = Field(0, ge=0, description="every N steps, calibrate the cost model on the "
                        "run's measured stages, re-plan with the lengths of the last `window` "
                        "steps and log what a better plan on the same devices would gain "
-                       "(adapt.jsonl); 0: off")
+                       "(adapt.jsonl), switching to it unless dry; 0: off")
     min_gain: float = Field(1.15, gt=1.0, description="the predicted speed-up a plan needs to "
                             "count as better")
     window: int = Field(8, ge=1, description="recent steps whose lengths and times are used")
