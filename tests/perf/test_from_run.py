@@ -2,6 +2,8 @@
 hardware, its own plan priced next to the best one on the same devices."""
 import re
 
+import pytest
+
 from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.perf.model.hardware import hardware
@@ -30,3 +32,13 @@ def test_a_run_is_priced_against_the_best_plan_on_its_devices(fake_run, tmp_path
     assert len(re.findall(r"^\s+[\d.e+-]+\s+[\d.]+x  ", out, flags=re.M)) == 3
     cfg = load_config(str(plan_file), [])
     assert cfg.algo.name == "grpo" and "actor" in cfg.plan.layouts
+
+
+def test_a_directory_that_is_not_a_run_is_named(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    hardware("h100").save(tmp_path / "h100.json")
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--from-run", str(tmp_path / "empty"), "--hardware",
+              str(tmp_path / "h100.json")])
+    assert stop.value.code == 2
+    assert f"{tmp_path / 'empty'}: no config.yaml" in capsys.readouterr().err

@@ -110,6 +110,9 @@ class LoadedRun:
 def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
     """The run's roles, plan and every step after the first `skip` with its workload and
     measured stage seconds."""
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"{run_dir}: no config.yaml; give the directory `rlloom train` wrote "
+                         "(run_dir)")
     cfg = RunConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     if not PRESETS[cfg.algo.name].online:
         raise ValueError(f"{run_dir}: validation covers online presets; {cfg.algo.name} is not")
