@@ -28,12 +28,20 @@ def test_a_run_that_switches_plans_equals_the_new_plan_resumed_from_its_checkpoi
           "plan.adapt.hardware=h100", "checkpoint.keep=10", f"run_dir={run}",
           "--worker-timeout", "120"])
     out = capsys.readouterr().out
-    first = json.loads((run / "adapt.jsonl").read_text().splitlines()[0])
+    first, second = map(json.loads, (run / "adapt.jsonl").read_text().splitlines())
     assert first["step"] == 2 and first["switch"] and first["gain"] >= 1.0001
     print(f"switched at step 2 from {first['plan']} to {first['best']} ({first['gain']:.2f}x "
           "predicted)")
     assert "switching to it from this step's checkpoint" in out
     assert "activation_checkpointing: true" not in (run / "config.yaml").read_text()
+    # the next decision says what the switch predicted and what the new plan then measured
+    after = second["after_switch"]
+    assert (after["step"], after["to"], after["predicted_after_s"]) == (
+        2, first["best"], first["best_s"])
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert after["measured_after_s"] == pytest.approx(
+        (steps[2]["step_s"] + steps[3]["step_s"]) / 2, rel=1e-12)  # steps 3-4, the new plan
+    assert "since the switch at step 2 measured" in out
     marks = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"]
              if e["name"] == "adapt"]
     assert marks and marks[0]["args"]["switch"] is True

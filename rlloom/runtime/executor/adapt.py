@@ -40,6 +40,8 @@ class Adapter:
         self.cfg, self.settings = cfg, cfg.plan.adapt
         self.hw = adapt_hardware(self.settings.hardware)
         self.last: Advice | None = None
+        self.pending: dict[str, Any] | None = None  # the switch being made
+        self.switched: dict[str, Any] | None = None  # the one made, until the next decision
         self.models = role_models(model_shape(str(model_path)), run_roles(cfg),
                                   critic=critic_shape(cfg.model))
         self.rows: deque[dict[str, Any]] = deque(maxlen=self.settings.window)
@@ -61,10 +63,18 @@ class Adapter:
         decision = {"step": row["step"], "time": time.time(), "dry": self.settings.dry,
                     **record, "switch": (record["better"] and not self.settings.dry
                                          and row["step"] < self.cfg.train.steps)}
+        if self.switched is not None:  # the last switch's prediction, and what came of it
+            decision["after_switch"] = {**self.switched, "measured_after_s":
+                                        decision["measured_s"]}
+            self.switched = None
+        if decision["switch"]:
+            self.pending = {"step": row["step"], "from": record["plan"], "to": record["best"],
+                            "measured_before_s": record["measured_s"],
+                            "predicted_after_s": record["best_s"],
+                            "predicted_gain": record["gain"]}
         with self.path.open("a") as out:
             out.write(json.dumps(decision) + "\n")
         return decision
-
 
     def _reachable(self, p: Priced) -> bool:
         """Whether the run can switch to `p` from its checkpoint: a one-rank training group
@@ -92,9 +102,11 @@ class Adapter:
         return RunConfig.model_validate(data)
 
     def use(self, cfg: RunConfig) -> None:
-        """After a switch: decide about the new plan on its own steps."""
+        """After a switch: decide about the new plan on its own steps, and report at the next
+        decision what the switch predicted and what the new plan measured."""
         self.cfg = cfg
         self.rows.clear()
+        self.switched, self.pending = self.pending, None
 
 
 def training_ranks(plan: Plan, cfg: RunConfig) -> int:
@@ -107,6 +119,10 @@ def decision_line(d: dict[str, Any], settings: Any) -> str:
                f"a better plan exists (>= {min_gain:g}x); "
                + ("switching to it from this step's checkpoint" if d["switch"]
                   else "not switching (plan.adapt.dry)"))
-    return (f"adapt at step {d['step']} (steps {d['steps'][0]}-{d['steps'][1]}): this plan "
+    after = d.get("after_switch")
+    since = (f"since the switch at step {after['step']} measured {after['measured_after_s']:.3g}"
+             f" s a step (before it {after['measured_before_s']:.3g} s; predicted "
+             f"{after['predicted_after_s']:.3g} s at the lengths then); " if after else "")
+    return (f"adapt at step {d['step']} (steps {d['steps'][0]}-{d['steps'][1]}): {since}this plan "
             f"measured {d['measured_s']:.3g} s, priced {d['predicted_s']:.3g} s; best on the "
             f"same devices {d['best_s']:.3g} s ({d['gain']:.2f}x): {d['best']}; {verdict}")
