@@ -18,6 +18,7 @@ from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.perf.search.planner import Search, describe, search
 from rlloom.perf.validation.validate import Fit, LoadedRun, fit_runs
+from rlloom.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Advice:
     measured_s: float  # their median measured step time
     own: Priced  # the run's plan, priced with the calibrated file
     found: Search  # every plan on the same devices, best first
+    roles: tuple[str, ...]  # the models the run builds
 
     @property
     def best(self) -> Priced:
@@ -40,7 +42,8 @@ class Advice:
 
     def record(self, min_gain: float) -> dict[str, Any]:
         return {"steps": [self.steps[0], self.steps[-1]], "measured_s": self.measured_s,
-                "plan": describe(self.own.plan, self.own.gen_layout, self.own.micro_batch),
+                "plan": describe(shown(self.own.plan, self.roles), self.own.gen_layout,
+                                 self.own.micro_batch),
                 "predicted_s": self.own.step_s,
                 "best": describe(self.best.plan, self.best.gen_layout, self.best.micro_batch),
                 "best_s": self.best.step_s, "gain": self.gain,
@@ -48,6 +51,14 @@ class Advice:
                 "calibration": {"compute_eff": self.fit.hardware.compute_eff,
                                 "attn_eff": self.fit.hardware.attn_eff,
                                 "stage_error": self.fit.after}}
+
+
+def shown(plan: Plan, roles: tuple[str, ...]) -> Plan:
+    """`plan` with the layout `Plan.layout` gives each trained or scoring model it names
+    none (one device), so a description says where every model runs."""
+    held = [r for r in ("actor", "critic", "reference") if r in roles]
+    return plan.model_copy(update={"layouts": {**{r: plan.layout(r) for r in held},
+                                               **plan.layouts}})
 
 
 def advise(run: LoadedRun, hw: Hardware, measured_s: float,
@@ -69,4 +80,5 @@ def advise(run: LoadedRun, hw: Hardware, measured_s: float,
     found.ranked = [p for p in found.ranked if keep(p)]
     if not found.ranked:
         raise ValueError(f"no plan fits {own.devices} devices of {hw.name} for this run")
-    return Advice([s for s, _, _ in run.steps], wl, fit, measured_s, own, found)
+    roles = tuple(r for r, shape in run.models.items() if shape is not None)
+    return Advice([s for s, _, _ in run.steps], wl, fit, measured_s, own, found, roles)

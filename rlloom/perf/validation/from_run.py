@@ -10,7 +10,7 @@ from typing import Callable
 from rlloom.perf.model.compose import Priced
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.search.planner import describe
-from rlloom.perf.validation.advice import advise
+from rlloom.perf.validation.advice import advise, shown
 from rlloom.perf.validation.validate import load_run
 
 
@@ -40,7 +40,8 @@ def from_run_report(run_dir: Path, hw: Hardware, top: int,
         f"mem_eff {fitted.mem_eff:.2f}, attn_eff {fitted.attn_eff:.2f}; stage |error| "
         f"{advice.fit.before:.1%} -> {advice.fit.after:.1%}",
         f"the run's plan: measured {measured:.3g} s per step (median step_s), predicted "
-        f"{own.step_s:.3g} s: {describe(run.plan, own.gen_layout, own.micro_batch)}",
+        f"{own.step_s:.3g} s: "
+        f"{describe(shown(run.plan, advice.roles), own.gen_layout, own.micro_batch)}",
         f"{'step s':>8} {'vs run':>7}  plan (best {min(top, len(advice.found.ranked))} of "
         f"{len(advice.found.ranked)} on the same devices)"]
     for p in advice.found.ranked[:top]:
