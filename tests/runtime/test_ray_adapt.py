@@ -8,6 +8,7 @@ import pytest
 from same_as_one_process import EXACT, assert_same, rows
 
 from rlloom.cli import main
+from rlloom.plan import generation_layout
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -55,3 +56,34 @@ def test_a_run_that_switches_plans_equals_the_new_plan_resumed_from_its_checkpoi
     switched, again = _without_adapt(rows(run)), _without_adapt(rows(resumed))
     assert [r["step"] for r in switched] == [1, 2, 3, 4]
     assert_same(switched[2:], again[2:])
+
+
+def test_a_switch_between_exact_plans_equals_never_switching(tmp_path, tiny, monkeypatch,
+                                                             capsys):
+    """Both plans colocated, sync and sampling on one replica (each such plan equals one
+    process): the run that switches at step 2 ends with the numbers of the run that never
+    did. The decision is held to those plans here; what the planner prefers is not the
+    point."""
+    import rlloom.runtime.executor.adapt as adapt
+    real = adapt.advise
+
+    def one_stream(p):
+        """Colocated, sync, and sampling on one replica (replicas sample their own streams,
+        so a plan of several does not equal one process)."""
+        generation = p.gen_layout or generation_layout(p.plan)
+        return (p.plan.placement, p.plan.schedule, generation.dp) == ("colocated", "sync", 1)
+
+    def sync_colocated_only(run, hw, measured_s, tick=lambda: None, keep=lambda p: True):
+        return real(run, hw, measured_s, tick, lambda p: keep(p) and one_stream(p))
+    monkeypatch.setattr(adapt, "advise", sync_colocated_only)
+    args = [*tiny, *EXACT, "algo=grpo", "algo.kl_coef=0", "train.steps=4",
+            "plan.layouts.actor.dp=2", "plan.layouts.actor.activation_checkpointing=true",
+            "plan.layouts.generation.tp=2", "--worker-timeout", "120"]
+    main(["train", *args[:-2], "plan.adapt.every=2", "plan.adapt.min_gain=1.0001",
+          "plan.adapt.dry=false", "plan.adapt.hardware=h100", f"run_dir={tmp_path / 'a'}",
+          *args[-2:]])
+    first = json.loads((tmp_path / "a" / "adapt.jsonl").read_text().splitlines()[0])
+    assert first["switch"] and first["best"].startswith("colocated/sync/")
+    print(f"switched at step 2 to {first['best']}")
+    main(["train", *args[:-2], f"run_dir={tmp_path / 'b'}", *args[-2:]])
+    assert_same(rows(tmp_path / "b"), _without_adapt(rows(tmp_path / "a")))
