@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -285,15 +286,15 @@ class StepLoop:
                 if halt and self.step < cfg.train.steps:
                     print(f"a callback stopped the run after step {self.step}")
                     break
-                if self._switch_to is not None and self.step < cfg.train.steps:
-                    if self.step % cfg.checkpoint.every:  # the new plan starts from here
-                        self.checkpoint()
-                    raise PlanSwitch(self._switch_to)
                 if signals.received and self.step < cfg.train.steps:
                     raise Stopped(f"{signals.name} received: stopped after step {self.step} of "
                                   f"{cfg.train.steps}, checkpoint written to "
                                   f"{checkpoint_dirs(self.run_dir)[-1]}; continue with rlloom "
                                   f"train --resume {self.run_dir}", 128 + signals.received)
+                if self._switch_to is not None and self.step < cfg.train.steps:
+                    if self.step % cfg.checkpoint.every:  # the new plan starts from here
+                        self.checkpoint()
+                    raise PlanSwitch(self._switch_to)
 
     def _adapt(self, row: dict[str, Any]) -> None:
         """plan.adapt's decision at this step, if it is one: printed, in the row (adapt_*)
@@ -357,8 +358,11 @@ class StepLoop:
                     self._switch_to = None
                     self._bind(switch.cfg, *self.rebuild(switch.cfg))
                     self.adapter.use(switch.cfg)
-                    (self.run_dir / "config.yaml").write_text(dump_config(
-                        switch.cfg, read_model_config(self.model_path).describe()))
+                    # whole or not at all: a resume reads the plan its checkpoint is for
+                    tmp = self.run_dir / "config.yaml.tmp"
+                    tmp.write_text(dump_config(switch.cfg,
+                                               read_model_config(self.model_path).describe()))
+                    os.replace(tmp, self.run_dir / "config.yaml")
                     switched = True
                 except WorkerFailure as f:
                     self.failures.append(f.record())
