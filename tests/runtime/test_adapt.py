@@ -58,3 +58,13 @@ def test_an_unknown_hardware_file_stops_the_run_before_it_starts(tmp_path, tiny,
     assert stop.value.code == 2
     assert "plan.adapt.hardware='nowhere': unknown hardware" in capsys.readouterr().err
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_without_this_machine_measured_the_run_is_told_to_measure_it(tmp_path, tiny, capsys):
+    """The default hardware file is this machine's (`rlloom bench hw`); the test cache has
+    none."""
+    with pytest.raises(SystemExit):
+        main(["train", *tiny, "plan.adapt.every=2", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert "plan.adapt cannot run here" in err and "run `rlloom bench hw`" in err
+    assert not (tmp_path / "run").exists()

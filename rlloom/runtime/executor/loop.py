@@ -79,10 +79,6 @@ class StepLoop:
         self.attempt = 0
         self.adapter = (Adapter(cfg, run_dir, model_path)
                         if cfg.plan.adapt.every and self.main else None)
-        if self.adapter and not cfg.plan.adapt.dry and rebuild is None:
-            raise ConfigError("plan.adapt.dry=false switches plans by rebuilding Ray groups; "
-                              "this run is one process or a torchrun world: run it on Ray "
-                              "(--ray), or keep plan.adapt.dry=true")
         self._reset_state()
 
     def _bind(self, cfg: RunConfig, ex: Executor, specs: list[DeviceGroup]) -> None:

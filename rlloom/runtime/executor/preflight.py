@@ -8,6 +8,7 @@ from typing import Literal
 from rlloom.algos.contracts import algo_problems
 from rlloom.config import ConfigError, RunConfig
 from rlloom.plan import Layout, runnable_problems
+from rlloom.runtime.executor.adapt import adapt_hardware
 from rlloom.runtime.executor.groups import group_specs, loop_problems, run_models
 from rlloom.runtime.executor.interface import RunOptions
 
@@ -70,6 +71,25 @@ def _checks(cfg: RunConfig, runtime: Runtime, opts: RunOptions, world: int
                    "--nproc_per_node N -m rlloom train, or use the Ray runtime)")
         yield "the step loop cannot run this plan", loop_problems(cfg, opts), ""
     yield "this algorithm cannot run", algo_problems(cfg), ""
+    yield "plan.adapt cannot run here", adapt_problems(cfg, runtime), ""
+
+
+def adapt_problems(cfg: RunConfig, runtime: Runtime) -> list[str]:
+    """Why `plan.adapt` cannot run (empty when it can, or is off): its hardware file, and a
+    switch with no Ray groups to rebuild."""
+    adapt = cfg.plan.adapt
+    if not adapt.every:
+        return []
+    problems = []
+    try:
+        adapt_hardware(adapt.hardware)
+    except ConfigError as e:
+        problems.append(str(e))
+    if not adapt.dry and runtime != "ray":
+        problems.append("plan.adapt.dry=false switches plans by rebuilding Ray groups; this "
+                        "run is one process or a torchrun world: run it on Ray (--ray), or "
+                        "keep plan.adapt.dry=true")
+    return problems
 
 
 def preflight(cfg: RunConfig, runtime: Runtime, opts: RunOptions | None = None,
