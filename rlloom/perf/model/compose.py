@@ -8,6 +8,7 @@ generation group of its own, the critic's to an assessment group's copy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from rlloom.algos.presets import DECOUPLED_LOSSES
@@ -57,6 +58,19 @@ class Priced:
     @property
     def micro_batch(self) -> int:
         return self.workload.micro_batch
+
+    def run_plan(self) -> Plan:
+        """The plan as a run states it: the generation layout, when separate, in its layouts."""
+        plan = self.plan.model_copy(deep=True)
+        if self.gen_layout is not None:
+            plan.layouts["generation"] = self.gen_layout
+        return plan
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The priced micro-batch as the runtime's token budget, at the longest context, so no
+        micro-batch the runtime cuts holds more padded tokens."""
+        return math.ceil(self.micro_batch * self.workload.max_context)
 
 
 def role_models(actor: ModelShape, roles: tuple[str, ...], reward: ModelShape | None = None,

@@ -144,13 +144,9 @@ def plan_file(p: Priced, title: str, algo: str | None = None, critic_path: str |
     no micro-batch the runtime cuts holds more padded tokens.
     `algo`: the algorithm priced (`algo.name`); `critic_path`: the checkpoint the priced
     critic starts from (`model.critic_path`)."""
-    plan = p.plan.model_copy(deep=True)
-    if p.gen_layout is not None:
-        plan.layouts["generation"] = p.gen_layout
     wl = p.workload
-    budget = math.ceil(p.micro_batch * wl.max_context)
-    config: dict = {"plan": plan.model_dump(mode="json", exclude={"adapt"}),
-                    "train": {"micro_batch_tokens": budget}}
+    config: dict = {"plan": p.run_plan().model_dump(mode="json", exclude={"adapt"}),
+                    "train": {"micro_batch_tokens": p.micro_batch_tokens}}
     if algo:
         config["algo"] = {"name": algo}
     if algo is None or PRESETS[algo].online:  # offline, K counts a chosen and a rejected

@@ -30,12 +30,11 @@ def from_run_report(run_dir: Path, hw: Hardware, top: int,
                 if run.steps else 0.0)
     advice = advise(run, hw, measured, tick)
     wl, own, fitted = advice.workload, advice.own, advice.fit.hardware
-    ordered = sorted(wl.response.values)
+    lengths = wl.response
     lines = [
         f"from {run_dir}: {len(run.steps)} steps after the warm-up, {wl.prompts} prompts x "
-        f"{wl.samples} samples, response lengths p50 {ordered[len(ordered) // 2]:g} p99 "
-        f"{ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:g} (max "
-        f"{ordered[-1]:g}), {own.devices} devices",
+        f"{wl.samples} samples, response lengths p50 {lengths.p50:g} p99 "
+        f"{lengths.quantile(0.99):g} (max {lengths.max:g}), {own.devices} devices",
         f"hardware {hw.name} calibrated on the run: compute_eff {fitted.compute_eff:.2f}, "
         f"mem_eff {fitted.mem_eff:.2f}, attn_eff {fitted.attn_eff:.2f}; stage |error| "
         f"{advice.fit.before:.1%} -> {advice.fit.after:.1%}",

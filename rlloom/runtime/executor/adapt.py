@@ -7,7 +7,6 @@ continues from that checkpoint."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections import deque
@@ -79,12 +78,8 @@ class Adapter:
     def _reachable(self, p: Priced) -> bool:
         """Whether the run can switch to `p` from its checkpoint: a one-rank training group
         writes whole weights, which a training group of several ranks cannot load."""
-        if training_ranks(self.cfg.plan, self.cfg) > 1:
-            return True
-        plan = p.plan.model_copy(deep=True)
-        if p.gen_layout is not None:
-            plan.layouts["generation"] = p.gen_layout
-        return training_ranks(plan, self.cfg) == 1
+        return (training_ranks(self.cfg.plan, self.cfg) > 1
+                or training_ranks(p.run_plan(), self.cfg) == 1)
 
     def switched_config(self) -> RunConfig:
         """The run's config at the last decision's best plan: its placement, schedule and
@@ -92,13 +87,10 @@ class Adapter:
         `rlloom plan --write-plan` writes them; the run's workload and the adapt settings
         stay."""
         best = self.last.best
-        plan = best.plan.model_copy(deep=True)
-        if best.gen_layout is not None:
-            plan.layouts["generation"] = best.gen_layout
         data = self.cfg.model_dump(mode="json")
-        data["plan"] = {**plan.model_dump(mode="json"), "adapt": data["plan"]["adapt"]}
-        data["train"]["micro_batch_tokens"] = math.ceil(
-            best.micro_batch * self.last.workload.max_context)
+        data["plan"] = {**best.run_plan().model_dump(mode="json"),
+                        "adapt": data["plan"]["adapt"]}
+        data["train"]["micro_batch_tokens"] = best.micro_batch_tokens
         return RunConfig.model_validate(data)
 
     def use(self, cfg: RunConfig) -> None:
@@ -113,8 +105,7 @@ def training_ranks(plan: Plan, cfg: RunConfig) -> int:
     return stage_group(device_groups(plan, run_models(cfg)), "training").ranks
 
 
-def decision_line(d: dict[str, Any], settings: Any) -> str:
-    min_gain = settings.min_gain
+def decision_line(d: dict[str, Any], min_gain: float) -> str:
     verdict = (f"keeping the plan (< {min_gain:g}x)" if not d["better"] else
                f"a better plan exists (>= {min_gain:g}x); "
                + ("switching to it from this step's checkpoint" if d["switch"]

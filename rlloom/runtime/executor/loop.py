@@ -298,7 +298,7 @@ class StepLoop:
         decision = self.adapter.after(row)
         if decision is None:
             return
-        print(decision_line(decision, self.cfg.plan.adapt))
+        print(decision_line(decision, self.cfg.plan.adapt.min_gain))
         row.update(adapt_gain=decision["gain"], adapt_predicted_s=decision["predicted_s"],
                    adapt_best_s=decision["best_s"])
         if decision["switch"]:

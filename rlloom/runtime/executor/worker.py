@@ -58,6 +58,7 @@ from rlloom.runtime.stages.experience import Experience
 HOST_ATTRIBUTES = {"TrainingHost": "training", "GenerationHost": "generation",
                    "AssessmentHost": "assessment", "PreferenceHost": "preferences"}
 
+
 def node_ip() -> str:
     """The address other nodes reach this process's node at: Ray's node IP in a Ray worker,
     else this machine alone."""
@@ -134,8 +135,8 @@ class GroupWorker:
 
     # control calls (answered while a stage runs; no collectives)
     def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node": node_ip(),
-                "group": self.group.name, "rank": self.rank}
+        return {"pid": os.getpid(), "host": socket.gethostname(), "group": self.group.name,
+                "rank": self.rank}
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

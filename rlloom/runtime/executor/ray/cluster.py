@@ -156,12 +156,13 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
             raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
                               f"they were not free within {opts.startup_timeout_s:g}s") from None
         where = placement_group_table(pg)["bundles_to_node_id"]
-        first = {n: i for i, n in reversed(list(enumerate(where[b] for b in range(spec.ranks))))}
-        bundles[spec.name] = sorted(range(spec.ranks), key=lambda b: (first[where[b]], b))
+        order = list(dict.fromkeys(where[b] for b in range(spec.ranks)))  # first seen first
+        bundles[spec.name] = sorted(range(spec.ranks), key=lambda b: order.index(where[b]))
         nodes[spec.name] = [where[b] for b in bundles[spec.name]]
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    ips = {name: [ip.get(n, n) for n in ids] for name, ids in nodes.items()}
     for spec in specs:
-        split = node_split_warning(cfg, spec, [ips.get(n, n) for n in nodes[spec.name]])
+        split = node_split_warning(cfg, spec, ips[spec.name])
         if split:
             print(split)
     shipped = ship(cfg, model_path, run_dir, nodes,
@@ -177,8 +178,7 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
                  "cuda:0" if gpu else "cpu",  # Ray shows each worker its own GPU only
                  files=shipped.get(nodes[spec.name][rank]))
             for rank, bundle in enumerate(bundles[spec.name])]
-        groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [],
-                                        [ips.get(n, n) for n in nodes[spec.name]])
+        groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [], ips[spec.name])
     return groups
 
 

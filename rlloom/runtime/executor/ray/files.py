@@ -152,8 +152,8 @@ def ship(cfg: RunConfig, model_path: Path, run_dir: Path, ranks: dict[str, list[
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rlloom.config import ConfigError
-    nodes = sorted({n for ids in ranks.values() for n in ids}
-                   - {ray.get_runtime_context().get_node_id()})
+    driver = ray.get_runtime_context().get_node_id()
+    nodes = sorted({n for ids in ranks.values() for n in ids} - {driver})
     if not nodes:
         return {}
     wanted = {p: fingerprint(Path(p)) for p in input_paths(cfg, model_path)}
@@ -177,7 +177,7 @@ def ship(cfg: RunConfig, model_path: Path, run_dir: Path, ranks: dict[str, list[
                     "node mounts at the same path (NFS, a mounted bucket, ...), e.g. "
                     "run_dir=/shared/runs/NAME; see docs/cluster.md")
     room = min(n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
-               if n["NodeID"] in nodes or n["NodeID"] == ray.get_runtime_context().get_node_id())
+               if n["NodeID"] in nodes or n["NodeID"] == driver)
     refs: dict[str, tuple[str, Any]] = {}
     out: dict[str, dict[str, tuple[str, Any]]] = {}
     for node, report in reports.items():
