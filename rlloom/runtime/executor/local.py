@@ -74,7 +74,8 @@ class LocalExecutor:
         worker.start(None, 600.0)
         self.local = LocalGroup(self.spec, worker)
 
-    def stop(self) -> None:
+    def stop(self, reuse: bool = False) -> None:
+        """Close this process's rank (it is reused anyway: the next run binds a new one)."""
         if self.local is not None:
             self.local.worker.close()
             self.local = None

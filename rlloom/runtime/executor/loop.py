@@ -347,9 +347,11 @@ class StepLoop:
                     if restored and self.main and self.attempt == 0 and not switched:
                         print(f"resuming {self.run_dir} at step {self.step}")
                     self._loop()
-                    return self._final()
+                    result = self._final()
+                    self.ex.stop(reuse=True)
+                    return result
                 except PlanSwitch as switch:
-                    self.ex.stop()
+                    self.ex.stop(reuse=True)
                     self.schedule.clear()
                     self._switch_to = None
                     self._bind(switch.cfg, *self.rebuild(switch.cfg))

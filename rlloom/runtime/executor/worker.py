@@ -27,6 +27,7 @@ which must answer while a stage runs on the default thread; they issue no collec
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from pathlib import Path
@@ -88,11 +89,18 @@ def use_node_interface() -> None:
 
 class GroupWorker:
     """One rank of a device group, hosting the stages its group runs. Constructed light;
-    `start` joins the group's world and builds the models (every rank at once)."""
+    `start` joins the group's world and builds the models (every rank at once); `close`
+    leaves it, and a process kept for another group (`ray/pool.py`) is `bind`-ed anew."""
 
     def __init__(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
                  threads: int, device: str, spmd: bool = False,
                  files: dict[str, tuple[str, Any]] | None = None) -> None:
+        self.bind(cfg, model_path, group, rank, threads, device, spmd, files)
+
+    def bind(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
+             threads: int, device: str, spmd: bool = False,
+             files: dict[str, tuple[str, Any]] | None = None) -> None:
+        """Be rank `rank` of `group` in the run `cfg` (nothing built until `start`)."""
         torch.set_num_threads(threads)
         use_node_interface()
         if files:  # the driver's inputs this node lacks, shipped (ray/files.py)
@@ -221,3 +229,9 @@ class GroupWorker:
             self.pool.close()
         self.channels.clear()  # their process groups go before the interpreter does
         leave_world()
+        # a kept process holds no model between runs
+        self.pool = self.training = self.generation = self.assessment = None
+        self.preferences = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -24,6 +24,7 @@ from rlloom.runtime.executor.interface import (
     WorkerFailure,
     routed,
 )
+from rlloom.runtime.executor.ray import pool
 from rlloom.runtime.executor.ray.files import ship
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
@@ -87,6 +88,9 @@ class WorkerGroup:
     actors: list[Any]  # rank -> actor handle
     infos: list[dict[str, Any]]  # rank -> pid, host
     nodes: list[str]  # rank -> its node's IP
+    node_ids: list[str]  # rank -> its node's Ray id
+    bundle: dict[str, float]  # each rank's resources
+    binding: list[Any]  # a kept rank's `bind` refs, waited on at start-up
 
     @property
     def name(self) -> str:
@@ -143,9 +147,18 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
             f"({', '.join(f'{g.name}: {g.ranks} ranks' for g in specs)}); the Ray cluster has "
             f"{', '.join(f'{have.get(k, 0):g} {k}s' for k in short)}: use fewer ranks per "
             "group, fewer CPUs per rank (--group-cpus), or a larger cluster")
-    pgs, bundles, nodes = {}, {}, {}
+    bundles = {g.name: {"CPU": opts.cpus(g.name), **({"GPU": 1.0} if gpu else {})}
+               for g in specs}
+    kept = {g.name: idle for g in specs
+            if (idle := pool.take(g.ranks, bundles[g.name])) is not None}
+    pool.make_room({k: sum(bundles[g.name].get(k, 0.0) * g.ranks
+                           for g in specs if g.name not in kept) for k in need})
+    pgs, order, nodes = {}, {}, {}
     for spec in specs:
-        bundle = {"CPU": opts.cpus(spec.name), **({"GPU": 1} if gpu else {})}
+        if spec.name in kept:
+            pgs[spec.name], nodes[spec.name] = kept[spec.name].pg, kept[spec.name].nodes
+            continue
+        bundle = bundles[spec.name]
         pg = placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK")
         pgs[spec.name] = pg
         try:
@@ -156,9 +169,9 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
             raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
                               f"they were not free within {opts.startup_timeout_s:g}s") from None
         where = placement_group_table(pg)["bundles_to_node_id"]
-        order = list(dict.fromkeys(where[b] for b in range(spec.ranks)))  # first seen first
-        bundles[spec.name] = sorted(range(spec.ranks), key=lambda b: order.index(where[b]))
-        nodes[spec.name] = [where[b] for b in bundles[spec.name]]
+        seen = list(dict.fromkeys(where[b] for b in range(spec.ranks)))  # first seen first
+        order[spec.name] = sorted(range(spec.ranks), key=lambda b: seen.index(where[b]))
+        nodes[spec.name] = [where[b] for b in order[spec.name]]
     ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     ips = {name: [ip.get(n, n) for n in ids] for name, ids in nodes.items()}
     for spec in specs:
@@ -171,14 +184,23 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
     for spec in specs:
         cpus = opts.cpus(spec.name)
         threads = cfg.train.threads or max(1, round(cpus))
-        actors = [worker.options(
-            num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pgs[spec.name], bundle),
-        ).remote(cfg, str(model_path), spec, rank, threads,
-                 "cuda:0" if gpu else "cpu",  # Ray shows each worker its own GPU only
-                 files=shipped.get(nodes[spec.name][rank]))
-            for rank, bundle in enumerate(bundles[spec.name])]
-        groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [], ips[spec.name])
+
+        def args(rank: int) -> tuple[Any, ...]:
+            return (cfg, str(model_path), spec, rank, threads,
+                    "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
+        if spec.name in kept:
+            actors = kept[spec.name].actors
+            binding = [a.bind.remote(*args(rank), files=shipped.get(nodes[spec.name][rank]))
+                       for rank, a in enumerate(actors)]
+        else:
+            actors = [worker.options(
+                num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pgs[spec.name], bundle),
+            ).remote(*args(rank), files=shipped.get(nodes[spec.name][rank]))
+                for rank, bundle in enumerate(order[spec.name])]
+            binding = []
+        groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [], ips[spec.name],
+                                        nodes[spec.name], bundles[spec.name], binding)
     return groups
 
 
@@ -199,19 +221,32 @@ def node_split_warning(cfg: RunConfig, spec: DeviceGroup, nodes: list[str]) -> s
             f"{inner} of the group's ranks (--group-cpus, the nodes' sizes) or lower tp/cp")
 
 
-def remove_groups(groups: list[WorkerGroup], wait_s: float) -> None:
-    """Close every rank (its sandbox pool and process group), kill it and free its bundle."""
+def remove_groups(groups: list[WorkerGroup], wait_s: float, keep: bool = False) -> None:
+    """Close every rank (its sandbox pool and process group), kill it and free its bundle;
+    with `keep` (a run that ended cleanly), a group whose ranks all closed after their last
+    call is kept for the next group of its shape instead (`pool.py`)."""
     import ray
-    closing = [a.close.options(concurrency_group="control").remote()
-               for g in groups for a in g.actors]
-    ray.wait(closing, num_returns=len(closing), timeout=wait_s)
+    # kept: close on the stage thread, after any call still queued there (an async schedule's
+    # prefetch); else on the control thread, which answers while a stage hangs
+    control = {} if keep else {"concurrency_group": "control"}
+    closing = {g.name: [a.close.options(**control).remote() for a in g.actors]
+               for g in groups}
+    every = [r for refs in closing.values() for r in refs]
+    ready, _ = ray.wait(every, num_returns=len(every), timeout=wait_s)
     for g in groups:
-        for a in g.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass  # already gone
-        ray.util.remove_placement_group(g.pg)
+        if keep and set(closing[g.name]) <= set(ready) and _succeeded(closing[g.name]):
+            pool.keep(g.spec.ranks, g.bundle, g.pg, g.actors, g.node_ids)
+        else:
+            pool.release(g.pg, g.actors)
+
+
+def _succeeded(refs: list[Any]) -> bool:
+    import ray
+    try:
+        ray.get(refs)
+    except Exception:
+        return False
+    return True
 
 
 def start_error(e: BaseException, group: WorkerGroup | None) -> Exception:

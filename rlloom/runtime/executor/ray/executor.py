@@ -26,6 +26,7 @@ from rlloom.runtime.executor.groups import group_specs
 from rlloom.runtime.executor.hosts import TrainingHost
 from rlloom.runtime.executor.interface import GroupCall, RunOptions, WorkerFailure
 from rlloom.runtime.executor.loop import StepLoop, weight_copies
+from rlloom.runtime.executor.ray import pool
 from rlloom.runtime.executor.ray.cluster import (
     USER_ERRORS,
     Cluster,
@@ -154,6 +155,8 @@ class RayExecutor:
                 f"{name} [{' '.join(g.nodes)}]" for name, g in self.groups.items()))
         started = {}
         for name, g in self.groups.items():
+            if g.binding:  # kept ranks rebound to this run
+                self.get(g.binding, "start-up", self.step, g, self.opts.startup_timeout_s)
             address = (self.get(g.actors[0].address.options(concurrency_group="control")
                                 .remote(), "start-up", self.step, g,
                                 self.opts.startup_timeout_s) if g.spec.ranks > 1 else None)
@@ -164,14 +167,16 @@ class RayExecutor:
             g.infos = [ray.get(r) for r in call.refs]
         self._open_channels()
 
-    def stop(self) -> None:
+    def stop(self, reuse: bool = False) -> None:
+        """Remove the groups; with `reuse` (the run ended cleanly, or switches plans) their
+        ranks are kept for the next groups of their shape (`pool.py`)."""
         for pid in self._stopped_pids:  # a stopped process ignores everything but SIGKILL
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self._stopped_pids.clear()
-        remove_groups(list(self.groups.values()), PING_S)
+        remove_groups(list(self.groups.values()), PING_S, keep=reuse)
         self.groups.clear()
 
     def _open_channels(self) -> None:
@@ -250,4 +255,6 @@ def ray_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, model_path: Path
         ex = RayExecutor(cfg, opts, model_path, run_dir, specs, has_critic)
         yield StepLoop(cfg, run_dir, ex, model_path, specs, opts, rebuild)
     finally:
+        if not pool.keep_across_runs():
+            pool.evict()
         cluster.stop()
