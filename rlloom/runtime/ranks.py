@@ -294,6 +294,20 @@ def leave_world() -> None:
     gone and abort the process (SIGABRT) at random, after a run that succeeded."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's memo tables, which key device meshes by value (layout and dimension
+    names, not their process groups): a process that joins another world (a rank kept for the
+    next group, `ray/pool.py`) would otherwise get back the last world's mesh for an equal one
+    and run its collectives on groups that are gone, or on other ranks' groups by the same
+    name. Private torch functions: pinned torch (2.13); a rename fails here, loudly."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def reshard(trained: nn.Module | PipelinedModel, copy: nn.Module) -> tuple[float, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +84,14 @@ class Cluster:
 @dataclass
 class WorkerGroup:
     spec: DeviceGroup
-    pg: Any
-    actors: list[Any]  # rank -> actor handle
-    infos: list[dict[str, Any]]  # rank -> pid, host
+    slots: list[pool.Slot]  # its placement groups and actors, in rank order
     nodes: list[str]  # rank -> its node's IP
-    node_ids: list[str]  # rank -> its node's Ray id
-    bundle: dict[str, float]  # each rank's resources
-    binding: list[Any]  # a kept rank's `bind` refs, waited on at start-up
+    binding: list[Any]  # kept ranks' `bind` refs, waited on at start-up
+    infos: list[dict[str, Any]] = field(default_factory=list)  # rank -> pid, host
+
+    @property
+    def actors(self) -> list[Any]:  # rank -> actor handle
+        return [a for s in self.slots for a in s.actors]
 
     @property
     def name(self) -> str:
@@ -117,18 +118,72 @@ def worker_device(requested: str, cluster_gpus: float) -> torch.device:
 
 def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], model_path: Path,
                  run_dir: Path, device: torch.device, worker: Any) -> dict[str, WorkerGroup]:
-    """Each group: a placement group of one bundle per rank (one GPU each on GPU machines)
-    and one (not yet started) `worker` actor per bundle, the ranks that share a node numbered
-    one after another (so a group's tensor-parallel ranks, innermost, share a node when a
-    node holds a multiple of them); refused at once when the cluster cannot hold every rank.
-    Nodes other than the driver's get the driver's inputs they lack (`files.ship`)."""
+    """Each group: its ranks in placement groups of one bundle per rank (one GPU each on GPU
+    machines), one (not yet started) `worker` actor per bundle, the ranks that share a node
+    numbered one after another (so a group's tensor-parallel ranks, innermost, share a node
+    when a node holds a multiple of them); refused at once when the cluster cannot hold every
+    rank. On several nodes a group is one placement group (packed together); on one node each
+    rank is its own, so that a kept rank (`pool.py`) serves any later group. Kept ranks are
+    rebound before fresh ones start. Nodes other than the driver's get the driver's inputs
+    they lack (`files.ship`)."""
     import ray
-    from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     gpu = device.type == "cuda"
-    need = {"CPU": sum(opts.cpus(g.name) * g.ranks for g in specs),
-            "GPU": sum(g.ranks for g in specs) if gpu else 0}
-    # a joined cluster may grow (a lost node rejoining, an autoscaler): wait for it
+    bundles = {g.name: {"CPU": opts.cpus(g.name), **({"GPU": 1.0} if gpu else {})}
+               for g in specs}
+    _wait_for_capacity(opts, specs, {k: sum(b.get(k, 0.0) * g.ranks
+                                             for g, b in zip(specs, bundles.values()))
+                                     for k in ("CPU", "GPU")})
+    per_rank = sum(1 for n in ray.nodes() if n["Alive"]) == 1
+    slots: dict[str, list[pool.Slot]] = {}
+    for spec in specs:
+        size = 1 if per_rank else spec.ranks
+        slots[spec.name] = [s for _ in range(spec.ranks // size)
+                            if (s := pool.take(size, bundles[spec.name])) is not None]
+    kept = {name: len(group) for name, group in slots.items()}
+    pool.make_room({k: sum(bundles[g.name].get(k, 0.0)
+                           * (g.ranks - kept[g.name] * (1 if per_rank else g.ranks))
+                           for g in specs) for k in ("CPU", "GPU")})
+    for spec in specs:
+        size = 1 if per_rank else spec.ranks
+        slots[spec.name] += _new_slots(spec, bundles[spec.name], size,
+                                       spec.ranks // size - kept[spec.name], opts)
+    nodes = {name: [n for s in group for n in s.nodes] for name, group in slots.items()}
+    ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    ips = {name: [ip.get(n, n) for n in ids] for name, ids in nodes.items()}
+    for spec in specs:
+        split = node_split_warning(cfg, spec, ips[spec.name])
+        if split:
+            print(split)
+    shipped = ship(cfg, model_path, run_dir, nodes,
+                   {g.name for g in specs if g.runs("training") and g.ranks > 1})
+    groups = {}
+    for spec in specs:
+        threads = cfg.train.threads or max(1, round(opts.cpus(spec.name)))
+        binding, rank = [], 0
+        for slot in slots[spec.name]:
+            fresh = not slot.actors
+            for i, node in enumerate(slot.nodes):
+                args = (cfg, str(model_path), spec, rank, threads,
+                        "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
+                files = shipped.get(node)
+                if fresh:
+                    slot.actors.append(worker.options(
+                        num_cpus=bundles[spec.name]["CPU"], num_gpus=1 if gpu else 0,
+                        max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            slot.pg, slot.order[i])).remote(*args, files=files))
+                else:
+                    binding.append(slot.actors[i].bind.remote(*args, files=files))
+                rank += 1
+        groups[spec.name] = WorkerGroup(spec, slots[spec.name], ips[spec.name], binding)
+    return groups
+
+
+def _wait_for_capacity(opts: RunOptions, specs: list[DeviceGroup], need: dict[str, float]
+                       ) -> None:
+    """Refuse at once a plan the cluster cannot hold; a joined cluster may grow (a lost node
+    rejoining, an autoscaler): wait for it up to the start-up timeout."""
+    import ray
     deadline = time.monotonic() + (opts.startup_timeout_s if opts.address else 0)
     said = False
     while True:
@@ -147,61 +202,29 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
             f"({', '.join(f'{g.name}: {g.ranks} ranks' for g in specs)}); the Ray cluster has "
             f"{', '.join(f'{have.get(k, 0):g} {k}s' for k in short)}: use fewer ranks per "
             "group, fewer CPUs per rank (--group-cpus), or a larger cluster")
-    bundles = {g.name: {"CPU": opts.cpus(g.name), **({"GPU": 1.0} if gpu else {})}
-               for g in specs}
-    kept = {g.name: idle for g in specs
-            if (idle := pool.take(g.ranks, bundles[g.name])) is not None}
-    pool.make_room({k: sum(bundles[g.name].get(k, 0.0) * g.ranks
-                           for g in specs if g.name not in kept) for k in need})
-    pgs, order, nodes = {}, {}, {}
-    for spec in specs:
-        if spec.name in kept:
-            pgs[spec.name], nodes[spec.name] = kept[spec.name].pg, kept[spec.name].nodes
-            continue
-        bundle = bundles[spec.name]
-        pg = placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK")
-        pgs[spec.name] = pg
+
+
+def _new_slots(spec: DeviceGroup, bundle: dict[str, float], size: int, count: int,
+               opts: RunOptions) -> list[pool.Slot]:
+    """`count` placement groups of `size` bundles each, placed (no actors yet); each one's
+    bundles ordered by node, first seen first."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+    made: list[pool.Slot] = []
+    for _ in range(count):
+        pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=opts.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            for placed in pgs.values():
-                ray.util.remove_placement_group(placed)
+            for slot in [*made, pool.Slot(pg, bundle, [], [], [])]:
+                pool.release(slot)
             raise ConfigError(f"group {spec.name!r} asks for {spec.ranks} ranks of {bundle}; "
                               f"they were not free within {opts.startup_timeout_s:g}s") from None
         where = placement_group_table(pg)["bundles_to_node_id"]
-        seen = list(dict.fromkeys(where[b] for b in range(spec.ranks)))  # first seen first
-        order[spec.name] = sorted(range(spec.ranks), key=lambda b: seen.index(where[b]))
-        nodes[spec.name] = [where[b] for b in order[spec.name]]
-    ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    ips = {name: [ip.get(n, n) for n in ids] for name, ids in nodes.items()}
-    for spec in specs:
-        split = node_split_warning(cfg, spec, ips[spec.name])
-        if split:
-            print(split)
-    shipped = ship(cfg, model_path, run_dir, nodes,
-                   {g.name for g in specs if g.runs("training") and g.ranks > 1})
-    groups = {}
-    for spec in specs:
-        cpus = opts.cpus(spec.name)
-        threads = cfg.train.threads or max(1, round(cpus))
-
-        def args(rank: int) -> tuple[Any, ...]:
-            return (cfg, str(model_path), spec, rank, threads,
-                    "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
-        if spec.name in kept:
-            actors = kept[spec.name].actors
-            binding = [a.bind.remote(*args(rank), files=shipped.get(nodes[spec.name][rank]))
-                       for rank, a in enumerate(actors)]
-        else:
-            actors = [worker.options(
-                num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pgs[spec.name], bundle),
-            ).remote(*args(rank), files=shipped.get(nodes[spec.name][rank]))
-                for rank, bundle in enumerate(order[spec.name])]
-            binding = []
-        groups[spec.name] = WorkerGroup(spec, pgs[spec.name], actors, [], ips[spec.name],
-                                        nodes[spec.name], bundles[spec.name], binding)
-    return groups
+        seen = list(dict.fromkeys(where[b] for b in range(size)))
+        order = sorted(range(size), key=lambda b: seen.index(where[b]))
+        made.append(pool.Slot(pg, bundle, [], [where[b] for b in order], order))
+    return made
 
 
 def node_split_warning(cfg: RunConfig, spec: DeviceGroup, nodes: list[str]) -> str | None:
@@ -234,10 +257,9 @@ def remove_groups(groups: list[WorkerGroup], wait_s: float, keep: bool = False) 
     every = [r for refs in closing.values() for r in refs]
     ready, _ = ray.wait(every, num_returns=len(every), timeout=wait_s)
     for g in groups:
-        if keep and set(closing[g.name]) <= set(ready) and _succeeded(closing[g.name]):
-            pool.keep(g.spec.ranks, g.bundle, g.pg, g.actors, g.node_ids)
-        else:
-            pool.release(g.pg, g.actors)
+        closed = keep and set(closing[g.name]) <= set(ready) and _succeeded(closing[g.name])
+        for slot in g.slots:
+            (pool.keep if closed else pool.release)(slot)
 
 
 def _succeeded(refs: list[Any]) -> bool:
