@@ -50,6 +50,7 @@ class Advice:
                 "better": self.gain >= min_gain,
                 "calibration": {"compute_eff": self.fit.hardware.compute_eff,
                                 "attn_eff": self.fit.hardware.attn_eff,
+                                "factors": self.fit.factors,
                                 "stage_error": self.fit.after}}
 
 

@@ -1,7 +1,7 @@
 """`rlloom perf validate`: predict each stage of a finished run's steps with the cost model and
 this machine's hardware file, next to what the run measured. `rlloom perf calibrate`: the
-scale of the compute and memory efficiencies and the decode attention's efficiency that fit
-some runs best, to validate on others.
+factors on the compute, decode attention and assessment dispatch terms that fit some runs best
+(jointly over run sizes, with their standard errors), to validate on others.
 
 Each step is priced with its own workload: its number of rollouts, mean prompt length and the
 exact response lengths it generated (metrics.jsonl), with the run's plan (placement, layouts,
@@ -10,12 +10,12 @@ trace.json, with reward scoring counted under assessment as the runtime logs it)
 """
 from __future__ import annotations
 
-import itertools
 import json
+import math
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -205,11 +205,23 @@ def validation_report(run_dirs: list[Path], hw: Hardware, skip: int = 1) -> str:
     return "\n".join(lines)
 
 
-# What `calibrate` searches: one scale of the file's compute and memory efficiencies (the
-# larger of the two lands on 0.10, 0.15, ..., 1.00) and the decode attention's, 0.05 ... 1.00.
-SCALES = tuple(round(0.05 * i, 2) for i in range(2, 21))
-ATTENTION = tuple(round(0.05 * i, 2) for i in range(1, 21))
-CALIBRATE_POINTS = 1 + len(SCALES) * len(ATTENTION)  # the start and the grid (progress bar)
+# What `calibrate` fits: a factor on the priced time of each term below, jointly over the runs
+# given (several run sizes tell apart the terms one size confounds). Compute: the file's
+# compute and memory efficiencies together (their ratio stays the microbenchmarks' or the
+# catalogue's): a run's kernels fall below both by one factor, a level that depends on the
+# host and its neighbours. Attention: the decode attention's efficiency, many small
+# per-(row, head) products over strided cache rows, a rate no microbenchmark gives. Assessment
+# dispatch: the scoring stage's host time per operator, which `bench hw` measures on a model
+# too small to compute and runs of real sizes pay less of. Not fitted, measured held out over
+# three sets of three run sizes (docs/performance-model.md, section 10): generation's
+# dispatch trades against attention (worst held-out stage 63%), training's against compute
+# (worst 23%, against 16% without it).
+FITTED = ("compute", "attention", "assessment dispatch")
+MAX_ITERATIONS = 10
+CALIBRATE_POINTS = 1 + MAX_ITERATIONS  # the start and each iteration (progress bar)
+_PROBE = 0.05  # log-factor step of the numerical derivatives
+LIMIT = math.log(20)  # the largest log factor fitted
+WIDE = 0.5  # a factor known worse than exp(0.5) = x1.65 either way is not determined
 
 
 def _stage_error(runs: list[LoadedRun], hw: Hardware) -> float:
@@ -221,54 +233,92 @@ def _stage_error(runs: list[LoadedRun], hw: Hardware) -> float:
     return statistics.mean(abs(e) for e in stage_errors(points).values())
 
 
-def _scaled(hw: Hardware, scale: float, attn: float) -> Hardware:
-    top = max(hw.compute_eff, hw.mem_eff)
-    return replace(hw, compute_eff=round(scale * hw.compute_eff / top, 4),
-                   mem_eff=round(scale * hw.mem_eff / top, 4), attn_eff=attn)
+def _factored(hw: Hardware, log_factors: Sequence[float]) -> Hardware:
+    """`hw` with each `FITTED` term's priced time times exp(its log factor)."""
+    compute, attention, assessment = (math.exp(x) for x in log_factors)
+    return replace(hw, compute_eff=_digits(hw.compute_eff / compute),
+                   mem_eff=_digits(hw.mem_eff / compute),
+                   attn_eff=_digits(hw.attn_eff / attention),
+                   assess_launch_s=_digits(hw.stage_launch_s("assessment") * assessment))
 
 
-TIE = 0.01  # errors within one point of the best fit the runs as well
+def _digits(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
+def _log_errors(runs: list[LoadedRun], hw: Hardware) -> list[float]:
+    """log(predicted / measured) of each run's stage mean, in a fixed order."""
+    points = [p for run in runs for p in price_run(run, hw)]
+    if not points:
+        raise ValueError("no steps after the warm-up to compare")
+    sums = [(sum(p.predicted_s for p in pts), sum(p.measured_s for p in pts))
+            for _, pts in sorted(_by_stage(points).items())]
+    return [math.log(predicted / measured) for predicted, measured in sums
+            if predicted > 0 and measured > 0]  # a stage the run or the plan does not have
 
 
 @dataclass(frozen=True)
 class Fit:
-    hardware: Hardware  # the input file with the fitted efficiencies
+    hardware: Hardware  # the input file with the fitted terms
     before: float  # the runs' stage error (`_stage_error`) with the input file
     after: float  # ... with the fitted one
-    attn_range: tuple[float, float]  # attn_eff values whose best error is within TIE
+    factors: dict[str, float]  # `FITTED` term -> its factor on the priced time
+    spread: dict[str, float]  # ... -> one standard error of its log (inf: not determined)
 
 
 def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
               tick: Callable[[], None] = lambda: None) -> Fit:
-    """The efficiencies that minimise the runs' stage errors (`_stage_error`). Two numbers
-    are fitted. One scale of the compute and memory efficiencies together: the
-    microbenchmarks (or the catalogue) fix their ratio, and a run's kernels fall below both
-    by the same factor, a level that depends on the host and its neighbours (two free
-    efficiencies trade against each other on one run and extrapolate to other batch sizes
-    worse, measured). And the decode attention's efficiency: many small per-(row, head)
-    products over strided cache rows, a rate no microbenchmark gives. Operator dispatch is
-    not fitted: `rlloom bench hw` measures it, and with it the raw rates price the engine's
-    decode steps of 64, 256 and 512 rows within 6-16% (docs/performance-model.md, section
-    10). Fit on some runs, validate on others. `tick()` follows each point priced."""
+    """The factors on the `FITTED` terms that fit the runs' stage means best (least squares
+    of their log errors, Gauss-Newton), with their standard errors. Fit on runs of several
+    sizes, validate on others. `tick()` follows the start and each iteration."""
     return fit_runs([load_run(d, skip) for d in run_dirs], hw, tick)
 
 
 def fit_runs(runs: list[LoadedRun], hw: Hardware, tick: Callable[[], None] = lambda: None
              ) -> Fit:
-    """`calibrate` on runs already loaded (a running run's recent steps, say)."""
-    def error(point: tuple[float, float]) -> float:
-        tick()
-        return _stage_error(runs, _scaled(hw, *point))
-
-    tick()
+    """`calibrate` on runs already loaded (a running run's recent steps, say). A direction
+    the runs do not determine (fewer stages than terms, or collinear ones) is left where the
+    file puts it (the minimum-norm step) and reported as not determined."""
+    import numpy as np
     before = _stage_error(runs, hw)
-    errors = {point: error(point) for point in itertools.product(SCALES, ATTENTION)}
-    best = min(errors, key=errors.__getitem__)
-    ties = [a for (_, a), e in errors.items() if e <= errors[best] + TIE]
-    fitted = _scaled(hw, *best)
+    x = np.zeros(len(FITTED))
+    r = np.array(_log_errors(runs, hw))
+    tick()
+    jac = np.zeros((len(r), len(FITTED)))
+    for iteration in range(MAX_ITERATIONS):
+        for k in range(len(FITTED)):
+            probe = x.copy()
+            probe[k] += _PROBE
+            jac[:, k] = (np.array(_log_errors(runs, _factored(hw, probe))) - r) / _PROBE
+        # a factor past x20 either way is no efficiency the host has: the runs do not say
+        step = np.clip(x + np.linalg.lstsq(jac, -r, rcond=1e-3)[0], -LIMIT, LIMIT) - x
+        for shrink in (1.0, 0.5, 0.25, 0.125):  # a step that makes the fit worse is cut
+            trial = np.array(_log_errors(runs, _factored(hw, x + shrink * step)))
+            if trial @ trial <= r @ r:
+                break
+        x, r = x + shrink * step, trial
+        tick()
+        if np.max(np.abs(shrink * step)) < 1e-3:
+            for _ in range(MAX_ITERATIONS - 1 - iteration):
+                tick()
+            break
+    # the residuals' variance per degree of freedom, at least the noise's between identical
+    # runs' stage means (about 8% here), so that an exact fit does not claim certainty
+    dof = len(r) - np.linalg.matrix_rank(jac, tol=1e-3)
+    var = max(float(r @ r) / dof if dof > 0 else 0.0, 0.08 ** 2)
+    cov = var * np.linalg.pinv(jac.T @ jac, rcond=1e-6)
+    covered = np.linalg.svd(jac)[2] if jac.size else np.zeros((0, len(FITTED)))
+    spread = {}
+    for k, name in enumerate(FITTED):
+        # a term outside the directions the runs determine has no finite error
+        seen = float(np.sum(covered[:np.linalg.matrix_rank(jac, tol=1e-3), k] ** 2))
+        spread[name] = math.sqrt(max(cov[k, k], 0.0)) if seen > 0.99 else math.inf
+    fitted = _factored(hw, x)
+    after = _stage_error(runs, fitted)
     # what the fit leaves unexplained widens every price made with it (`model.interval`)
-    fitted = replace(fitted, extra={**fitted.extra, "calibration_error": round(errors[best], 4)})
-    return Fit(fitted, before, errors[best], (min(ties), max(ties)))
+    fitted = replace(fitted, extra={**fitted.extra, "calibration_error": round(after, 4)})
+    return Fit(fitted, before, after, dict(zip(FITTED, (float(math.exp(v)) for v in x))),
+               spread)
 
 
 def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1,
@@ -277,14 +327,20 @@ def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int 
     fitted = fit.hardware
     fitted.save(out)
     names = ", ".join(d.name for d in run_dirs)
-    lines = [f"calibrated on {names}: compute_eff {fitted.compute_eff:.2f}, mem_eff "
-             f"{fitted.mem_eff:.2f}, attn_eff {fitted.attn_eff:.2f}; mean of their stages' "
-             f"|error| {fit.before:.1%} -> {fit.after:.1%}"]
-    low, high = fit.attn_range
-    if high - low >= 0.25:
-        lines.append(f"attn_eff fits as well anywhere from {low:.2f} to {high:.2f} (errors "
-                     f"within {TIE * 100:.0f} point of the best): these runs decode too few rows "
-                     "at once to tell the attention's cost; calibrate on a run with more "
-                     "rollouts per step")
+    terms = ", ".join(
+        f"{name} x{fit.factors[name]:.2f} "
+        + (f"(+-{math.expm1(fit.spread[name]):.0%})" if math.isfinite(fit.spread[name])
+           else "(not determined)")
+        for name in FITTED)
+    lines = [f"calibrated on {names}: {terms} of the priced time; compute_eff "
+             f"{fitted.compute_eff:.2f}, mem_eff {fitted.mem_eff:.2f}, attn_eff "
+             f"{fitted.attn_eff:.2f}, assessment {fitted.assess_launch_s * 1e6:.1f} us per "
+             f"operator; mean of their stages' |error| {fit.before:.1%} -> {fit.after:.1%}"]
+    loose = [name for name in FITTED if fit.spread[name] > WIDE]
+    if loose:
+        lines.append(f"{' and '.join(loose)} {'is' if len(loose) == 1 else 'are'} not "
+                     "determined by these runs (one standard error beyond x1.65): fit on runs "
+                     "of several sizes, e.g. 16 x 4 and 64 x 8 rollouts a step, whose stages "
+                     "weigh the terms differently (attention needs many rows decoding at once)")
     lines.append(f"saved {out}; check it on other runs: rlloom perf validate RUN_DIR...")
     return "\n".join(lines)
