@@ -7,6 +7,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -175,6 +177,24 @@ def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
     return per_op("assessment"), per_op("training")
 
 
+@contextmanager
+def _world(rank: int, world: int, rendezvous: str) -> Iterator[None]:
+    """A one-thread gloo world for a benchmark process, which ends with it. About one `bench
+    hw` in five, a rank aborted at the end (a gloo thread's std::terminate, SIGABRT): its
+    ranks now meet once more, so that none tears the group down under the other's last
+    collective, and a rank that succeeded leaves at once (`os._exit`, its results already in
+    the manager's dict) instead of through interpreter teardown, which frees the wrapped
+    model's process-group references in whatever order."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
 def _wrapper_worker(rank: int, rendezvous: str, out: dict) -> None:
     """In a world of one gloo process, `_dispatch_model` trained plain and under FSDP2's
     replicate (each layer and the root wrapped, as every data-parallel layout that trains):
@@ -185,9 +205,7 @@ def _wrapper_worker(rank: int, rendezvous: str, out: dict) -> None:
 
     from rlloom.parallel.grads import clip_grad_norm
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
-    try:
+    with _world(0, 1, rendezvous):
         timed = []
         for wrapped in (False, True):
             model, ids, _ = _dispatch_model()
@@ -213,8 +231,6 @@ def _wrapper_worker(rank: int, rendezvous: str, out: dict) -> None:
         out["wrapped_pass_s"] = max(timed[1][0][0] - timed[0][0][0], 0.0) / (len(layers) + 1)
         out["sharded_launch_s"] = max(timed[1][1][0] - timed[0][1][0], 0.0) / ops
         out["spread"] = max(spread for pair in timed for _, spread in pair)
-    finally:
-        dist.destroy_process_group()
 
 
 def wrapper_seconds() -> tuple[float, float, float]:
@@ -231,9 +247,7 @@ def _reduce_worker(rank: int, rendezvous: str, out: dict) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    try:
+    with _world(rank, 2, rendezvous):
         model, ids, _ = _dispatch_model()
         modules = [*model.model.layers, model]
         mesh = init_device_mesh("cpu", (2,))
@@ -251,8 +265,6 @@ def _reduce_worker(rank: int, rendezvous: str, out: dict) -> None:
         if rank == 0:
             out["reduce_s"] = max(timed[0][0] - timed[1][0], 0.0) / len(modules)
             out["spread"] = max(spread for _, spread in timed)
-    finally:
-        dist.destroy_process_group()
 
 
 def reduce_seconds() -> tuple[float, float]:
@@ -263,16 +275,12 @@ def reduce_seconds() -> tuple[float, float]:
 
 
 def _all_reduce_worker(rank: int, rendezvous: str, sizes: list[int], out: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    try:
+    with _world(rank, 2, rendezvous):
         for n in sizes:
             x = torch.ones(n // 4)
             seconds = _best_seconds(lambda: dist.all_reduce(x), min_time=0.2, agree=_any_rank)
             if rank == 0:
                 out[n] = seconds
-    finally:
-        dist.destroy_process_group()
 
 
 def all_reduce_times(sizes: list[int]) -> dict[int, tuple[float, float]]:
