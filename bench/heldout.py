@@ -12,7 +12,6 @@ Runs one after another, about a minute a set on a 2-core machine.
 """
 import argparse
 import itertools
-import math
 import statistics
 import subprocess
 from dataclasses import replace
@@ -26,6 +25,7 @@ from rlloom.perf.validation.validate import (
     load_run,
     price_run,
     stage_errors,
+    uncertainty,
 )
 
 SETTINGS = (("32x8", 32, 8), ("16x4", 16, 4), ("64x8", 64, 8))
@@ -81,9 +81,8 @@ def main() -> None:
             held.append(median)
             (run, stage), worst = max(errors.items(), key=lambda kv: abs(kv[1]))
             worst_all.append(abs(worst))
-            factors = " ".join(f"x{fit.factors[k]:.2f}" + (
-                f"+-{math.expm1(fit.spread[k]):.0%}" if math.isfinite(fit.spread[k]) else "+-?")
-                for k in FITTED)
+            factors = " ".join(f"x{fit.factors[k]:.2f} {uncertainty(fit.spread[k])}"
+                               for k in FITTED)
             sizes = "+".join(name for i, (name, _, _) in enumerate(SETTINGS) if i != left)
             print(f"{f'set{s} {sizes}':<20} {factors:<52} {fit.after:>5.1%} "
                   f"{SETTINGS[left][0] + f' x{len(checked)} runs':<14} {median:>6.1%} "

@@ -104,3 +104,15 @@ def test_validation_asks_for_a_new_bench_when_a_cpu_file_lacks_the_stage_costs(f
     measured = replace(cpu, assess_launch_s=1e-5, train_launch_s=6e-6)
     assert "bench hw" not in validation_report([run], measured)
     assert "bench hw" not in validation_report([run], hardware("h100"))
+
+
+def test_a_factors_uncertainty_reads_as_a_person_reads_it():
+    """One standard error of a log factor: 0.1 is +-11% (e^0.1 - 1); past 0.5 (x1.65) the
+    report says only that it is wide, and a huge one (3000, seen on a real run: e^3000
+    overflows a float) or an infinite one (a direction the runs do not weigh) cannot crash it."""
+    import math
+
+    from rlloom.perf.validation.validate import uncertainty
+    assert uncertainty(0.1) == "+-11%"
+    assert uncertainty(0.6) == uncertainty(3000.0) == "+-over 65%"
+    assert uncertainty(math.inf) == "not determined"

@@ -321,17 +321,23 @@ def fit_runs(runs: list[LoadedRun], hw: Hardware, tick: Callable[[], None] = lam
                spread)
 
 
+def uncertainty(spread: float) -> str:
+    """A fitted factor's standard error (of its log, `Fit.spread`) as a person reads it."""
+    if not math.isfinite(spread):
+        return "not determined"
+    if spread > WIDE:
+        return f"+-over {math.expm1(WIDE):.0%}"
+    return f"+-{math.expm1(spread):.0%}"
+
+
 def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int = 1,
                        tick: Callable[[], None] = lambda: None) -> str:
     fit = calibrate(run_dirs, hw, skip, tick)
     fitted = fit.hardware
     fitted.save(out)
     names = ", ".join(d.name for d in run_dirs)
-    terms = ", ".join(
-        f"{name} x{fit.factors[name]:.2f} "
-        + (f"(+-{math.expm1(fit.spread[name]):.0%})" if math.isfinite(fit.spread[name])
-           else "(not determined)")
-        for name in FITTED)
+    terms = ", ".join(f"{name} x{fit.factors[name]:.2f} ({uncertainty(fit.spread[name])})"
+                      for name in FITTED)
     lines = [f"calibrated on {names}: {terms} of the priced time; compute_eff "
              f"{fitted.compute_eff:.2f}, mem_eff {fitted.mem_eff:.2f}, attn_eff "
              f"{fitted.attn_eff:.2f}, assessment {fitted.assess_launch_s * 1e6:.1f} us per "
