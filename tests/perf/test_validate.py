@@ -329,8 +329,7 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     assert 0 <= hw.sharded_launch_s < 1e-2 and 0 <= hw.wrapped_pass_s < 1e-1
     assert 0 < hw.attn_elem_s < 1e-6  # CPU attention: a few ns per score element
     # the runtime's stages cost more host time per operator than a plain forward (2-3x and
-    # 1.5-2x measured); half of it bounds them below. Measured beside other work (a parallel
-    # suite) the file says so, and its stage prices are not this machine's: not held to it
+    # 1.5-2x measured), half of it a floor, unless measured beside other work (it says so)
     assert hw.train_launch_s < 1e-3 and hw.assess_launch_s < 1e-3
     if not measurement_doubts(hw):
         assert 0.5 * hw.launch_s < hw.train_launch_s < hw.assess_launch_s
@@ -350,9 +349,10 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     assert "calibrated on run: compute x" in out and "assessment dispatch x" in out
     fitted = load_hardware(fitted_file)  # may warn as hw_file did: its provenance carries over
     assert fitted.peak_flops == hw.peak_flops  # only the efficiencies change
-    assert 0.05 <= fitted.compute_eff == fitted.mem_eff <= 1.0  # one factor on 1.0 and 1.0
-    # what the fit leaves unexplained (the error it reports after fitting) is kept: it
-    # widens every interval priced with the file
+    assert fitted.compute_eff == fitted.mem_eff  # one factor on the file's 1.0 and 1.0
+    # above 1 the run outran a file measured under load (a suite beside it): the report says so
+    assert 0.05 <= fitted.compute_eff <= 1.0 or "measured while other work ran" in out
+    # what the fit leaves unexplained is kept: it widens every interval priced with the file
     after = float(out.split(" -> ")[1].split("%")[0]) / 100
     assert fitted.extra["calibration_error"] == pytest.approx(after, abs=1e-3)
 

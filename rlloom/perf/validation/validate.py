@@ -342,6 +342,11 @@ def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int 
              f"{fitted.compute_eff:.2f}, mem_eff {fitted.mem_eff:.2f}, attn_eff "
              f"{fitted.attn_eff:.2f}, assessment {fitted.assess_launch_s * 1e6:.1f} us per "
              f"operator; mean of their stages' |error| {fit.before:.1%} -> {fit.after:.1%}"]
+    if max(fitted.compute_eff, fitted.mem_eff) > 1.0:
+        lines.append(f"the runs computed faster than the file's rates allow (compute_eff "
+                     f"{fitted.compute_eff:.2f}, mem_eff {fitted.mem_eff:.2f}, above 1): the "
+                     "file was likely measured while other work ran; measure again with "
+                     "`rlloom bench hw` while nothing else runs, then calibrate")
     loose = [name for name in FITTED if fit.spread[name] > WIDE]
     if loose:
         lines.append(f"{' and '.join(loose)} {'is' if len(loose) == 1 else 'are'} not "
