@@ -255,6 +255,6 @@ def ray_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, model_path: Path
         ex = RayExecutor(cfg, opts, model_path, run_dir, specs, has_critic)
         yield StepLoop(cfg, run_dir, ex, model_path, specs, opts, rebuild)
     finally:
-        if not pool.keep_across_runs():
+        if cluster.owned or not pool.keep_across_runs():
             pool.evict()
         cluster.stop()

@@ -63,10 +63,15 @@ def keep(slot: Slot) -> None:
     _IDLE.append(slot)
 
 
+def _forget_other_sessions() -> None:
+    """Drop slots kept in an earlier Ray session: they died with it (ray.shutdown)."""
+    job = _job()
+    _IDLE[:] = [s for s in _IDLE if s.job == job]
+
+
 def take(size: int, bundle: dict[str, float]) -> Slot | None:
     """A kept slot of `size` ranks of `bundle` each, or None."""
-    job = _job()
-    _IDLE[:] = [s for s in _IDLE if s.job == job]  # the others died with their session
+    _forget_other_sessions()
     for i, slot in enumerate(_IDLE):
         if len(slot.actors) == size and slot.bundle == bundle:
             return _IDLE.pop(i)
@@ -87,6 +92,8 @@ def make_room(need: dict[str, float]) -> None:
 
 
 def evict() -> None:
-    """Kill every kept slot (the end of a run that keeps nothing across runs)."""
+    """Kill every kept slot (the end of a run that keeps nothing across runs, or whose Ray
+    instance stops with it)."""
+    _forget_other_sessions()
     while _IDLE:
         release(_IDLE.pop())
