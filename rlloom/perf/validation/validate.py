@@ -247,14 +247,10 @@ def _digits(value: float) -> float:
 
 
 def _log_errors(runs: list[LoadedRun], hw: Hardware) -> list[float]:
-    """log(predicted / measured) of each run's stage mean, in a fixed order."""
-    points = [p for run in runs for p in price_run(run, hw)]
-    if not points:
-        raise ValueError("no steps after the warm-up to compare")
-    sums = [(sum(p.predicted_s for p in pts), sum(p.measured_s for p in pts))
-            for _, pts in sorted(_by_stage(points).items())]
-    return [math.log(predicted / measured) for predicted, measured in sums
-            if predicted > 0 and measured > 0]  # a stage the run or the plan does not have
+    """log(predicted / measured) of each run's stage mean (`stage_errors`), in a fixed order;
+    a stage the plan does not price (predicted 0) has nothing to fit."""
+    errors = stage_errors([p for run in runs for p in price_run(run, hw)])
+    return [math.log1p(e) for _, e in sorted(errors.items()) if e > -1]
 
 
 @dataclass(frozen=True)
@@ -283,6 +279,8 @@ def fit_runs(runs: list[LoadedRun], hw: Hardware, tick: Callable[[], None] = lam
     before = _stage_error(runs, hw)
     x = np.zeros(len(FITTED))
     r = np.array(_log_errors(runs, hw))
+    if not len(r):
+        raise ValueError("no stage of these runs is priced: nothing to calibrate")
     tick()
     jac = np.zeros((len(r), len(FITTED)))
     for iteration in range(MAX_ITERATIONS):
@@ -304,15 +302,15 @@ def fit_runs(runs: list[LoadedRun], hw: Hardware, tick: Callable[[], None] = lam
             break
     # the residuals' variance per degree of freedom, at least the noise's between identical
     # runs' stage means (about 8% here), so that an exact fit does not claim certainty
-    dof = len(r) - np.linalg.matrix_rank(jac, tol=1e-3)
+    _, singular, directions = np.linalg.svd(jac)
+    rank = int(np.sum(singular > 1e-3))
+    dof = len(r) - rank
     var = max(float(r @ r) / dof if dof > 0 else 0.0, 0.08 ** 2)
     cov = var * np.linalg.pinv(jac.T @ jac, rcond=1e-6)
-    covered = np.linalg.svd(jac)[2] if jac.size else np.zeros((0, len(FITTED)))
-    spread = {}
-    for k, name in enumerate(FITTED):
-        # a term outside the directions the runs determine has no finite error
-        seen = float(np.sum(covered[:np.linalg.matrix_rank(jac, tol=1e-3), k] ** 2))
-        spread[name] = math.sqrt(max(cov[k, k], 0.0)) if seen > 0.99 else math.inf
+    # a term outside the directions the runs determine has no finite error
+    seen = np.sum(directions[:rank] ** 2, axis=0)
+    spread = {name: math.sqrt(max(cov[k, k], 0.0)) if seen[k] > 0.99 else math.inf
+              for k, name in enumerate(FITTED)}
     fitted = _factored(hw, x)
     after = _stage_error(runs, fitted)
     # what the fit leaves unexplained widens every price made with it (`model.interval`)

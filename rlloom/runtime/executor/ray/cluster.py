@@ -131,23 +131,21 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
     gpu = device.type == "cuda"
     bundles = {g.name: {"CPU": opts.cpus(g.name), **({"GPU": 1.0} if gpu else {})}
                for g in specs}
-    _wait_for_capacity(opts, specs, {k: sum(b.get(k, 0.0) * g.ranks
-                                             for g, b in zip(specs, bundles.values()))
-                                     for k in ("CPU", "GPU")})
+
+    def resources(ranks: dict[str, int]) -> dict[str, float]:
+        return {k: sum(bundles[name].get(k, 0.0) * n for name, n in ranks.items())
+                for k in ("CPU", "GPU")}
+    _wait_for_capacity(opts, specs, resources({g.name: g.ranks for g in specs}))
     per_rank = sum(1 for n in ray.nodes() if n["Alive"]) == 1
-    slots: dict[str, list[pool.Slot]] = {}
+    size = {g.name: 1 if per_rank else g.ranks for g in specs}  # ranks per slot
+    slots = {g.name: [s for _ in range(g.ranks // size[g.name])
+                      if (s := pool.take(size[g.name], bundles[g.name])) is not None]
+             for g in specs}
+    missing = {g.name: g.ranks // size[g.name] - len(slots[g.name]) for g in specs}
+    pool.make_room(resources({name: n * size[name] for name, n in missing.items()}))
     for spec in specs:
-        size = 1 if per_rank else spec.ranks
-        slots[spec.name] = [s for _ in range(spec.ranks // size)
-                            if (s := pool.take(size, bundles[spec.name])) is not None]
-    kept = {name: len(group) for name, group in slots.items()}
-    pool.make_room({k: sum(bundles[g.name].get(k, 0.0)
-                           * (g.ranks - kept[g.name] * (1 if per_rank else g.ranks))
-                           for g in specs) for k in ("CPU", "GPU")})
-    for spec in specs:
-        size = 1 if per_rank else spec.ranks
-        slots[spec.name] += _new_slots(spec, bundles[spec.name], size,
-                                       spec.ranks // size - kept[spec.name], opts)
+        slots[spec.name] += _new_slots(spec, bundles[spec.name], size[spec.name],
+                                       missing[spec.name], opts)
     nodes = {name: [n for s in group for n in s.nodes] for name, group in slots.items()}
     ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     ips = {name: [ip.get(n, n) for n in ids] for name, ids in nodes.items()}
@@ -162,12 +160,12 @@ def place_groups(cfg: RunConfig, opts: RunOptions, specs: list[DeviceGroup], mod
         threads = cfg.train.threads or max(1, round(opts.cpus(spec.name)))
         binding, rank = [], 0
         for slot in slots[spec.name]:
-            fresh = not slot.actors
+            new = not slot.actors
             for i, node in enumerate(slot.nodes):
                 args = (cfg, str(model_path), spec, rank, threads,
                         "cuda:0" if gpu else "cpu")  # Ray shows each worker its own GPU only
                 files = shipped.get(node)
-                if fresh:
+                if new:
                     slot.actors.append(worker.options(
                         num_cpus=bundles[spec.name]["CPU"], num_gpus=1 if gpu else 0,
                         max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
