@@ -19,11 +19,14 @@ tiny model is warm-started on worked solutions only (sft.direct_fraction=0), so 
 responses are about a dozen tokens and a few are ten times longer, the long tail of
 reasoning RL (the script prints p50 and p99; the target is p99/p50 >= 8).
 
-Step time is the interval between the ends of consecutive training spans (trace.json) after
-the warm-up steps (their median), the simulator's definition, so an async pipeline's overlap
-shows. Predicted step times come from `rlloom.perf.model.compose.price` of each run's own plan and
-each step's own response lengths, as `rlloom perf validate` prices a run, with this machine's
-hardware file (`rlloom bench hw`, then `rlloom perf calibrate` on runs of this setting).
+Step time is the median interval between the ends of consecutive training spans (trace.json)
+after the warm-up steps, so an async pipeline's overlap shows. The predicted step time has the
+same definition on the simulator's timeline of the run's own steps: each step priced by
+`rlloom.perf.model.compose.price` with the run's plan and that step's response lengths (as
+`rlloom perf validate` prices a run), placed by `rlloom.perf.validation.simulate.timeline`, so a
+long step's generation delays its own training as it does in the run. The hardware file is this
+machine's (`rlloom bench hw`, then `rlloom perf calibrate` on an earlier invocation's runs, kept
+with --out: it measures the driver's round trip per stage call from their traces).
 """
 from __future__ import annotations
 
@@ -37,8 +40,8 @@ import time
 from pathlib import Path
 
 from rlloom.config import load_config
-from rlloom.perf.model.compose import price
 from rlloom.perf.model.interval import Interval, hardware_error
+from rlloom.perf.validation.simulate import timeline
 from rlloom.perf.validation.validate import load_run
 from rlloom.runtime.executor.interface import RunOptions
 from rlloom.runtime.executor.launch import train
@@ -51,19 +54,24 @@ ARMS = {  # name -> plan overrides
 }
 
 
-def step_interval(run: Path, warmup: int) -> float:
-    """Median interval between consecutive training ends after `warmup` steps (the median:
-    other jobs on a shared machine add spikes)."""
-    events = json.loads((run / "trace.json").read_text())["traceEvents"]
-    ends = sorted((e["args"]["step"], (e["ts"] + e["dur"]) / 1e6) for e in events
-                  if e["name"] == "training")
-    ends = [t for step, t in ends if step >= warmup]
+def _median_interval(ends: list[tuple[int, float]], warmup: int) -> float:
+    """Median interval between consecutive training ends (step, time) of the steps from
+    `warmup` on (the median: other jobs on a shared machine add spikes)."""
+    ends = [t for step, t in sorted(ends) if step >= warmup]
     return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
+def step_interval(run: Path, warmup: int) -> float:
+    """The run's measured step time: `_median_interval` of its training spans (trace.json)."""
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    return _median_interval([(e["args"]["step"], (e["ts"] + e["dur"]) / 1e6) for e in events
+                             if e["name"] == "training"], warmup)
+
+
 def predicted(runs: dict[str, list[Path]]) -> tuple[dict[str, list[float]], float] | None:
-    """Each arm's mean predicted step time over its steps after the warm-up, per repeat,
-    priced as `rlloom perf validate` prices a run (its plan, each step's own lengths), and the
+    """Each arm's predicted step time per repeat, defined as the measured one: the run's own
+    steps (its plan, each step's own lengths) placed on the groups' timelines by
+    `rlloom.perf.validation.simulate.timeline`, and `_median_interval` of their ends; and the
     hardware file's relative error."""
     from rlloom.perf.model.hardware import hardware
     try:
@@ -74,9 +82,10 @@ def predicted(runs: dict[str, list[Path]]) -> tuple[dict[str, list[float]], floa
     out: dict[str, list[float]] = {}
     for name, dirs in runs.items():
         for run in dirs:
-            loaded = load_run(run, skip=WARMUP)
-            out.setdefault(name, []).append(statistics.mean(
-                price(loaded.plan, loaded.models, wl, hw).step_s for _, wl, _ in loaded.steps))
+            loaded = load_run(run, skip=0)
+            sim = timeline(loaded.plan, loaded.models, [wl for _, wl, _ in loaded.steps], hw)
+            numbered = zip((step for step, _, _ in loaded.steps), sim.step_ends)
+            out.setdefault(name, []).append(_median_interval(list(numbered), WARMUP + 1))
     return out, hardware_error(hw)
 
 

@@ -314,12 +314,12 @@ def test_dpo_prices_no_generation():
 def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     """`rlloom bench hw` measures this machine; `rlloom perf validate` prices a real run's
     steps with it and prints predicted vs measured for every stage; `rlloom perf calibrate`
-    saves the efficiencies that fit it."""
+    saves the efficiencies that fit it (one factor on the file's 1.0 and 1.0) and the driver's
+    round trip per stage call and rank from the run's trace."""
     from rlloom.cli import main
     hw_file, run = tmp_path / "hw.json", tmp_path / "run"
     main(["bench", "hw", "--out", str(hw_file)])
-    # how far its repeats spread and how busy others kept the machine, kept and told
-    assert "of the CPUs" in capsys.readouterr().out
+    assert "of the CPUs" in capsys.readouterr().out  # how busy others kept the machine
     with warnings.catch_warnings():  # a suite running beside it may well disturb it
         warnings.simplefilter("ignore", HardwareWarning)
         hw = load_hardware(hw_file)
@@ -348,8 +348,8 @@ def test_bench_hw_then_validate_a_real_run(tmp_path, tiny, capsys):
     out = capsys.readouterr().out
     assert "calibrated on run: compute x" in out and "assessment dispatch x" in out
     fitted = load_hardware(fitted_file)  # may warn as hw_file did: its provenance carries over
-    assert fitted.peak_flops == hw.peak_flops  # only the efficiencies change
-    assert fitted.compute_eff == fitted.mem_eff  # one factor on the file's 1.0 and 1.0
+    assert fitted.peak_flops == hw.peak_flops and fitted.compute_eff == fitted.mem_eff
+    assert 0 < fitted.call_s < 0.05 and f"{fitted.call_s * 1e3:.1f} ms per stage call" in out
     # above 1 the run outran a file measured under load (a suite beside it): the report says so
     assert 0.05 <= fitted.compute_eff <= 1.0 or "measured while other work ran" in out
     # what the fit leaves unexplained is kept: it widens every interval priced with the file

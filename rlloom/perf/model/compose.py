@@ -49,6 +49,7 @@ class Priced:
     mem_gib: dict[str, float]  # peak per device, by group
     workload: Workload  # as priced: the planner varies its micro-batch size
     stage_groups: list[str]  # the device group each of `stages` runs on
+    call_s: dict[str, float]  # group -> the driver's round trip of one stage call to it
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -209,17 +210,29 @@ def _sync_seconds(p: _Placement, wl: Workload, hw: Hardware) -> float:
 
 
 def _step_seconds(p: _Placement, g_s: float, a_by: dict[str, float], t_by: dict[str, float],
-                  sync_s: float) -> float:
-    """The step composed by schedule: stages on one group add up, groups overlap."""
+                  sync_s: float, call: dict[str, float]) -> float:
+    """The step composed by schedule: stages on one group add up, groups overlap; each stage
+    call on a chain adds the driver's round trip to its group (`call`), and a weight sync
+    across groups one to the generation group."""
     a_s, t_s = sum(a_by.values()), sum(t_by.values())
+    beside = sum(call[g] for g in a_by if g not in t_by)  # assessment off the trainers
+    trainers = sum(call[g] for g in t_by) + sum(call[g] for g in a_by if g in t_by)
+    synced = p.apart * call[p.gen_g]  # the weights' broadcast reaches the generation ranks
     if p.plan.schedule == "async" and p.plan.staleness > 0 and p.apart:
         # generation (and the assessment beside it) of later steps runs while this one trains
         busy_train = max(t_by.get(g, 0.0) + a_by.get(g, 0.0) for g in t_by) if t_by else 0.0
-        return max(g_s + a_s, t_s, busy_train) + sync_s
+        return max(g_s + a_s + call[p.gen_g] + beside,
+                   max(t_s, busy_train) + trainers + synced) + sync_s
+    calls = call[p.gen_g] + beside + trainers + synced
     if p.plan.schedule == "fused" and p.ass_g != p.gen_g:
         beside_gen = a_by.get(p.gen_g, 0.0)  # a reward model scores as samples finish
-        return max(g_s + beside_gen, a_s - beside_gen) + t_s + sync_s
-    return g_s + a_s + t_s + sync_s  # sync, or generation and training taking turns
+        return max(g_s + beside_gen, a_s - beside_gen) + t_s + sync_s + calls
+    return g_s + a_s + t_s + sync_s + calls  # sync, or generation and training taking turns
+
+
+def group_ranks(plan: Plan, models: dict[str, ModelShape | None]) -> dict[str, int]:
+    """The ranks of each device group `plan` runs `models` on."""
+    return {name: g.ranks for name, g in _Placement.of(plan, models).groups.items()}
 
 
 def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Hardware,
@@ -259,9 +272,11 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
         by_stage[st.stage][g] = by_stage[st.stage].get(g, 0.0) + st.seconds
     a_by, t_by = by_stage["assessment"], by_stage["training"]
     sync_s = _sync_seconds(p, wl, hw)
-    step = _step_seconds(p, g_cost.seconds, a_by, t_by, sync_s)
+    # the driver calls each rank of a group in turn (`Hardware.call_s`)
+    call = {name: hw.call_s * g.ranks for name, g in p.groups.items()}
+    step = _step_seconds(p, g_cost.seconds, a_by, t_by, sync_s, call)
     devices = sum(g.ranks for g in p.groups.values())
     return Priced(plan, gen_layout, devices, step, g_cost.seconds, sum(a_by.values()),
                   sum(t_by.values()), sync_s, [g_cost] + [st for _, st in later],
                   {g: b / GIB for g, b in peak.items()}, wl,
-                  [p.gen_g] + [g for g, _ in later], problems)
+                  [p.gen_g] + [g for g, _ in later], call, problems)

@@ -85,6 +85,12 @@ class Hardware:
     # engine's operators are priced by `launch_s`; vLLM replays CUDA graphs and its
     # scheduler's time is what this holds); `calibrate` fits it.
     decode_step_s: float = 0.0
+    # The driver's round trip for one stage call on a group (the call reaching its ranks, the
+    # batch handed over, the result back): the gap a run's trace shows between a stage and
+    # the one it waited for, which the stages' own spans leave out. Paid once per stage call
+    # on a step's critical chain. 0 in the catalogue (milliseconds against steps of tens of
+    # seconds); `rlloom perf calibrate` measures it from the runs' trace.json.
+    call_s: float = 0.0
     # Host side, for offloaded ZeRO-3 state (`Layout.offload`), per device: bytes/s between
     # device and host memory (its PCIe link; 0: the device is the host, nothing is copied),
     # host memory in GiB, and the bytes/s of host memory the CPU optimizer step streams.

@@ -23,7 +23,7 @@ from rlloom.algos.presets import PRESETS
 from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.config import RunConfig
 from rlloom.config_sections import ModelSection
-from rlloom.perf.model.compose import price, role_models
+from rlloom.perf.model.compose import group_ranks, price, role_models
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.interval import hardware_error
 from rlloom.perf.model.shapes import ModelShape, model_shape
@@ -135,6 +135,29 @@ def load_run(run_dir: Path, skip: int = 1) -> LoadedRun:
     return LoadedRun(run_dir.name, models, cfg.plan, steps, cfg.algo.name)
 
 
+CHAINED = ("generation", "assessment", "training", "weight_sync")
+
+
+def call_gaps(run_dir: Path, ranks: dict[str, int], skip: int = 1) -> list[float]:
+    """From the run's trace.json, the gap in front of each stage span after the first `skip`
+    steps (its start minus the latest end of any span before it: the driver reaching the
+    stage once what it waited for was done) per rank of the group it ran on (`ranks`), the
+    driver's round trip per rank called (`Hardware.call_s`). A run without a trace has none."""
+    trace = run_dir / "trace.json"
+    if not trace.is_file():
+        return []
+    spans = sorted({(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"], e["pid"],
+                     e["args"]["step"])
+                    for e in json.loads(trace.read_text())["traceEvents"]
+                    if e.get("ph") == "X" and "step" in e.get("args", {})})
+    gaps, latest = [], None
+    for start, end, name, group, step in spans:
+        if latest is not None and name in CHAINED and step > skip and start >= latest:
+            gaps.append((start - latest) / ranks[group])
+        latest = end if latest is None else max(latest, end)
+    return gaps
+
+
 def price_run(run: LoadedRun, hw: Hardware) -> list[StagePoint]:
     """Predicted vs measured seconds per stage of a loaded run's steps on `hw`."""
     points = []
@@ -225,12 +248,14 @@ WIDE = 0.5  # a factor known worse than exp(0.5) = x1.65 either way is not deter
 
 
 def _stage_error(runs: list[LoadedRun], hw: Hardware) -> float:
-    """The mean over the runs' stages of |error| of the stage's mean time (`stage_errors`):
-    every stage counts alike."""
+    """The mean over the runs' priced stages of |error| of the stage's mean time
+    (`stage_errors`): every stage counts alike; one the plan does not price (reward scoring
+    without a model, predicted 0) has no error of the model's to count."""
     points = [p for run in runs for p in price_run(run, hw)]
     if not points:
         raise ValueError("no steps after the warm-up to compare")
-    return statistics.mean(abs(e) for e in stage_errors(points).values())
+    errors = [abs(e) for e in stage_errors(points).values() if e > -1]
+    return statistics.mean(errors) if errors else 0.0
 
 
 def _factored(hw: Hardware, log_factors: Sequence[float]) -> Hardware:
@@ -265,9 +290,15 @@ class Fit:
 def calibrate(run_dirs: list[Path], hw: Hardware, skip: int = 1,
               tick: Callable[[], None] = lambda: None) -> Fit:
     """The factors on the `FITTED` terms that fit the runs' stage means best (least squares
-    of their log errors, Gauss-Newton), with their standard errors. Fit on runs of several
-    sizes, validate on others. `tick()` follows the start and each iteration."""
-    return fit_runs([load_run(d, skip) for d in run_dirs], hw, tick)
+    of their log errors, Gauss-Newton), with their standard errors, and the driver's round
+    trip per stage call measured from their traces (the median of `call_gaps`). Fit on runs
+    of several sizes, validate on others. `tick()` follows the start and each iteration."""
+    runs = [load_run(d, skip) for d in run_dirs]
+    gaps = [g for d, run in zip(run_dirs, runs)
+            for g in call_gaps(d, group_ranks(run.plan, run.models), skip)]
+    if gaps:
+        hw = replace(hw, call_s=_digits(statistics.median(gaps)))
+    return fit_runs(runs, hw, tick)
 
 
 def fit_runs(runs: list[LoadedRun], hw: Hardware, tick: Callable[[], None] = lambda: None
@@ -339,7 +370,8 @@ def calibration_report(run_dirs: list[Path], hw: Hardware, out: Path, skip: int 
     lines = [f"calibrated on {names}: {terms} of the priced time; compute_eff "
              f"{fitted.compute_eff:.2f}, mem_eff {fitted.mem_eff:.2f}, attn_eff "
              f"{fitted.attn_eff:.2f}, assessment {fitted.assess_launch_s * 1e6:.1f} us per "
-             f"operator; mean of their stages' |error| {fit.before:.1%} -> {fit.after:.1%}"]
+             f"operator, {fitted.call_s * 1e3:.1f} ms per stage call and rank; mean "
+             f"of their stages' |error| {fit.before:.1%} -> {fit.after:.1%}"]
     if max(fitted.compute_eff, fitted.mem_eff) > 1.0:
         lines.append(f"the runs computed faster than the file's rates allow (compute_eff "
                      f"{fitted.compute_eff:.2f}, mem_eff {fitted.mem_eff:.2f}, above 1): the "
