@@ -7,8 +7,7 @@ run: `python bench/dp_overhead.py`. The built-in model's shape of bench/schedule
 The gaps are what `bench/schedules.py`'s colocated dp2 arm pays beyond the priced work."""
 from __future__ import annotations
 
-import os
-import socket
+import tempfile
 import time
 
 import torch
@@ -41,10 +40,9 @@ def model() -> CausalLM:
     return m
 
 
-def rank(r: int, port: int, wrapped: bool, out: dict) -> None:
+def rank(r: int, rendezvous: str, wrapped: bool, out: dict) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=r, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=r, world_size=2)
     m = model()
     if wrapped:
         layout = Layout(dp=2)
@@ -57,20 +55,15 @@ def rank(r: int, port: int, wrapped: bool, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     torch.set_num_threads(1)
     times = {"one process, 16 rows": fwd_bwd_ms(model(), 16),
              "one process, 32 rows": fwd_bwd_ms(model(), 32)}
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         for wrapped in (False, True):
             out = manager.dict()
-            mp.spawn(_rank, args=(free_port(), wrapped, out), nprocs=2)
+            # a rendezvous file: a port picked free beforehand can be taken meanwhile
+            mp.spawn(_rank, args=(f"file://{tmp}/{wrapped}", wrapped, out), nprocs=2)
             times.update(out)
     base = times["one process, 16 rows"]
     print(f"{'forward + backward of 16 rows per rank':<40}{'ms':>8}{'x one process':>15}")
@@ -78,9 +71,9 @@ def main() -> None:
         print(f"{name:<40}{ms:>8.2f}{ms / base:>15.2f}")
 
 
-def _rank(r: int, port: int, wrapped: bool, out: dict) -> None:
+def _rank(r: int, rendezvous: str, wrapped: bool, out: dict) -> None:
     mine: dict = {}
-    rank(r, port, wrapped, mine)
+    rank(r, rendezvous, wrapped, mine)
     if r == 0:
         out.update(mine)
 

@@ -31,7 +31,6 @@ import multiprocessing
 import os
 import pickle
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -158,12 +157,12 @@ def rank_main(a: argparse.Namespace, layout_kw: dict[str, Any]) -> dict[str, Any
             "n_params": sum(local_tensor(p).numel() for p in model.parameters())}
 
 
-def _entry(rank: int, world: int, port: int, threads: int, out_dir: str,
+def _entry(rank: int, world: int, threads: int, out_dir: str,
            a: argparse.Namespace, layout_kw: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    # a rendezvous file: a port picked free beforehand can be taken before rank 0 listens
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
         result = rank_main(a, layout_kw)
         with open(Path(out_dir) / f"{rank}.pkl", "wb") as f:
@@ -172,16 +171,10 @@ def _entry(rank: int, world: int, port: int, threads: int, out_dir: str,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(a: argparse.Namespace, layout_kw: dict[str, Any]) -> list[dict[str, Any]]:
     world = Layout(**layout_kw).world_size
     with tempfile.TemporaryDirectory() as out_dir:
-        tmp.start_processes(_entry, args=(world, _free_port(), a.threads, out_dir, a, layout_kw),
+        tmp.start_processes(_entry, args=(world, a.threads, out_dir, a, layout_kw),
                             nprocs=world, start_method="forkserver")
         results = []
         for r in range(world):

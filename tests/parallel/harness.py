@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
-import os
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -31,19 +29,14 @@ multiprocessing.get_context("forkserver").set_forkserver_preload(
     ["torch", "torch.distributed.tensor", "rlloom.models.transformer"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple) -> None:
     # One thread each: `world` processes already oversubscribe two cores.
     torch.set_num_threads(1)
-    # A rank that stops early would leave the others waiting forever in a collective.
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    # A rendezvous file, not a port: a free port picked here can be taken by another test's
+    # ranks before rank 0 listens on it (EADDRINUSE). A rank that stops early would leave the
+    # others waiting forever in a collective: hence the timeout.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         result = fn(*args)
         with open(Path(out_dir) / f"{rank}.pkl", "wb") as f:
@@ -55,7 +48,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
 def spawn(fn: Callable, world: int, *args: Any) -> list[Any]:
     """Results of `fn(*args)` on ranks 0..world-1; a failure re-raises with its traceback."""
     with tempfile.TemporaryDirectory() as out_dir:
-        tmp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args), nprocs=world,
+        tmp.start_processes(_entry, args=(world, out_dir, fn, args), nprocs=world,
                             start_method="forkserver")
         results = []
         for r in range(world):
