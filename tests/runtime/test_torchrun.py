@@ -75,10 +75,16 @@ def test_train_runs_under_torchrun(name, tmp_path, tiny):
         assert (run / "final" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_wrong_world_size_is_a_clear_error(tmp_path, tiny):
-    done = _torchrun([*tiny, "plan.layouts.actor.dp=4", f"run_dir={tmp_path / 'r'}"], tmp_path)
-    assert done.returncode != 0
-    assert "plan.layouts.actor uses 4 processes but torchrun started 2" in done.stderr
+def test_wrong_world_size_is_a_clear_error(tmp_path, tiny, monkeypatch, capsys):
+    """Checked before the process joins the world, from the variables torchrun sets: one
+    process with them says what torchrun would (no torchrun start needed to show it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *tiny, "plan.layouts.actor.dp=4", f"run_dir={tmp_path / 'r'}"])
+    assert stop.value.code != 0
+    assert "plan.layouts.actor uses 4 processes but torchrun started 2" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, tiny):

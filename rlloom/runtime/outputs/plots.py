@@ -4,11 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 CURVES = [("reward", "reward (sampled)"), ("accuracy", "accuracy (sampled)"),
           ("pref_accuracy", "preference accuracy")]
 STAGES = [("gen_s", "generation"), ("assess_s", "assessment"), ("train_s", "training")]
@@ -18,6 +13,11 @@ def plot_run(rows: list[dict[str, Any]], evals: list[tuple[int, float]], path: P
     """`rows` are metrics.jsonl rows; `evals` are (step, held-out accuracy), step 0 included."""
     if not rows:
         return
+    # imported here: every rank and Ray driver imports the step loop, one of them plots (0.4 s
+    # of start-up each otherwise)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     steps = [r["step"] for r in rows]
     fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4))
     for key, label in CURVES:
