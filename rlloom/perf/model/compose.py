@@ -69,8 +69,12 @@ class Priced:
 
     @property
     def micro_batch_tokens(self) -> int:
-        """The priced micro-batch as the runtime's token budget, at the longest context, so no
-        micro-batch the runtime cuts holds more padded tokens."""
+        """The priced micro-batch as the runtime's token budget: the workload's own budget when
+        it was priced with one (a running run's: `micro_batch` then prices nothing), else
+        `micro_batch` sequences at the longest context, so no micro-batch the runtime cuts
+        holds more padded tokens."""
+        if self.workload.micro_batch_tokens > 0:
+            return self.workload.micro_batch_tokens
         return math.ceil(self.micro_batch * self.workload.max_context)
 
 

@@ -56,7 +56,8 @@ class Adapter:
         run = LoadedRun("recent", self.models, self.cfg.plan,
                         [measured_step(r, self.cfg) for r in self.rows], self.cfg.algo.name)
         advice = advise(run, self.hw, statistics.median(r["step_s"] for r in self.rows),
-                        keep=self._reachable)
+                        keep=self._reachable, ahead=self.settings.every,
+                        cap=self.cfg.rollout.max_new_tokens)
         self.last = advice
         record = advice.record(self.settings.min_gain)
         decision = {"step": row["step"], "time": time.time(), "dry": self.settings.dry,
@@ -115,5 +116,7 @@ def decision_line(d: dict[str, Any], min_gain: float) -> str:
              f" s a step (before it {after['measured_before_s']:.3g} s; predicted "
              f"{after['predicted_after_s']:.3g} s at the lengths then); " if after else "")
     return (f"adapt at step {d['step']} (steps {d['steps'][0]}-{d['steps'][1]}): {since}this plan "
-            f"measured {d['measured_s']:.3g} s, priced {d['predicted_s']:.3g} s; best on the "
-            f"same devices {d['best_s']:.3g} s ({d['gain']:.2f}x): {d['best']}; {verdict}")
+            f"measured {d['measured_s']:.3g} s, priced {d['predicted_s']:.3g} s; at the lengths "
+            f"their trend gives the next steps (mean {d['priced_length']:.3g} tokens) the best "
+            f"on the same devices is {d['gain']:.2f}x faster ({d['best_s']:.3g} s): "
+            f"{d['best']}; {verdict}")
