@@ -73,8 +73,9 @@ def test_a_switch_between_exact_plans_equals_never_switching(tmp_path, tiny, mon
         generation = p.gen_layout or generation_layout(p.plan)
         return (p.plan.placement, p.plan.schedule, generation.dp) == ("colocated", "sync", 1)
 
-    def sync_colocated_only(run, hw, measured_s, tick=lambda: None, keep=lambda p: True):
-        return real(run, hw, measured_s, tick, lambda p: keep(p) and one_stream(p))
+    def sync_colocated_only(run, hw, measured_s, tick=lambda: None, keep=lambda p: True,
+                            **lengths):
+        return real(run, hw, measured_s, tick, lambda p: keep(p) and one_stream(p), **lengths)
     monkeypatch.setattr(adapt, "advise", sync_colocated_only)
     args = [*tiny, *EXACT, "algo=grpo", "algo.kl_coef=0", "train.steps=4",
             "plan.layouts.actor.dp=2", "plan.layouts.actor.activation_checkpointing=true",
