@@ -25,8 +25,11 @@ same definition on the simulator's timeline of the run's own steps: each step pr
 `rlloom.perf.model.compose.price` with the run's plan and that step's response lengths (as
 `rlloom perf validate` prices a run), placed by `rlloom.perf.validation.simulate.timeline`, so a
 long step's generation delays its own training as it does in the run. The hardware file is this
-machine's (`rlloom bench hw`, then `rlloom perf calibrate` on an earlier invocation's runs, kept
-with --out: it measures the driver's round trip per stage call from their traces).
+machine's (`rlloom bench hw`). Its `call_s`, the driver's round trip per stage call and rank,
+comes from `rlloom perf calibrate` on an earlier invocation's runs (kept with --out), which
+measures it from their traces; the efficiency factors that command also fits are not
+determined by this bench's one run size (docs/ray.md), so the figures there keep the file's
+efficiencies and take `call_s` alone.
 """
 from __future__ import annotations
 
