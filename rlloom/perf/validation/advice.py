@@ -94,13 +94,16 @@ def advise(run: LoadedRun, hw: Hardware, measured_s: float,
     if not run.steps:
         raise ValueError("no steps to learn from after the warm-up; run longer")
     fit = fit_runs([run], hw, tick)
-    now = replace(run.steps[-1][1], response=Lengths.empirical(projected_lengths(run.steps, 0,
-                                                                                 None)),
+    now = replace(run.steps[-1][1],
+                  response=Lengths.empirical([n for _, w, _ in run.steps
+                                              for n in w.response.values]),
                   prompts=round(statistics.mean(w.prompts for _, w, _ in run.steps)),
                   prompt_len=round(statistics.mean(w.prompt_len for _, w, _ in run.steps)))
-    wl = replace(now, response=Lengths.empirical(projected_lengths(run.steps, ahead, cap)))
     own_now = price(run.plan, run.models, now, fit.hardware)
-    own = price(run.plan, run.models, wl, fit.hardware)
+    wl, own = now, own_now
+    if ahead > 0:
+        wl = replace(now, response=Lengths.empirical(projected_lengths(run.steps, ahead, cap)))
+        own = price(run.plan, run.models, wl, fit.hardware)
     found = search(run.models["actor"], run.algo, wl, fit.hardware, own.devices,
                    reward=run.models.get("reward"), critic=run.models.get("critic"),
                    roles=tuple(run.models))

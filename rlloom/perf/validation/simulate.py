@@ -68,7 +68,8 @@ def timeline(plan: Plan, models: dict[str, ModelShape | None], workloads: list[W
             raise ValueError(f"plan is infeasible: {priced.problems[0]}")
         gen, *rest = priced.stages
         gen_group, *rest_groups = priced.stage_groups
-        apart = gen_group not in {g for st, g in zip(rest, rest_groups) if st.stage == "training"}
+        trainers = {g for st, g in zip(rest, rest_groups) if st.stage == "training"}
+        apart = gen_group not in trainers
         call = priced.call_s
         synced = priced.sync_s + call[gen_group] * apart  # a sync across groups is a call too
         ready = 0.0 if not train_end else train_end[-1] + synced
@@ -102,9 +103,8 @@ def timeline(plan: Plan, models: dict[str, ModelShape | None], workloads: list[W
             spans.append(Span(g, f"training {st.role}", i, begin, begin + st.seconds))
             free[g] = begin + st.seconds
             end_of_step = max(end_of_step, free[g])
-        for stage, g in called:
-            if stage == "training":
-                free[g] += synced  # the trainer sends the weights it made
+        for g in trainers:
+            free[g] += synced  # the trainer sends the weights it made
         train_end.append(end_of_step)
     steps = len(workloads)
     makespan = max(s.end for s in spans)
