@@ -71,7 +71,14 @@ class BoxCgroup:
         box = cls(*(parents["unified" if v2 else c] / name for c in _CONTROLLERS))
         try:
             for d in {box.memory, box.pids}:
-                d.mkdir()
+                try:
+                    d.mkdir()
+                except FileExistsError:
+                    # left by a judge killed before it removed it: the name holds this
+                    # process's pid, which the kernel has reused, so its owner is gone (an
+                    # empty cgroup goes with rmdir; one still holding processes fails here)
+                    d.rmdir()
+                    d.mkdir()
             if v2:
                 (box.memory / "memory.max").write_text(str(memory_bytes))
                 swap = box.memory / "memory.swap.max"
