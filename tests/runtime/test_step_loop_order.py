@@ -67,3 +67,30 @@ STEP = ["generate", "assess", "train"]
 ])
 def test_each_schedule_calls_the_stages_in_its_order(tmp_path, tiny, schedule, expected):
     assert stage_calls(tmp_path, tiny, schedule) == expected
+
+
+def test_a_signal_after_the_checkpoint_decision_stops_at_the_next_boundary(tmp_path, tiny):
+    """SIGTERM landing after a step decided not to checkpoint (here while its spans are
+    collected) is a race a preempted run meets: the run goes on to the next step boundary,
+    checkpoints there and names that checkpoint (it had raised IndexError: none to name)."""
+    import os
+    import signal
+
+    from rlloom.runtime.stop_signals import Stopped
+
+    class SignalOnSpans(Spy):
+        def spans(self):
+            if not sent:
+                sent.append(os.kill(os.getpid(), signal.SIGTERM))
+            return self.ex.spans()
+
+    sent = []
+    cfg = load_config(None, [*tiny, "eval.every=10", "train.steps=5", "checkpoint.every=10"])
+    (tmp_path / "run").mkdir()
+    loop = local_loop(cfg, tmp_path / "run")
+    loop.ex = SignalOnSpans(loop.ex)
+    with pytest.raises(Stopped) as stop:
+        loop.run()
+    assert stop.value.code == 143
+    assert (f"SIGTERM received: stopped after step 2 of 5, checkpoint written to "
+            f"{tmp_path / 'run'}/checkpoints/step_000002") in str(stop.value)

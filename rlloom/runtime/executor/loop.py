@@ -268,8 +268,11 @@ class StepLoop:
                 for tracker in trackers:
                     tracker.log(row, self.step)
                 halt = self.main and any([cb(dict(row)) is False for cb in self.opts.callbacks])
+                # read once: a signal that lands after the checkpoint decision waits for the
+                # next step's boundary, where it has a checkpoint to name
+                stop = signals.received
                 if (self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps
-                        or signals.received or halt):
+                        or stop or halt):
                     self.checkpoint()
                 else:
                     self.tracer.events += self.ex.spans()
@@ -282,11 +285,11 @@ class StepLoop:
                 if halt and self.step < cfg.train.steps:
                     print(f"a callback stopped the run after step {self.step}")
                     break
-                if signals.received and self.step < cfg.train.steps:
+                if stop and self.step < cfg.train.steps:
                     raise Stopped(f"{signals.name} received: stopped after step {self.step} of "
                                   f"{cfg.train.steps}, checkpoint written to "
                                   f"{checkpoint_dirs(self.run_dir)[-1]}; continue with rlloom "
-                                  f"train --resume {self.run_dir}", 128 + signals.received)
+                                  f"train --resume {self.run_dir}", 128 + stop)
                 if self._switch_to is not None and self.step < cfg.train.steps:
                     if self.step % cfg.checkpoint.every:  # the new plan starts from here
                         self.checkpoint()
