@@ -33,7 +33,7 @@ def install(venv: Path, device: str = "cpu") -> Path:
     """Create `venv` with vLLM for `device` (cpu or cuda); its Python."""
     python = venv_python(venv)
     run = [["python3", "-m", "venv", str(venv)],
-           [str(python), "-m", "pip", "install", "-q", PACKAGES[device]]]
+           [str(python), "-m", "pip", "install", "-q", "--no-compile", PACKAGES[device]]]
     if device == "cpu":
         run.append([str(python), "-m", "pip", "uninstall", "-q", "-y", *CPU_UNUSED])
     for cmd in run:
