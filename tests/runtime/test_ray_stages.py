@@ -10,10 +10,13 @@ from rlloom.data.synthetic import generate
 from rlloom.models.heads import ValueModel
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
+from rlloom.perf.model.workload import Lengths, Workload
+from rlloom.rollout.generate import Rollout
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.executor.hosts import decoupled
+from rlloom.runtime.executor.hosts import Rows, decoupled
 from rlloom.runtime.stages.generation import Rewarder, Samples, sample_groups
-from rlloom.runtime.stages.online import assess, assess_from, scores
+from rlloom.runtime.stages.online import assess, assess_from, logprobs_of, scores
+from rlloom.runtime.stages.packing import trim
 from tests.conftest import TINY
 
 
@@ -89,10 +92,39 @@ def test_decoupled_uses_current_weights_as_proximal_policy():
     cfg, tok, policy, _ = _setup()
     samples = Samples.cat(_chunks(cfg, tok, policy, 1), tok.pad_token_id)
     exp = assess(samples, None, None, 0.0, None, cfg)
-    fixed, kl = decoupled(exp, policy, cfg.rollout.temperature, 2)
+    fixed, kl = decoupled(exp, policy, cfg.rollout.temperature, Rows(64))
     # the samples came from these very weights: proximal == behaviour up to float rounding
     mask = samples.rollout.response_mask.bool()
     assert abs(kl) < 1e-4
     assert torch.allclose(fixed.samples.rollout.logprobs[mask], samples.rollout.logprobs[mask],
                           atol=1e-4)
     assert torch.allclose(fixed.advantages, exp.advantages, atol=1e-4)
+
+
+def test_the_proximal_forward_runs_the_tokens_the_cost_model_prices():
+    """A stale step's proximal log-probs: 7 short responses and one long one run in length
+    buckets, the padded tokens `Workload.teacher_forced` prices (101 here), not as mini-batches
+    padded to the batch's longest row (360 tokens, which made long-tailed async steps train
+    2-3x slower than priced), and give the log-probs of a forward over each row alone."""
+    cfg, _, policy, _ = _setup()
+    lengths = [3] * 7 + [40]
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.arange(40)[None] < torch.tensor(lengths)[:, None]).long()
+    rollout = Rollout(torch.randint(5, 30, (8, 5), generator=g), torch.ones(8, 5, dtype=torch.long),
+                      torch.randint(5, 30, (8, 40), generator=g) * mask, mask,
+                      torch.full((8, 40), -1.0) * mask, torch.ones(8, dtype=torch.bool))
+    scores_ = torch.rand(8, generator=g)
+    samples = Samples([None, None], rollout, torch.arange(8) // 4, {}, scores_)
+    exp = assess(samples, None, None, 0.0, None, cfg)
+    seen = []
+    hook = policy.register_forward_pre_hook(lambda _, args: seen.append(args[0].numel()))
+    fixed, _ = decoupled(exp, policy, 1.0, Rows(budget=64))
+    hook.remove()
+    priced, passes = Workload(prompts=2, samples=4, prompt_len=5,
+                              response=Lengths.empirical(lengths),
+                              micro_batch_tokens=64).teacher_forced(8)
+    assert (sum(seen), len(seen)) == (priced, passes) == (101, 2)
+    for i in (0, 7):  # one row at a time, unpadded
+        row = rollout.select(torch.tensor([i]))
+        alone = logprobs_of(policy, trim(row), 1.0)
+        assert torch.allclose(fixed.samples.rollout.logprobs[i, :lengths[i]], alone[0], atol=1e-5)

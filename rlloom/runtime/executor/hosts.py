@@ -39,7 +39,6 @@ from rlloom.runtime.executor.policy import build_critic, build_policy
 from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
 from rlloom.runtime.ranks import RankGroup, Share, reshard
-from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.evaluate import eval_problems, evaluate_policy
 from rlloom.runtime.stages.experience import Experience
 from rlloom.runtime.stages.generation import (
@@ -50,8 +49,14 @@ from rlloom.runtime.stages.generation import (
     greedy_baseline,
 )
 from rlloom.runtime.stages.offline import preference_eval, preference_step
-from rlloom.runtime.stages.online import assess_from, behaviour_kl, optimise, scores
-from rlloom.runtime.stages.pipelined import pipelined_logprobs
+from rlloom.runtime.stages.online import (
+    assess_from,
+    behaviour_kl,
+    logprobs_of,
+    optimise,
+    rows_scored,
+    scores,
+)
 
 # -- batches and stage helpers (no Ray, unit-tested directly) -------------------------------
 
@@ -64,20 +69,28 @@ class Batch:
     version: int
 
 
+@dataclass(frozen=True)
+class Rows:
+    """How the training group runs a forward over a batch's rows: micro-batches of at most
+    `budget` padded tokens, each data-parallel replica (`share`) its share (`rows_scored`)."""
+    budget: int | None = None
+    ranks: RankGroup | None = None
+    share: Share = Share()
+
+
 def _trainer_logprobs(r: Rollout, policy: torch.nn.Module | PipelinedModel, temperature: float,
-                     minibatches: int) -> torch.Tensor:
-    """The sampled tokens' log-probs under the trainer's current weights [n, T]."""
-    def logprobs(part: Rollout) -> torch.Tensor:
-        if isinstance(policy, PipelinedModel):
-            return pipelined_logprobs(policy, part, temperature)
-        return response_logprobs(policy, part, temperature)[0]
-    n = len(r.finished)
-    return torch.cat([logprobs(r.select(idx)) for idx in torch.arange(n).chunk(minibatches)])
+                      rows: Rows) -> torch.Tensor:
+    """The sampled tokens' log-probs under the trainer's current weights [n, T], computed as
+    `perf.model.cost.forward` prices them: length-bucketed, shared over data parallelism (a
+    forward over whole mini-batches padded to their longest row cost 2-3x the training of a
+    step with one long response)."""
+    return rows_scored(lambda mb: logprobs_of(policy, mb, temperature), r, rows.budget,
+                       rows.ranks, rows.share)
 
 
 @torch.no_grad()
 def sampler_corrected(exp: Experience, policy: torch.nn.Module | PipelinedModel,
-                      temperature: float, minibatches: int, mode: str, cap: float
+                      temperature: float, rows: Rows, mode: str, cap: float
                       ) -> tuple[Experience, dict[str, float]]:
     """Rollouts of another engine or precision (algos/rollout_correction.py): the trainer's
     log-probs replace the sampler's as PPO's old log-probs, the advantages are weighted by the
@@ -85,7 +98,7 @@ def sampler_corrected(exp: Experience, policy: torch.nn.Module | PipelinedModel,
     r = exp.samples.rollout
     mask = r.action_mask.float()
     keep = mask > 0
-    trainer = torch.where(keep, _trainer_logprobs(r, policy, temperature, minibatches), 0.0)
+    trainer = torch.where(keep, _trainer_logprobs(r, policy, temperature, rows), 0.0)
     sampler = torch.where(keep, r.logprobs, 0.0)
     weights = tis_weights(trainer, sampler, mask, mode, cap)
     samples = replace(exp.samples, rollout=replace(r, logprobs=trainer))
@@ -95,7 +108,7 @@ def sampler_corrected(exp: Experience, policy: torch.nn.Module | PipelinedModel,
 
 @torch.no_grad()
 def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, temperature: float,
-              minibatches: int) -> tuple[Experience, float]:
+              rows: Rows = Rows()) -> tuple[Experience, float]:
     """Decoupled PPO for stale samples, expressed for the plain `ppo` loss that `optimise`
     calls: the proximal log-probs (the weights before this update) replace the behaviour
     log-probs as PPO's `old_logp`, and the advantages are scaled by the detached behaviour
@@ -104,7 +117,7 @@ def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, tempera
     `decoupled_ppo(logp, behaviour, A, prox)` (tests/runtime/test_ray_stages.py).
     Returns the corrected experience and the k1 KL(behaviour || proximal) per token."""
     r = exp.samples.rollout
-    prox = _trainer_logprobs(r, policy, temperature, minibatches)
+    prox = _trainer_logprobs(r, policy, temperature, rows)
     mask = r.action_mask.float()
     keep = mask > 0
     prox, old = torch.where(keep, prox, 0.0), torch.where(keep, r.logprobs, 0.0)
@@ -210,16 +223,15 @@ class TrainingHost:
         extra: dict[str, float] = {"lr": self.set_lr(step)}
         exp = exp.to(self.ranks.device)
         with self.spans.span("training", step, lane) as span:
-            a = self.cfg.algo
+            a, r = self.cfg.algo, self.ranks
+            rows = Rows(self.cfg.train.micro_batch_tokens, r, r.share(self.layout))
             if correct:
                 exp, extra["behaviour_kl"] = decoupled(exp, self.policy,
-                                                       self.cfg.rollout.temperature,
-                                                       a.minibatches)
+                                                       self.cfg.rollout.temperature, rows)
             elif recomputes_behaviour(self.cfg.rollout.engine, a.rollout_is):
                 exp, mismatch = sampler_corrected(exp, self.policy, self.cfg.rollout.temperature,
-                                                  a.minibatches, a.rollout_is, a.rollout_is_cap)
+                                                  rows, a.rollout_is, a.rollout_is_cap)
                 extra.update(mismatch)
-            r = self.ranks
             stats = optimise(self.policy, self.optimizer, exp, self.critic,
                              self.critic_optimizer, kl_coef, self.opt_cfg, self.shuffle_gen,
                              r.share(self.layout), r.share(self.critic_layout), r.agree())

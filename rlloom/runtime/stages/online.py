@@ -50,21 +50,9 @@ def scores(s: Samples, reference: CausalLM | PipelinedModel | None,
     shares are all-gathered."""
     r, budget = s.rollout, cfg.train.micro_batch_tokens
     if ranks is not None and ranks.world > 1:
-        def scored(fn: Callable[[Rollout], torch.Tensor], share: Share) -> torch.Tensor:
-            rows = share.rows(torch.arange(len(r.finished), device=r.finished.device))
-            part = bucketed(lambda mb, _: fn(mb), r.select(rows), budget, agree=ranks.most)
-            out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
-            for got in ranks.gather((rows.cpu(), part.cpu()) if share.leader else None):
-                if got is not None:
-                    out[got[0].to(out.device)] = got[1].to(out.device)
-            return out
-
-        def ref_logprobs(mb: Rollout) -> torch.Tensor:
-            if isinstance(reference, PipelinedModel):
-                return pipelined_logprobs(reference, mb, cfg.rollout.temperature)
-            return response_logprobs(reference, mb, cfg.rollout.temperature)[0]
-        return ((scored(ref_logprobs, ref_share) if reference is not None else None),
-                (scored(lambda mb: values_of(critic, mb), critic_share)
+        return ((rows_scored(lambda mb: logprobs_of(reference, mb, cfg.rollout.temperature),
+                             r, budget, ranks, ref_share) if reference is not None else None),
+                (rows_scored(lambda mb: values_of(critic, mb), r, budget, ranks, critic_share)
                  if critic is not None else None))
     ref_logp = None
     if reference is not None:
@@ -75,9 +63,18 @@ def scores(s: Samples, reference: CausalLM | PipelinedModel | None,
             ref_logp[chunk] = bucketed(lambda mb, rows, prompts=prompts: response_logprobs(
                 reference, mb, cfg.rollout.temperature, prompts=prompts, rows=rows)[0], part,
                 budget, prompts_done=True)
-    old_values = (bucketed(lambda mb, _: values_of(critic, mb), r, budget)
+    old_values = (rows_scored(lambda mb: values_of(critic, mb), r, budget)
                   if critic is not None else None)
     return ref_logp, old_values
+
+
+def logprobs_of(model: CausalLM | PipelinedModel, r: Rollout, temperature: float
+                ) -> torch.Tensor:
+    """The sampled tokens' log-probs [n, T] under `model` (`batch.response_logprobs`, or a
+    pipelined model's)."""
+    if isinstance(model, PipelinedModel):
+        return pipelined_logprobs(model, r, temperature)
+    return response_logprobs(model, r, temperature)[0]
 
 
 def values_of(critic: ValueModel | ActorCritic | PipelinedModel, r: Rollout) -> torch.Tensor:
@@ -118,6 +115,24 @@ def assess_from(s: Samples, ref_logp: torch.Tensor | None, old_values: torch.Ten
     advantages, returns = ADVANTAGES.get(a.advantage)(AdvantageInputs(
         token_rewards, mask, s.group_ids, old_values, baseline, a.gamma, a.lam))
     return Experience(s, loss_mask, ref_logp, old_values, advantages * loss_mask, returns)
+
+
+def rows_scored(fn: Callable[[Rollout], torch.Tensor], r: Rollout, budget: int | None,
+                ranks: RankGroup | None = None, share: Share = Share()) -> torch.Tensor:
+    """`fn(micro-batch)` [rows, T] of every row of `r`, in length-bucketed micro-batches
+    (`bucketed`). In a group of ranks that all hold the whole batch, each data-parallel
+    replica of the scoring model's layout (`share`) scores its share of the rows in as many
+    micro-batches as every other rank (their collectives pair up), and the shares are
+    all-gathered: the work `perf.model.cost.forward` prices."""
+    if ranks is None or ranks.world == 1:
+        return bucketed(lambda mb, _: fn(mb), r, budget)
+    rows = share.rows(torch.arange(len(r.finished), device=r.finished.device))
+    part = bucketed(lambda mb, _: fn(mb), r.select(rows), budget, agree=ranks.most)
+    out = torch.zeros(r.response_ids.shape, device=r.response_ids.device)
+    for got in ranks.gather((rows.cpu(), part.cpu()) if share.leader else None):
+        if got is not None:
+            out[got[0].to(out.device)] = got[1].to(out.device)
+    return out
 
 
 def bucketed(score: Callable[[Rollout, torch.Tensor], torch.Tensor], r: Rollout,
