@@ -136,6 +136,17 @@ def test_infinite_loop(pool):
     assert hostile(pool, "while True:\n    pass\n").reason in ("timeout", "cpu limit")
 
 
+def test_a_cpu_kill_on_a_shared_core_is_the_cpu_limit():
+    """RLIMIT_CPU's SIGKILL comes on tick-sampled time: a busy loop under a 1 s limit, beside
+    another test suite, died after 0.904 s of the exact time wait4 reports, and was reported
+    as "killed by signal 9". A SIGKILL well short of the limit stays what it is."""
+    from rlloom.rewards.box import SandboxLimits, _describe
+    limits = SandboxLimits(cpu_s=1)
+    assert _describe(-9, 0.904, False, limits) == "cpu limit"
+    assert _describe(-9, 0.3, False, limits) == "killed by signal 9"
+    assert _describe(-9, 0.904, True, limits) == "memory limit"
+
+
 def test_sleeping_program_times_out(pool):
     assert hostile(pool, "import time\ntime.sleep(30)\n").reason == "timeout"
 
