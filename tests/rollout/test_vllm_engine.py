@@ -26,6 +26,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
+    """The environment `rlloom setup vllm` makes, in the user's rlloom cache on purpose (unlike
+    the suite's models): 2.5 GB and 2 minutes to build, so built once per machine. A session
+    fixture is set up before the per-test `_isolated_cache`, so RLLOOM_CACHE here is still
+    the user's."""
     if os.environ.get("RLLOOM_VLLM_PYTHON"):
         return os.environ["RLLOOM_VLLM_PYTHON"]
     venv = default_venv()
