@@ -17,6 +17,7 @@ world holds a mesh per layout. Data flow inside a group:
 """
 from __future__ import annotations
 
+import gc
 import socket
 import time
 from dataclasses import dataclass, field
@@ -291,7 +292,11 @@ def whole_weights(model: nn.Module | PipelinedModel, cpu: bool = False
 def leave_world() -> None:
     """Destroy the process group, if one was joined, while the interpreter is still whole:
     left to interpreter teardown, gloo's worker threads may release tensors after Python is
-    gone and abort the process (SIGABRT) at random, after a run that succeeded."""
+    gone and abort the process (SIGABRT) at random, after a run that succeeded. Callers drop
+    their models first: what is collected here, FSDP2 states and meshes, is freed while the
+    groups it references still exist (a kept Ray rank closed in the other order was seen to
+    abort on a corrupt heap, "malloc(): unaligned tcache chunk detected", in its next run)."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
         forget_meshes()

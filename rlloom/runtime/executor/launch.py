@@ -153,4 +153,5 @@ def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | Non
     finally:
         if lock is not None:
             lock.release()
+        loop = None  # its models go before the process groups they reference
         leave_world()

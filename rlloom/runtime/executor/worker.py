@@ -27,7 +27,6 @@ which must answer while a stage runs on the default thread; they issue no collec
 """
 from __future__ import annotations
 
-import gc
 import os
 import socket
 from pathlib import Path
@@ -228,13 +227,9 @@ class GroupWorker:
         if self.pool is not None:
             self.pool.close()
         self.channels.clear()  # their process groups go before the interpreter does
-        # a kept process holds no model between runs; the models (FSDP2 states, meshes) go
-        # while the process groups they reference still exist, then the groups (a kept rank
-        # closed in the other order was seen to abort on a corrupt heap, "malloc(): unaligned
-        # tcache chunk detected", in the next run it served)
+        # a kept process holds no model between runs; dropped before the groups go
         self.pool = self.training = self.generation = self.assessment = None
         self.preferences = None
-        gc.collect()
         leave_world()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
