@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,23 @@ from rlloom.perf.model.hardware import (
     local_hardware_path,
     measurement_doubts,
 )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long the microbenchmarks time: each batch of calls runs `min_time` seconds at least
+    (`collective_min_time` for the 2-process ones), repeats stop once `budget_s` has passed,
+    and the runtime's stages run `stage_steps` steps."""
+    min_time: float = 0.3
+    collective_min_time: float = 0.2
+    budget_s: float = 1.5
+    stage_steps: int = 5
+
+
+FULL = Budget()
+# `rlloom bench hw --quick`: a tenth of the timing, for a file to try the cost model with
+# (about 15 s instead of 45 on 2 cores); its prices are rougher and the file says so
+QUICK = Budget(min_time=0.03, collective_min_time=0.02, budget_s=0.15, stage_steps=2)
 
 
 def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 1.5,
@@ -65,23 +82,23 @@ def _any_rank(more: bool) -> bool:
     return bool(flag.item())
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 1024) -> tuple[float, float]:
+def matmul_flops(dtype: torch.dtype, budget: Budget, n: int = 1024) -> tuple[float, float]:
     """FLOP/s of an n x n matmul, and its spread."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    best, spread = _best_seconds(lambda: a @ b)
+    best, spread = _best_seconds(lambda: a @ b, budget.min_time, budget.budget_s)
     return 2 * n**3 / best, spread
 
 
-def memory_bandwidth(nbytes: int = 256 * 2**20) -> tuple[float, float]:
+def memory_bandwidth(budget: Budget, nbytes: int = 256 * 2**20) -> tuple[float, float]:
     """Bytes read plus written per second by a large copy, and its spread."""
     src = torch.empty(nbytes // 4)
     dst = torch.empty_like(src)
-    best, spread = _best_seconds(lambda: dst.copy_(src))
+    best, spread = _best_seconds(lambda: dst.copy_(src), budget.min_time, budget.budget_s)
     return 2 * nbytes / best, spread
 
 
-def attention_element_seconds(rows: int = 32, heads: int = 4, head_dim: int = 32
-                              ) -> tuple[float, float]:
+def attention_element_seconds(budget: Budget, rows: int = 32, heads: int = 4,
+                              head_dim: int = 32) -> tuple[float, float]:
     """Seconds per causal score element and head of a fused attention forward (SDPA, as the
     runtime's teacher-forced passes call it), from the difference between two context
     lengths so that the call's fixed cost cancels; and the wider spread of the two."""
@@ -89,7 +106,8 @@ def attention_element_seconds(rows: int = 32, heads: int = 4, head_dim: int = 32
         q, k, v = (torch.randn(rows, heads, t, head_dim) for _ in range(3))
         with torch.no_grad():
             return _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v,
-                                                                        is_causal=True))
+                                                                        is_causal=True),
+                                 budget.min_time, budget.budget_s)
     short, long = 64, 128
     elements = rows * heads * (long * (long + 1) - short * (short + 1)) / 2
     (t_long, s_long), (t_short, s_short) = seconds(long), seconds(short)
@@ -123,12 +141,12 @@ def _operators(fn: Callable[[], object]) -> int:
     return Count.ops
 
 
-def dispatch_seconds() -> tuple[float, float]:
+def dispatch_seconds(budget: Budget) -> tuple[float, float]:
     """Host time per operator: a forward of `_dispatch_model` divided by its operators; and
     its spread."""
     model, ids, ops = _dispatch_model()
     with torch.no_grad():
-        best, spread = _best_seconds(lambda: model(ids))
+        best, spread = _best_seconds(lambda: model(ids), budget.min_time, budget.budget_s)
     return best / ops, spread
 
 
@@ -139,7 +157,7 @@ STAGE_RUN = ["model.hidden_size=16", "model.layers=2", "model.heads=2", "model.k
              "checkpoint.every=1000", "eval.every=1000"]
 
 
-def stage_dispatch_seconds(hw: Hardware, steps: int = 5) -> tuple[float, float]:
+def stage_dispatch_seconds(hw: Hardware, steps: int) -> tuple[float, float]:
     """Host seconds per operator of the runtime's assessment and training stages: `steps`
     steps (after a warm-up one) of `STAGE_RUN`, less their device work priced at `hw`'s
     rates, over the operators the cost model prices for them. What a plain forward's
@@ -195,7 +213,7 @@ def _world(rank: int, world: int, rendezvous: str) -> Iterator[None]:
     os._exit(0)
 
 
-def _wrapper_worker(rank: int, rendezvous: str, out: dict) -> None:
+def _wrapper_worker(rank: int, rendezvous: str, budget: Budget, out: dict) -> None:
     """In a world of one gloo process, `_dispatch_model` trained plain and under FSDP2's
     replicate (each layer and the root wrapped, as every data-parallel layout that trains):
     the added time of a forward + backward per wrapped module, and of an optimizer step
@@ -226,28 +244,39 @@ def _wrapper_worker(rank: int, rendezvous: str, out: dict) -> None:
                 optim.zero_grad(set_to_none=False)
             pass_()
             step()
-            timed.append((_best_seconds(pass_), _best_seconds(step)))
+            timed.append((_best_seconds(pass_, budget.min_time, budget.budget_s),
+                          _best_seconds(step, budget.min_time, budget.budget_s)))
         ops = _operators(step)  # the wrapped model's: the same operators as the plain one
         out["wrapped_pass_s"] = max(timed[1][0][0] - timed[0][0][0], 0.0) / (len(layers) + 1)
         out["sharded_launch_s"] = max(timed[1][1][0] - timed[0][1][0], 0.0) / ops
         out["spread"] = max(spread for pair in timed for _, spread in pair)
 
 
-def wrapper_seconds() -> tuple[float, float, float]:
+def wrapper_seconds(budget: Budget) -> tuple[float, float, float]:
     """(seconds per wrapped module per forward + backward, added seconds per optimizer-step
     operator) of FSDP2's data-parallel wrappers (see `_wrapper_worker`), and the spread."""
-    out = _spawned(_wrapper_worker, 1)
+    out = _spawned(_wrapper_worker, 1, budget)
     return out["wrapped_pass_s"], out["sharded_launch_s"], out["spread"]
 
 
-def _reduce_worker(rank: int, rendezvous: str, out: dict) -> None:
-    """Two gloo processes training `_dispatch_model` under replicate, both at once: the
-    added time of a backward that all-reduces the gradients over one that does not, per
-    wrapped module."""
+def _pair_worker(rank: int, rendezvous: str, sizes: list[int], budget: Budget, out: dict
+                 ) -> None:
+    """Two gloo processes (one world for both measurements: each process's start costs
+    seconds of imports): a plain all-reduce's seconds per message size in `sizes`; then,
+    training `_dispatch_model` under replicate both at once, the added time of a backward that
+    all-reduces the gradients over one that does not, per wrapped module."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
+    def timed(fn: Callable[[], object]) -> tuple[float, float]:
+        return _best_seconds(fn, budget.collective_min_time, budget.budget_s, agree=_any_rank)
+
     with _world(rank, 2, rendezvous):
+        for n in sizes:
+            x = torch.ones(n // 4)
+            seconds = timed(lambda: dist.all_reduce(x))
+            if rank == 0:
+                out[n] = seconds
         model, ids, _ = _dispatch_model()
         modules = [*model.model.layers, model]
         mesh = init_device_mesh("cpu", (2,))
@@ -256,36 +285,24 @@ def _reduce_worker(rank: int, rendezvous: str, out: dict) -> None:
 
         def pass_() -> None:
             model(ids).float().sum().backward()
-        timed = []
+        passes = []
         for sync in (True, False):
             model.set_requires_gradient_sync(sync)
             pass_()
             dist.barrier()
-            timed.append(_best_seconds(pass_, min_time=0.2, agree=_any_rank))
+            passes.append(timed(pass_))
         if rank == 0:
-            out["reduce_s"] = max(timed[0][0] - timed[1][0], 0.0) / len(modules)
-            out["spread"] = max(spread for _, spread in timed)
+            out["reduce_s"] = max(passes[0][0] - passes[1][0], 0.0) / len(modules)
+            out["reduce_spread"] = max(spread for _, spread in passes)
 
 
-def reduce_seconds() -> tuple[float, float]:
-    """Seconds of one wrapped module's gradient all-reduce under replicate, two ranks busy
-    (see `_reduce_worker`), and the spread."""
-    out = _spawned(_reduce_worker, 2)
-    return out["reduce_s"], out["spread"]
-
-
-def _all_reduce_worker(rank: int, rendezvous: str, sizes: list[int], out: dict) -> None:
-    with _world(rank, 2, rendezvous):
-        for n in sizes:
-            x = torch.ones(n // 4)
-            seconds = _best_seconds(lambda: dist.all_reduce(x), min_time=0.2, agree=_any_rank)
-            if rank == 0:
-                out[n] = seconds
-
-
-def all_reduce_times(sizes: list[int]) -> dict[int, tuple[float, float]]:
-    """(seconds, spread) per gloo all-reduce between two local processes, by message bytes."""
-    return _spawned(_all_reduce_worker, 2, sizes)
+def collective_seconds(sizes: list[int], budget: Budget
+                       ) -> tuple[dict[int, tuple[float, float]], float, float]:
+    """(seconds, spread) per gloo all-reduce between two local processes, by message bytes;
+    the seconds of one wrapped module's gradient all-reduce under replicate with two ranks
+    busy, and its spread (see `_pair_worker`)."""
+    out = _spawned(_pair_worker, 2, sizes, budget)
+    return {n: out[n] for n in sizes}, out["reduce_s"], out["reduce_spread"]
 
 
 def _spawned(worker: Callable[..., None], nprocs: int, *args: Any) -> dict:
@@ -332,11 +349,11 @@ class OthersLoad:
         return min(max((busy1 - busy0 - (own1 - own0)) / (total1 - total0), 0.0), 1.0)
 
 
-def measure(progress: Callable[[str], None] = print) -> Hardware:
+def measure(progress: Callable[[str], None] = print, budget: Budget = FULL) -> Hardware:
     """This machine's rates, each microbenchmark's spread and the load of other processes
-    while it measured (`measurement_doubts` reads them)."""
+    while it measured (`measurement_doubts` reads them, and `quick`: 1 when timed at `QUICK`)."""
     with OthersLoad() as load:
-        hw, spreads = _measure(progress)
+        hw, spreads = _measure(progress, budget)
     # a 2-process round trip's latency on a host with no spare core is scheduling jitter
     # (23-52% measured on a quiet 2-core host): kept, but it says nothing of a disturbance
     judged = [v for k, v in spreads.items() if k != "gloo_latency"]
@@ -344,27 +361,27 @@ def measure(progress: Callable[[str], None] = print) -> Hardware:
                    extra={**hw.extra, "measured_at": round(time.time()),
                           **{f"spread_{k}": round(v, 4) for k, v in spreads.items()},
                           "spread_max": round(max(judged), 4),
-                          "other_load": round(load.share, 4)})
+                          "other_load": round(load.share, 4),
+                          "quick": float(budget == QUICK)})
 
 
-def _measure(progress: Callable[[str], None]) -> tuple[Hardware, dict[str, float]]:
+def _measure(progress: Callable[[str], None], budget: Budget
+             ) -> tuple[Hardware, dict[str, float]]:
     progress("matmul fp32 ...")
-    fp32, s_fp32 = matmul_flops(torch.float32)
+    fp32, s_fp32 = matmul_flops(torch.float32, budget)
     progress("matmul bf16 ...")
-    bf16, s_bf16 = matmul_flops(torch.bfloat16)
+    bf16, s_bf16 = matmul_flops(torch.bfloat16, budget)
     progress("memory bandwidth ...")
-    bw, s_bw = memory_bandwidth()
+    bw, s_bw = memory_bandwidth(budget)
     progress("attention ...")
-    attn_elem, s_attn = attention_element_seconds()
+    attn_elem, s_attn = attention_element_seconds(budget)
     progress("operator dispatch ...")
-    launch, s_launch = dispatch_seconds()
+    launch, s_launch = dispatch_seconds(budget)
     progress("data-parallel wrappers ...")
-    wrapped, sharded, s_wrapped = wrapper_seconds()
-    progress("gloo all-reduce between 2 processes ...")
+    wrapped, sharded, s_wrapped = wrapper_seconds(budget)
+    progress("gloo all-reduce between 2 processes, then replicate's gradient all-reduce ...")
     small, large = 4, 16 * 2**20
-    times = all_reduce_times([small, large])
-    progress("gradient all-reduce from replicate's hooks, 2 ranks busy ...")
-    reduce, s_reduce = reduce_seconds()
+    times, reduce, s_reduce = collective_seconds([small, large], budget)
     # A 2-process ring all-reduce sends n/2 bytes twice: alpha from the tiny message, the
     # bandwidth from the large one net of that latency.
     alpha = times[small][0] / 2
@@ -381,15 +398,15 @@ def _measure(progress: Callable[[str], None]) -> tuple[Hardware, dict[str, float
                   extra={"threads": float(torch.get_num_threads()),
                          "cpus": float(os.cpu_count() or 1)})
     progress("the runtime's stages on a model too small to compute ...")
-    assess_launch, train_launch = stage_dispatch_seconds(hw)
+    assess_launch, train_launch = stage_dispatch_seconds(hw, budget.stage_steps)
     spreads = {"fp32": s_fp32, "bf16": s_bf16, "memory": s_bw, "attention": s_attn,
                "dispatch": s_launch, "wrappers": s_wrapped, "grad_reduce": s_reduce,
                "gloo_latency": times[small][1], "gloo_bandwidth": times[large][1]}
     return replace(hw, assess_launch_s=assess_launch, train_launch_s=train_launch), spreads
 
 
-def bench_hw(out: Path | None = None) -> str:
-    hw = measure()
+def bench_hw(out: Path | None = None, quick: bool = False) -> str:
+    hw = measure(budget=QUICK if quick else FULL)
     path = out or local_hardware_path()
     hw.save(path)
     doubts = measurement_doubts(hw)

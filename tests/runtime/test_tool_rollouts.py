@@ -115,7 +115,9 @@ def test_a_conversation_waiting_on_its_tool_does_not_hold_up_the_others(caller):
                      for x, m in zip(r.response_ids, r.response_mask)])
     assert runs[0] == ["<call calculator>2*2</call><result>4</result>A:4",
                        "<call calculator>3*3</call><result>9</result>A:9"]
-    assert runs[1][0] == "<call calculator>2*2</call><result>late</result>A:4"
+    # what the model writes after "late", a result it never saw in training, turns on the
+    # last bits of its weights (the thread count its fixture trained with): not asserted
+    assert runs[1][0].startswith("<call calculator>2*2</call><result>late</result>")
 
 
 # the engine with every conversation in a slot, with 3 slots (parked slots hold theirs while

@@ -190,6 +190,8 @@ def measurement_doubts(hw: Hardware) -> list[str]:
     if load > LOAD_LIMIT:
         doubts.append(f"other processes used {load:.0%} of the CPUs while it was measured "
                       f"(limit {LOAD_LIMIT:.0%})")
+    if hw.extra.get("quick"):
+        doubts.append("it was measured with --quick (timed batches a tenth as long)")
     installed = installed_version()
     if hw.rlloom_version and installed and hw.rlloom_version != installed:
         doubts.append(f"rlloom {hw.rlloom_version} measured it, this is rlloom {installed}")
