@@ -242,11 +242,19 @@ def node_split_warning(cfg: RunConfig, spec: DeviceGroup, nodes: list[str]) -> s
             f"{inner} of the group's ranks (--group-cpus, the nodes' sizes) or lower tp/cp")
 
 
+# A clean run's ranks may take this long to close before they are killed instead of kept: on a
+# busy machine Ray's workers (niceness 15) can wait seconds for a core, and a rank discarded
+# there costs the next group a process start (several CPU-seconds of imports)
+KEEP_CLOSE_S = 60.0
+
+
 def remove_groups(groups: list[WorkerGroup], wait_s: float, keep: bool = False) -> None:
-    """Close every rank (its sandbox pool and process group), kill it and free its bundle;
-    with `keep` (a run that ended cleanly), a group whose ranks all closed after their last
-    call is kept for the next group of its shape instead (`pool.py`)."""
+    """Close every rank (its sandbox pool and process group), kill it and free its bundle,
+    waiting `wait_s` for the closes; with `keep` (a run that ended cleanly), a group whose
+    ranks all closed after their last call, within `KEEP_CLOSE_S`, is kept for the next group
+    of its shape instead (`pool.py`)."""
     import ray
+    wait_s = max(wait_s, KEEP_CLOSE_S) if keep else wait_s
     # kept: close on the stage thread, after any call still queued there (an async schedule's
     # prefetch); else on the control thread, which answers while a stage hangs
     control = {} if keep else {"concurrency_group": "control"}
