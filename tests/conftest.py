@@ -1,7 +1,15 @@
+import sys
 from pathlib import Path
 
 import pytest
 from tiny_run import TINY
+
+# The suite starts ~100 Python processes (Ray ranks, torchrun and spawned ranks, CLI runs) that
+# import rlloom; where PYTHONDONTWRITEBYTECODE is set (this project's CI image sets it), each
+# would compile rlloom's sources again (0.2 CPU-s a process) and each xdist worker its tests
+# (1.8 CPU-s). The test processes write the bytecode (to the gitignored __pycache__) once;
+# the processes they start read it.
+sys.dont_write_bytecode = False
 
 # Markers, set here by where a test lives so that no test can miss one (pyproject lists them):
 # ray (starts or joins a Ray instance), vllm (the vLLM backend), slow (a module whose tests
