@@ -17,8 +17,9 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 # the built-in tiny model with two KV heads, so tensor parallelism has something to split
+# (held-out evaluation of 4 tokens: a group's greedy decode costs per token)
 RUN = ["model.kv_heads=2", "train.prompts_per_step=8", "train.steps=2", "checkpoint.every=2",
-       "eval.every=2", "algo.overlong=penalty"]
+       "eval.every=2", "eval.max_new_tokens=4", "algo.overlong=penalty"]
 TINY_SHAPE = ModelShape("tiny", layers=2, hidden=32, ffn=96, heads=2, kv_heads=2, head_dim=16,
                         vocab=64, qkv_bias=False)
 

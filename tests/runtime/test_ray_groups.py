@@ -181,7 +181,8 @@ def test_shared_actor_critic_and_dynamic_sampling_run_in_groups(tmp_path, tiny, 
 
 
 @pytest.mark.parametrize("group, layout", [
-    ("actor", DISAGGREGATED[1:]),
+    ("actor", ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
+               "plan.layouts.generation.dp=1"]),
     ("generation", ["plan.layouts.generation.dp=2"]),
     ("actor", ["plan.layouts.generation.dp=1", "plan.layouts.actor.pp=2"]),
     ("actor", ["plan.layouts.generation.dp=1", "model.family=qwen3_moe", "plan.layouts.actor.dp=2",
