@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("bench", help="measure this machine for the performance model")
     p.add_argument("what", choices=["hw"], help="hw: matmul, memory, dispatch, all-reduce")
     p.add_argument("--out", help="hardware file (default: the cache, used as `local`)")
-    p.add_argument("--quick", action="store_true", help="time a tenth as long (about 15 s "
+    p.add_argument("--quick", action="store_true", help="time a tenth as long (about 20 s "
                    "instead of 45 on 2 CPU cores): rougher rates, and the file says so")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("perf", help="check the performance model against measured runs")

@@ -40,7 +40,7 @@ class Budget:
 
 FULL = Budget()
 # `rlloom bench hw --quick`: a tenth of the timing, for a file to try the cost model with
-# (about 15 s instead of 45 on 2 cores); its prices are rougher and the file says so
+# (about 20 s instead of 45 on 2 cores); its prices are rougher and the file says so
 QUICK = Budget(min_time=0.03, collective_min_time=0.02, budget_s=0.15, stage_steps=2)
 
 
