@@ -44,7 +44,7 @@ FULL = Budget()
 QUICK = Budget(min_time=0.03, collective_min_time=0.02, budget_s=0.15, stage_steps=2)
 
 
-def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: float = 1.5,
+def _best_seconds(fn: Callable[[], object], min_time: float, budget_s: float,
                   agree: Callable[[bool], bool] = lambda more: more) -> tuple[float, float]:
     """Fastest mean time per call over timed batches of at least `min_time` each, and the
     batches' spread ((median - fastest) / fastest): batches repeat, 3 at least, until the
@@ -75,6 +75,11 @@ def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, budget_s: flo
             return best, spread
 
 
+def _timed(fn: Callable[[], object], budget: Budget) -> tuple[float, float]:
+    """`_best_seconds` of a one-process microbenchmark at `budget`."""
+    return _best_seconds(fn, budget.min_time, budget.budget_s)
+
+
 def _any_rank(more: bool) -> bool:
     """True on every rank when any rank wants another batch (a one-element all-reduce)."""
     flag = torch.tensor([int(more)])
@@ -85,7 +90,7 @@ def _any_rank(more: bool) -> bool:
 def matmul_flops(dtype: torch.dtype, budget: Budget, n: int = 1024) -> tuple[float, float]:
     """FLOP/s of an n x n matmul, and its spread."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    best, spread = _best_seconds(lambda: a @ b, budget.min_time, budget.budget_s)
+    best, spread = _timed(lambda: a @ b, budget)
     return 2 * n**3 / best, spread
 
 
@@ -93,7 +98,7 @@ def memory_bandwidth(budget: Budget, nbytes: int = 256 * 2**20) -> tuple[float, 
     """Bytes read plus written per second by a large copy, and its spread."""
     src = torch.empty(nbytes // 4)
     dst = torch.empty_like(src)
-    best, spread = _best_seconds(lambda: dst.copy_(src), budget.min_time, budget.budget_s)
+    best, spread = _timed(lambda: dst.copy_(src), budget)
     return 2 * nbytes / best, spread
 
 
@@ -105,9 +110,8 @@ def attention_element_seconds(budget: Budget, rows: int = 32, heads: int = 4,
     def seconds(t: int) -> tuple[float, float]:
         q, k, v = (torch.randn(rows, heads, t, head_dim) for _ in range(3))
         with torch.no_grad():
-            return _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v,
-                                                                        is_causal=True),
-                                 budget.min_time, budget.budget_s)
+            return _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                          budget)
     short, long = 64, 128
     elements = rows * heads * (long * (long + 1) - short * (short + 1)) / 2
     (t_long, s_long), (t_short, s_short) = seconds(long), seconds(short)
@@ -146,7 +150,7 @@ def dispatch_seconds(budget: Budget) -> tuple[float, float]:
     its spread."""
     model, ids, ops = _dispatch_model()
     with torch.no_grad():
-        best, spread = _best_seconds(lambda: model(ids), budget.min_time, budget.budget_s)
+        best, spread = _timed(lambda: model(ids), budget)
     return best / ops, spread
 
 
@@ -244,8 +248,7 @@ def _wrapper_worker(rank: int, rendezvous: str, budget: Budget, out: dict) -> No
                 optim.zero_grad(set_to_none=False)
             pass_()
             step()
-            timed.append((_best_seconds(pass_, budget.min_time, budget.budget_s),
-                          _best_seconds(step, budget.min_time, budget.budget_s)))
+            timed.append((_timed(pass_, budget), _timed(step, budget)))
         ops = _operators(step)  # the wrapped model's: the same operators as the plain one
         out["wrapped_pass_s"] = max(timed[1][0][0] - timed[0][0][0], 0.0) / (len(layers) + 1)
         out["sharded_launch_s"] = max(timed[1][1][0] - timed[0][1][0], 0.0) / ops
@@ -268,13 +271,13 @@ def _pair_worker(rank: int, rendezvous: str, sizes: list[int], budget: Budget, o
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
-    def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    def collective(fn: Callable[[], object]) -> tuple[float, float]:
         return _best_seconds(fn, budget.collective_min_time, budget.budget_s, agree=_any_rank)
 
     with _world(rank, 2, rendezvous):
         for n in sizes:
             x = torch.ones(n // 4)
-            seconds = timed(lambda: dist.all_reduce(x))
+            seconds = collective(lambda: dist.all_reduce(x))
             if rank == 0:
                 out[n] = seconds
         model, ids, _ = _dispatch_model()
@@ -290,7 +293,7 @@ def _pair_worker(rank: int, rendezvous: str, sizes: list[int], budget: Budget, o
             model.set_requires_gradient_sync(sync)
             pass_()
             dist.barrier()
-            passes.append(timed(pass_))
+            passes.append(collective(pass_))
         if rank == 0:
             out["reduce_s"] = max(passes[0][0] - passes[1][0], 0.0) / len(modules)
             out["reduce_spread"] = max(spread for _, spread in passes)
