@@ -1,3 +1,4 @@
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -10,6 +11,14 @@ from tiny_run import TINY
 # (1.8 CPU-s). The test processes write the bytecode (to the gitignored __pycache__) once;
 # the processes they start read it.
 sys.dont_write_bytecode = False
+
+# Processes the tests start from Python (the parallel harness's ranks, the weight channel's
+# members) fork from a forkserver that imported these once: a rank that imported them itself
+# would spend ~2 CPU-s on it, more than its work; the forkserver, unlike plain fork, holds
+# none of the test process's OpenMP threads.
+multiprocessing.get_context("forkserver").set_forkserver_preload(
+    ["torch", "torch.distributed.tensor", "torch._dynamo", "pytest", "rlloom.models.transformer",
+     "rlloom.parallel.apply", "rlloom.runtime.ranks", "rlloom.runtime.executor.weight_channel"])
 
 # Markers, set here by where a test lives so that no test can miss one (pyproject lists them):
 # ray (starts or joins a Ray instance), vllm (the vLLM backend), slow (a module whose tests

@@ -2,13 +2,12 @@
 single-process reference step.
 
 `spawn(fn, world, *args)` runs `fn(*args)` in `world` processes that already joined one gloo
-group and returns each rank's result. Processes are forked from a forkserver that imported
-torch once (fast, and unlike plain fork free of the parent's OpenMP threads).
+group and returns each rank's result. Processes are forked from the suite's forkserver
+(tests/conftest.py), which imported torch and rlloom once.
 """
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import pickle
 import tempfile
 from pathlib import Path
@@ -24,9 +23,6 @@ from rlloom.models.transformer import CausalLM
 
 VOCAB = 48
 LR = 1e-2
-
-multiprocessing.get_context("forkserver").set_forkserver_preload(
-    ["torch", "torch.distributed.tensor", "rlloom.models.transformer"])
 
 
 def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple) -> None:

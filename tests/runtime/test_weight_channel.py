@@ -38,7 +38,7 @@ def _run(expected: list[dict], bucket_bytes: int = 1 << 20) -> list:
     world = len(expected) + 1
     args = [(address, r, world, expected[r - 1] if r else {}, bucket_bytes)
             for r in range(world)]
-    with mp.get_context("spawn").Pool(world) as pool:
+    with mp.get_context("forkserver").Pool(world) as pool:  # conftest.py preloads
         return pool.starmap(_member, args, chunksize=1)
 
 
