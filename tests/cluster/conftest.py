@@ -1,6 +1,8 @@
 """One namespace Ray cluster (netns.py) for the tests of this directory: a head, where the
 driver runs, and two worker nodes of 2 CPUs. Each xdist worker that runs one of these tests
-starts its own (the namespaces are named by process), so they are kept in one module."""
+starts its own (the namespaces are named by process), so they are kept in one module; the
+cluster stops with the module (idle, its 3 nodes' daemons would burn ~40 CPU-s by the end of
+the session)."""
 import pytest
 from netns import NamespaceCluster, NamespaceError
 
@@ -8,7 +10,7 @@ pytest.importorskip("ray")
 pytest.importorskip("psutil")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ns_cluster(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     root = tmp_path_factory.mktemp("nscluster")

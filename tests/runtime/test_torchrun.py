@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_run import TINY
 
 from rlloom.cli import main
 
@@ -55,15 +56,24 @@ def _check(run, stdout: str) -> list[dict]:
     return rows
 
 
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> tuple[list[str], str]:
+    """The tiny run with KV heads TP can split, and its SFT warm start (both ranks load the
+    same weights), made once for the module's runs."""
+    tiny = [*TINY, "model.kv_heads=2"]
+    out = tmp_path_factory.mktemp("warm")
+    main(["sft", *tiny, "--out", str(out)])
+    return tiny, f"model.path={out}"
+
+
 # fsdp and tp run in test_sharded_checkpoint_resumes_at_another_layout (and FSDP training
 # in hybrid): one torchrun start each fewer
 @pytest.mark.parametrize("name", ["hybrid", "pp", "lora_zero3"])
-def test_train_runs_under_torchrun(name, tmp_path, tiny):
+def test_train_runs_under_torchrun(name, tmp_path, warm):
     run = tmp_path / name
-    tiny = [*tiny, "model.kv_heads=2"]  # TP splits KV heads
-    main(["sft", *tiny, "--out", str(tmp_path / "warm")])  # both ranks load the same weights
+    tiny, model = warm
     # a small token budget: several micro-batches per mini-batch, as many on every rank
-    done = _torchrun([*tiny, *LAYOUTS[name], f"model.path={tmp_path / 'warm'}",
+    done = _torchrun([*tiny, *LAYOUTS[name], model,
                       "train.prompts_per_step=4", "train.micro_batch_tokens=40",
                       f"run_dir={run}"], tmp_path)
     assert done.returncode == 0, _why(done)
@@ -87,13 +97,12 @@ def test_wrong_world_size_is_a_clear_error(tmp_path, tiny, monkeypatch, capsys):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, tiny):
+def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, warm):
     """2 steps with FSDP over 2 ranks, then `--resume` with TP over 2 ranks: the sharded
     checkpoint is read into the new layout and the run continues at step 3."""
-    tiny = [*tiny, "model.kv_heads=2"]
-    main(["sft", *tiny, "--out", str(tmp_path / "warm")])
+    tiny, model = warm
     run = tmp_path / "run"
-    args = [*tiny, f"model.path={tmp_path / 'warm'}", "train.prompts_per_step=4",
+    args = [*tiny, model, "train.prompts_per_step=4",
             "train.micro_batch_tokens=40"]
     first = _torchrun([*args, "train.steps=2", *LAYOUTS["fsdp"], f"run_dir={run}"], tmp_path)
     assert first.returncode == 0, _why(first)
@@ -134,16 +143,15 @@ def test_torchrun_plans_pass_the_trainers_checks(tmp_path):
                     assert p.sync_s > 0
 
 
-def test_a_plan_file_for_torchrun_runs_as_written(tmp_path, tiny):
+def test_a_plan_file_for_torchrun_runs_as_written(tmp_path, warm):
     """`rlloom plan --runtime torchrun --write-plan` for 2 GPUs, then `torchrun rlloom train
     PLAN_FILE` with the tiny model standing in for the priced one."""
     plan = tmp_path / "plan.yaml"
     main(["plan", "--model", "qwen2.5-0.5b", "--runtime", "torchrun", "--gpus", "2xH100",
           "--p50", "512", "--p99", "2048", "--write-plan", str(plan)])
-    tiny = [*tiny, "model.kv_heads=2"]
-    main(["sft", *tiny, "--out", str(tmp_path / "warm")])
+    tiny, model = warm
     run = tmp_path / "run"
-    done = _torchrun([str(plan), *tiny, f"model.path={tmp_path / 'warm'}", "train.steps=2",
+    done = _torchrun([str(plan), *tiny, model, "train.steps=2",
                       f"run_dir={run}"], tmp_path)
     assert done.returncode == 0, _why(done)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
