@@ -57,20 +57,6 @@ def _placement(out):
     return {g: ips.split() for g, ips in re.findall(r"(\w+) \[([^\]]+)\]", line)}
 
 
-def test_groups_on_two_nodes_equal_one_process(ns_cluster, run_args, single):
-    """Generation (tp2) on one node, training (dp2, ZeRO-3) on the other; the built-in model,
-    in the driver's private cache, and the reward function's file reach both through the
-    object store."""
-    done = _train(ns_cluster, run_args, "split", SPLIT, ONE_CPU_A_RANK)
-    assert done.returncode == 0
-    where = _placement(done.stdout)
-    assert len(set(where["generation"])) == 1 and len(set(where["actor"])) == 1
-    assert set(where["generation"]) != set(where["actor"])
-    shipped = [x for x in done.stdout.splitlines() if "shipped through the object store" in x]
-    assert len(shipped) == 2 and all("rewards.py" in x and "models/" in x for x in shipped)
-    assert_same(single, rows(ns_cluster.shared / "split"))
-
-
 def test_a_group_spanning_two_nodes_equals_one_process(ns_cluster, run_args, single):
     """One colocated group of 2 ranks, one per node (2 CPUs each): the actor's data-parallel
     ranks meet across the bridge and generation is a TP copy split over the two machines
@@ -98,10 +84,15 @@ def test_a_run_dir_the_nodes_cannot_see_is_refused(ns_cluster, run_args, tmp_pat
     assert not (tmp_path / "private-run" / "metrics.jsonl").exists()
 
 
-def test_a_lost_node_is_named_and_the_run_resumes_when_it_returns(ns_cluster, run_args, single):
-    """Every process of one worker node is killed once step 1 is written; the driver names
-    the group, rank and node, waits for the node to rejoin (`ray start` again 3 s later) and
-    resumes from the step-1 checkpoint on the shared storage with the uninterrupted numbers."""
+def test_groups_on_two_nodes_equal_one_process_and_a_lost_node_is_resumed(ns_cluster, run_args,
+                                                                          single):
+    """Generation (tp2) on one node, training (dp2, ZeRO-3) on the other; the built-in model,
+    in the driver's private cache, and the reward function's file reach both through the
+    object store. Every process of one worker node is then killed once step 1 is written:
+    the driver names the group, rank and node, waits for the node to rejoin (`ray start`
+    again 3 s later) and resumes from the step-1 checkpoint on the shared storage with the
+    uninterrupted numbers. (One run shows both: its placement and step 1 are the clean
+    two-node run's, and the resumed steps run on the same placement.)"""
     metrics = ns_cluster.shared / "lost" / "metrics.jsonl"
 
     def lose_node2():
@@ -118,6 +109,11 @@ def test_a_lost_node_is_named_and_the_run_resumes_when_it_returns(ns_cluster, ru
     done = _train(ns_cluster, run_args, "lost", SPLIT, [*ONE_CPU_A_RANK, "--max-restarts", "1"])
     thread.join()
     assert done.returncode == 0
+    where = _placement(done.stdout)  # the first placement, before the loss
+    assert len(set(where["generation"])) == 1 and len(set(where["actor"])) == 1
+    assert set(where["generation"]) != set(where["actor"])
+    shipped = [x for x in done.stdout.splitlines() if "shipped through the object store" in x]
+    assert len(shipped) >= 2 and all("rewards.py" in x and "models/" in x for x in shipped)
     [failure] = [json.loads(x) for x in
                  (ns_cluster.shared / "lost" / "failures.jsonl").read_text().splitlines()]
     assert failure["node"] == ns_cluster.ip("node2") and failure["state"] == "died"
