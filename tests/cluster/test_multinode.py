@@ -91,8 +91,8 @@ def test_groups_on_two_nodes_equal_one_process_and_a_lost_node_is_resumed(ns_clu
     object store. Every process of one worker node is then killed once step 1 is written:
     the driver names the group, rank and node, waits for the node to rejoin (`ray start`
     again 3 s later) and resumes from the step-1 checkpoint on the shared storage with the
-    uninterrupted numbers. (One run shows both: its placement and step 1 are the clean
-    two-node run's, and the resumed steps run on the same placement.)"""
+    uninterrupted numbers. (One run shows both: up to the loss it is the clean two-node
+    run, which a run of its own would repeat.)"""
     metrics = ns_cluster.shared / "lost" / "metrics.jsonl"
 
     def lose_node2():
