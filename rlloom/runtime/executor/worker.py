@@ -95,17 +95,17 @@ class GroupWorker:
     def __init__(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
                  threads: int, device: str, spmd: bool = False,
                  files: dict[str, tuple[str, Any]] | None = None) -> None:
-        # The process is this rank's alone: what its imports made lives as long as it does,
-        # so the cyclic collector stops walking it (~0.2 CPU-s a full collection with torch
-        # and transformers loaded, several per run). What a run builds stays collectable:
-        # `leave_world` still frees it before the process groups go.
-        gc.freeze()
         self.bind(cfg, model_path, group, rank, threads, device, spmd, files)
 
     def bind(self, cfg: RunConfig, model_path: str, group: DeviceGroup, rank: int,
              threads: int, device: str, spmd: bool = False,
              files: dict[str, tuple[str, Any]] | None = None) -> None:
         """Be rank `rank` of `group` in the run `cfg` (nothing built until `start`)."""
+        # The process is this rank's alone: what is alive before a run (its imports, what
+        # earlier runs imported) lives as long as the process, so the cyclic collector stops
+        # walking it (~0.2 CPU-s a full collection with torch and transformers loaded, several
+        # per run). What the run builds stays collectable: `leave_world` frees it in `close`.
+        gc.freeze()
         torch.set_num_threads(threads)
         use_node_interface()
         if files:  # the driver's inputs this node lacks, shipped (ray/files.py)
@@ -237,6 +237,5 @@ class GroupWorker:
         self.pool = self.training = self.generation = self.assessment = None
         self.preferences = None
         leave_world()
-        gc.freeze()  # what the run left alive (modules it imported) outlives the next run too
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
