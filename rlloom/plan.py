@@ -202,7 +202,8 @@ def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
         return plan.layouts.get("critic", plan.layout("actor"))
     if model == "critic":  # the assessment group's copy scores like the reference beside it
         model = "reference"
-    return plan.layouts.get(model, Layout(dp=group.ranks))
+    layout = plan.layouts.get(model)  # a default built only when used: the planner asks often
+    return layout if layout is not None else Layout(dp=group.ranks)
 
 
 def generation_layout(plan: Plan) -> Layout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rlloom.perf.model import comm
@@ -168,7 +169,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
         weight = per_replica / points
         slots, samples = max(1, round(concurrent / weight)), max(1, round(wl.samples / weight))
         lengths = queue_lengths(wl, points)
-        sched = _single_turn_schedule(tuple(lengths), slots, samples)
+        sched = _single_turn_schedule(lengths, slots, samples)
         totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
         how = "continuous batching"
         if wl.turns > 1:
@@ -192,10 +193,10 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
 
 @functools.lru_cache(maxsize=4096)  # layouts of the same replica size share one simulation
 def _single_turn_schedule(lengths: tuple[int, ...], slots: int, samples: int) -> EngineSchedule:
-    return engine_schedule(list(lengths), slots, samples)
+    return engine_schedule(lengths, slots, samples)
 
 
-def _turn_plans(wl: Workload, lengths: list[int], step_s: float) -> list[list[Turn]]:
+def _turn_plans(wl: Workload, lengths: Sequence[int], step_s: float) -> list[list[Turn]]:
     """Each rollout of response `lengths` as `wl.turns` turns of equal sampled tokens, each
     but the last followed by a result of `wl.tool_result_len` tokens (fewer where the
     response is too short) and a tool latency drawn from `wl.tool_latency` (in a fixed
@@ -229,13 +230,16 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
     totals = [0.0] * 7  # flops, bytes, compute_s, memory_s, comm_s, seconds, dispatch_s
     logits = 2 * shape.vocab * shape.hidden
     prompts_total = sum(sched.prefills) * weight
+    prefill: dict[int, tuple[float, ...]] = {}  # by prompts admitted, as `per_live` below
     for simulated in sched.prefills:
-        prompts = simulated * weight
-        tokens = prompts * s + resumed_tokens * prompts / max(prompts_total, 1e-9)
-        context = tokens / prompts
-        f = prompts * (context * shape.forward_flops(context, logits=False) + logits)
-        for k, v in enumerate(_forwards(shape, layout, wl, hw, f, tokens,
-                                        math.ceil(tokens / PREFILL_TOKENS))):
+        if simulated not in prefill:
+            prompts = simulated * weight
+            tokens = prompts * s + resumed_tokens * prompts / max(prompts_total, 1e-9)
+            context = tokens / prompts
+            f = prompts * (context * shape.forward_flops(context, logits=False) + logits)
+            prefill[simulated] = _forwards(shape, layout, wl, hw, f, tokens,
+                                           math.ceil(tokens / PREFILL_TOKENS))
+        for k, v in enumerate(prefill[simulated]):
             totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
     # an extend forward appends a tool's result to one parked rollout, about half way through
@@ -254,26 +258,38 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
     # the projections are compute-bound while attention stays memory-bound
     proj_row = shape.decode_flops(0)
     attn_row_key = shape.decode_flops(1) - proj_row
+    # a segment's costs but attention depend only on its live rows, which repeat from one
+    # segment to the next (full slots): computed once per row count; a search prices
+    # millions of segments
+    per_live: dict[int, tuple[float, float, float]] = {}
+    flops, nbytes, compute_s, memory_s, comm_s, seconds, dispatch_s = totals
     for steps, simulated, generated, widest in sched.segments:
         live = simulated * weight
+        if simulated not in per_live:
+            per_live[simulated] = (
+                live * proj_row, _decode_weight_bytes(shape, layout, wl, live) * pp,
+                pp * (comm.tp_comm(hw, layout, shape, live, 2)
+                      + comm.ep_comm(hw, layout, shape, live, 2)
+                      + _activation_s(shape, layout, wl, hw, live))
+                + comm.pp_comm(hw, layout, shape, live, 1))
+        f_proj, b_proj, c = per_live[simulated]
         # keys each row attends to, mean over the segment: vLLM's paged attention reads each
         # rollout's own context; rlloom's engine reads every row up to the widest one
         keys = s + (widest if wl.engine == "rlloom" else generated / simulated) \
             + (steps - 1) / 2
-        f_proj, f_attn = live * proj_row, live * keys * attn_row_key
-        b_proj, b_attn = _decode_weight_bytes(shape, layout, wl, live) * pp, live * keys * kv_tok
+        f_attn, b_attn = live * keys * attn_row_key, live * keys * kv_tok
         f, b = f_proj + f_attn, b_proj + b_attn
-        c = (pp * (comm.tp_comm(hw, layout, shape, live, 2)
-                   + comm.ep_comm(hw, layout, shape, live, 2)
-                   + _activation_s(shape, layout, wl, hw, live))
-             + comm.pp_comm(hw, layout, shape, live, 1))
         device = max(f_proj / flops_s, b_proj / bw) + max(f_attn / flops_s,
                                                           b_attn / (bw * hw.attn_eff))
         step = _with_dispatch(device + c, dispatch, hw) + hw.decode_step_s
-        for k, v in enumerate((f, b, f / flops_s, b / bw, c, step,
-                               dispatch + hw.decode_step_s)):
-            totals[k] += steps * v
-    return totals
+        flops += steps * f
+        nbytes += steps * b
+        compute_s += steps * (f / flops_s)
+        memory_s += steps * (b / bw)
+        comm_s += steps * c
+        seconds += steps * step
+        dispatch_s += steps * (dispatch + hw.decode_step_s)
+    return [flops, nbytes, compute_s, memory_s, comm_s, seconds, dispatch_s]
 
 
 def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flops: float,
@@ -311,11 +327,15 @@ def _partial_totals(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardwar
     if key not in _POOL_CACHE:
         _POOL_CACHE[key] = pool_steps(lengths, prompts, k, wl.partial_tokens,
                                       warm + MEASURED_STEPS)[warm:]
+    slots = max(1, round(concurrent / weight))
+    if (key, slots) not in _POOL_SCHEDULES:  # layouts of the same replica size share them
+        _POOL_SCHEDULES[key, slots] = [
+            [(call, engine_schedule(list(call.new), slots, k, groups=list(call.groups),
+                                    done=list(call.done))) for call in calls]
+            for calls in _POOL_CACHE[key]]
     totals, decode_steps, prefills = [0.0] * 7, 0.0, 0.0
-    for calls in _POOL_CACHE[key]:
-        for call in calls:
-            sched = engine_schedule(list(call.new), max(1, round(concurrent / weight)), k,
-                                    groups=list(call.groups), done=list(call.done))
+    for calls in _POOL_SCHEDULES[key, slots]:
+        for call, sched in calls:
             part = _schedule_totals(sched, weight, shape, layout, wl, hw,
                                     sum(call.done) * weight)
             totals = [a + b / MEASURED_STEPS for a, b in zip(totals, part)]
@@ -325,6 +345,7 @@ def _partial_totals(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardwar
 
 
 _POOL_CACHE: dict[tuple, list] = {}
+_POOL_SCHEDULES: dict[tuple, list] = {}
 
 
 def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: float) -> float:

@@ -4,11 +4,13 @@ that park a slot. `cost.generation` prices what it returns; tests check it again
 engine's own counts."""
 from __future__ import annotations
 
+import functools
 import heapq
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlloom.perf.model.workload import Workload
+from rlloom.perf.model.workload import Lengths, Workload
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class EngineSchedule:
 Turn = tuple[int, int, int]
 
 
-def engine_schedule(lengths: list[int], slots: int, samples: int,
+def engine_schedule(lengths: Sequence[int], slots: int, samples: int,
                     groups: list[int] | None = None, done: list[int] | None = None,
                     turns: list[list[Turn]] | None = None) -> EngineSchedule:
     """The decode steps and prefills of rollouts with response `lengths` (tokens, in queue
@@ -136,14 +138,19 @@ def engine_schedule(lengths: list[int], slots: int, samples: int,
         step += steps
 
 
-def queue_lengths(wl: Workload, n: int) -> list[int]:
+def queue_lengths(wl: Workload, n: int) -> tuple[int, ...]:
     """The slowest replica's `n` response lengths, in a fixed shuffled queue order (lengths do
     not follow the order prompts arrive in): spread quantiles whose longest is the whole
     batch's longest (its top quantile of `wl.rollouts`), since the step waits for the
     replica that draws it, however many replicas share the batch or rollouts one simulated
     length stands for."""
-    lengths = [max(1, round(x)) for x in wl.response.spread(n)]
-    top = wl.response.quantile(1 - 0.5 / max(wl.rollouts, n))
+    return _queue(wl.response, wl.rollouts, n)
+
+
+@functools.lru_cache(maxsize=1024)  # the planner prices the same lengths for every layout
+def _queue(response: Lengths, rollouts: int, n: int) -> tuple[int, ...]:
+    lengths = [max(1, round(x)) for x in response.spread(n)]
+    top = response.quantile(1 - 0.5 / max(rollouts, n))
     lengths[-1] = max(lengths[-1], round(top))
     random.Random(0).shuffle(lengths)
-    return lengths
+    return tuple(lengths)

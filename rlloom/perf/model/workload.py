@@ -12,7 +12,8 @@ from typing import Literal
 
 from rlloom.perf.model.buckets import padded_tokens, split_sorted
 
-Z99 = NormalDist().inv_cdf(0.99)
+_NORMAL = NormalDist()  # the standard normal, one instance for every quantile asked
+Z99 = _NORMAL.inv_cdf(0.99)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Lengths:
             return self.low + q * (self.high - self.low)
         if self.kind == "empirical":
             return self.values[min(int(q * len(self.values)), len(self.values) - 1)]
-        return min(self.p50 * math.exp(self._sigma * NormalDist().inv_cdf(q)), self.max)
+        return min(self.p50 * math.exp(self._sigma * _NORMAL.inv_cdf(q)), self.max)
 
     @property
     def max(self) -> float:
@@ -76,7 +77,7 @@ class Lengths:
         """The share of responses the cap truncates (lognormal), 0 otherwise."""
         if self.kind != "lognormal":
             return 0.0
-        return 1 - NormalDist().cdf(math.log(self.max / self.p50) / self._sigma)
+        return 1 - _NORMAL.cdf(math.log(self.max / self.p50) / self._sigma)
 
     @cached_property
     def mean(self) -> float:
