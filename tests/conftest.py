@@ -1,17 +1,20 @@
 import gc
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from tiny_run import TINY
 
-# The suite starts ~100 Python processes (Ray ranks, torchrun and spawned ranks, CLI runs) that
-# import rlloom; where PYTHONDONTWRITEBYTECODE is set (this project's CI image sets it), each
-# would compile rlloom's sources again (0.2 CPU-s a process) and each xdist worker its tests
-# (1.8 CPU-s). The test processes write the bytecode (to the gitignored __pycache__) once;
-# the processes they start read it.
+# The suite starts ~100 Python processes (Ray ranks, torchrun and spawned ranks, CLI runs).
+# The README's command installs without compiling (`pip install --no-compile`: pip would
+# compile every module of every package on one core, ~33 CPU-s); the processes compile what
+# they import, once, and write the bytecode for the processes after them, even where
+# PYTHONDONTWRITEBYTECODE is set (this project's CI image sets it), which would otherwise make
+# every process compile its imports again.
 sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # Processes the tests start from Python (the parallel harness's ranks, the weight channel's
 # members) fork from a forkserver that imported these once: a rank that imported them itself
