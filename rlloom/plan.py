@@ -109,7 +109,8 @@ class Plan(Strict):
         return self
 
     def layout(self, role: Role) -> Layout:
-        return self.layouts.get(role, Layout())
+        layout = self.layouts.get(role)  # a default built only when used: the planner asks often
+        return layout if layout is not None else Layout()
 
     def single_process_problems(self) -> list[str]:
         """Why this plan cannot run in one process (empty when it can): one process is one
@@ -202,7 +203,7 @@ def model_layout(plan: Plan, group: DeviceGroup, model: str) -> Layout:
         return plan.layouts.get("critic", plan.layout("actor"))
     if model == "critic":  # the assessment group's copy scores like the reference beside it
         model = "reference"
-    layout = plan.layouts.get(model)  # a default built only when used: the planner asks often
+    layout = plan.layouts.get(model)  # as in Plan.layout
     return layout if layout is not None else Layout(dp=group.ranks)
 
 
