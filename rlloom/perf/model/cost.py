@@ -146,7 +146,7 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
     # it reuses one simulation
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
-           replace(wl, micro_batch=0), _hardware_key(hw), concurrent)
+           replace(wl, micro_batch=0), hw.key(), concurrent)
     if key not in _GEN_CACHE:
         _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role,
                                     concurrent * kv_one)
@@ -258,11 +258,9 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
     # the projections are compute-bound while attention stays memory-bound
     proj_row = shape.decode_flops(0)
     attn_row_key = shape.decode_flops(1) - proj_row
-    # a segment's costs but attention depend only on its live rows, which repeat from one
-    # segment to the next (full slots): computed once per row count; a search prices
-    # millions of segments
+    # a segment's costs but attention depend only on its live rows, which repeat (full slots):
+    # computed once per row count, since a search prices millions of segments
     per_live: dict[int, tuple[float, float, float]] = {}
-    flops, nbytes, compute_s, memory_s, comm_s, seconds, dispatch_s = totals
     for steps, simulated, generated, widest in sched.segments:
         live = simulated * weight
         if simulated not in per_live:
@@ -282,14 +280,10 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         device = max(f_proj / flops_s, b_proj / bw) + max(f_attn / flops_s,
                                                           b_attn / (bw * hw.attn_eff))
         step = _with_dispatch(device + c, dispatch, hw) + hw.decode_step_s
-        flops += steps * f
-        nbytes += steps * b
-        compute_s += steps * (f / flops_s)
-        memory_s += steps * (b / bw)
-        comm_s += steps * c
-        seconds += steps * step
-        dispatch_s += steps * (dispatch + hw.decode_step_s)
-    return [flops, nbytes, compute_s, memory_s, comm_s, seconds, dispatch_s]
+        for k, v in enumerate((f, b, f / flops_s, b / bw, c, step,
+                               dispatch + hw.decode_step_s)):
+            totals[k] += steps * v
+    return totals
 
 
 def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flops: float,
@@ -364,13 +358,6 @@ def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: 
 def skipped(stage: str, role: str) -> StageCost:
     """A stage the algorithm does not run (generation in offline DPO)."""
     return StageCost(stage, role, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "not run")
-
-
-def _hardware_key(hw: Hardware) -> tuple:
-    """Every field's value (not the object's id, which a discarded variant's successor may
-    reuse, e.g. in `perf.validation.validate.calibrate`)."""
-    return tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
-                 for k, v in vars(hw).items())
 
 
 def _infeasible(stage: str, role: str, need: float) -> StageCost:

@@ -114,6 +114,12 @@ class Hardware:
         """Achievable FLOP/s (peak times compute_eff)."""
         return self.peak_flops[dtype] * self.compute_eff
 
+    def key(self) -> tuple:
+        """Every field's value, for caches of prices (not the object's id, which a discarded
+        variant's successor may reuse, e.g. in `perf.validation.validate.calibrate`)."""
+        return tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                     for k, v in vars(self).items())
+
     def stage_launch_s(self, stage: str) -> float:
         """Host seconds per operator of a stage ("generation", "assessment", "training")."""
         own = {"assessment": self.assess_launch_s, "training": self.train_launch_s}
