@@ -312,23 +312,14 @@ def _partial_totals(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardwar
     """One replica's mean step under partial rollouts (`partial_pool.pool_steps`, the
     runtime's rule): the chunk calls of each steady-state step, pending rows dealt evenly
     over the dp replicas; carried rows prefill their prompt and tokens so far again."""
-    k = wl.samples
-    prompts = min(wl.prompts, max(1, POOL_POINTS // k))
+    prompts = min(wl.prompts, max(1, POOL_POINTS // wl.samples))
     weight = wl.prompts / prompts / layout.dp  # a replica's rows per simulated row
-    lengths = [max(1, round(x)) for x in wl.response.spread(prompts * k * 8)]
+    lengths = tuple(max(1, round(x)) for x in wl.response.spread(prompts * wl.samples * 8))
     warm = math.ceil(wl.response.max / wl.partial_tokens) + 1
-    key = (tuple(lengths), prompts, k, wl.partial_tokens, warm)
-    if key not in _POOL_CACHE:
-        _POOL_CACHE[key] = pool_steps(lengths, prompts, k, wl.partial_tokens,
-                                      warm + MEASURED_STEPS)[warm:]
-    slots = max(1, round(concurrent / weight))
-    if (key, slots) not in _POOL_SCHEDULES:  # layouts of the same replica size share them
-        _POOL_SCHEDULES[key, slots] = [
-            [(call, engine_schedule(list(call.new), slots, k, groups=list(call.groups),
-                                    done=list(call.done))) for call in calls]
-            for calls in _POOL_CACHE[key]]
+    schedules = _pool_schedules(lengths, prompts, wl.samples, wl.partial_tokens, warm,
+                                max(1, round(concurrent / weight)))
     totals, decode_steps, prefills = [0.0] * 7, 0.0, 0.0
-    for calls in _POOL_SCHEDULES[key, slots]:
+    for calls in schedules:
         for call, sched in calls:
             part = _schedule_totals(sched, weight, shape, layout, wl, hw,
                                     sum(call.done) * weight)
@@ -338,8 +329,17 @@ def _partial_totals(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardwar
     return totals, decode_steps, prefills
 
 
-_POOL_CACHE: dict[tuple, list] = {}
-_POOL_SCHEDULES: dict[tuple, list] = {}
+@functools.lru_cache(maxsize=64)  # bounded: each step an interval draws has lengths of its own
+def _pool(lengths: tuple[int, ...], prompts: int, k: int, tokens: int, warm: int) -> tuple:
+    return tuple(pool_steps(list(lengths), prompts, k, tokens, warm + MEASURED_STEPS)[warm:])
+
+
+@functools.lru_cache(maxsize=256)  # the layouts of one replica size share these
+def _pool_schedules(lengths: tuple[int, ...], prompts: int, k: int, tokens: int, warm: int,
+                    slots: int) -> tuple:  # each step's chunk calls, with their schedules
+    return tuple(tuple((call, engine_schedule(list(call.new), slots, k, groups=list(call.groups),
+                                              done=list(call.done))) for call in calls)
+                 for calls in _pool(lengths, prompts, k, tokens, warm))
 
 
 def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: float) -> float:
