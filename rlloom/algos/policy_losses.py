@@ -14,6 +14,7 @@ import torch
 from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.masks import valid
 from rlloom.algos.registry import Registry
+from rlloom.models.logprobs import entropy_from_logprobs
 
 if TYPE_CHECKING:
     from rlloom.config import AlgoSection
@@ -165,9 +166,6 @@ def reinforce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy -sum_v p log p of each position's distribution: logits [n, T, V] -> [n, T].
 
-    Works from log_softmax; zero-probability entries (e.g. -inf logits) add exactly 0 and no
-    NaN gradient.
+    Works from log_softmax (`models.logprobs.entropy_from_logprobs`).
     """
-    logp = torch.log_softmax(logits, dim=-1)
-    probs = logp.exp()
-    return -(probs * torch.where(probs > 0, logp, 0)).sum(dim=-1)
+    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))

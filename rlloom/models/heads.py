@@ -52,11 +52,6 @@ class ActorCritic(CausalLM):
         model.load_state_dict(policy.state_dict(), strict=False)
         return model.to(next(policy.parameters()).dtype)
 
-    def logits_and_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(input_ids, attention_mask)
-        return self.lm_head(hidden), self.score(hidden).squeeze(-1)
-
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Values [batch, seq] alone (assessment needs no logits)."""
         return self.score(self.model(input_ids, attention_mask)).squeeze(-1)

@@ -216,6 +216,11 @@ class CausalLM(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         return self.lm_head(self.model(input_ids, attention_mask, cache))
 
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [batch, seq, hidden], for heads applied to chosen
+        positions only (`models.logprobs.token_logprobs`, the value head)."""
+        return self.model(input_ids, attention_mask)
+
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():

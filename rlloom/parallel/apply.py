@@ -71,8 +71,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
     defaults to `build_mesh(layout)` over the whole world; pass one (with the dimension
     names of `mesh.MESH_DIMS`) to use a subset of ranks, e.g. a role's device group. A
     1-process layout needs none. Returns `model` (the same object: its attributes, `config`
-    and methods stay reachable). Call the model itself (or `ActorCritic.logits_and_values`),
-    not its submodules, or DP's hooks do not run.
+    and methods stay reachable). Call the model itself (or a method of
+    `data_parallel.FORWARD_METHODS`) before its submodules, or DP's hooks do not run.
     `mixed_precision=None` uses bf16 compute where the device supports it (see
     `data_parallel.mixed_precision_policy`); it only applies when dp > 1. `experts`: the
     expert-parallel groups when ep > 1 (made from the mesh when not given); with ep < dp,

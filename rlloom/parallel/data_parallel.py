@@ -51,10 +51,11 @@ from torch.distributed.fsdp import (
 
 from rlloom.parallel.tensor_parallel import backbone_of
 
-# Methods that stand in for forward() on rlloom models (ActorCritic's shared-trunk pass).
+# Methods that stand in for forward() on rlloom models (hidden states for chunked heads,
+# ActorCritic's values).
 # Calling submodules directly (e.g. `critic.score(critic.model(x))`) bypasses the root's hooks
 # and is wrong under data parallelism: call the model itself or one of these.
-FORWARD_METHODS = ("logits_and_values", "values")
+FORWARD_METHODS = ("hidden", "values")
 # the ZeRO stage each data-parallel root was wrapped at (`before_backward` reads it)
 _ZERO: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 

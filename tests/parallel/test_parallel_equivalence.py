@@ -152,14 +152,16 @@ def actor_critic(seed: int = 0) -> ActorCritic:
 
 def actor_critic_loss(model: ActorCritic, ids: torch.Tensor, mask: torch.Tensor,
                       total_tokens: int) -> torch.Tensor:
-    logits, values = model.logits_and_values(ids, mask)
+    hidden = model.hidden(ids, mask)  # the heads after it, as batch.response_logprobs
+    logits, values = model.lm_head(hidden), model.score(hidden).squeeze(-1)
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                          reduction="none") * mask[:, 1:].reshape(-1)
     return (ce.sum() + (values.pow(2) * mask).sum()) / total_tokens
 
 
 def actor_critic_errors() -> dict[str, float]:
-    """ZeRO-3 on ActorCritic, whose shared-trunk pass is a method other than forward()."""
+    """ZeRO-3 on ActorCritic, whose trunk pass is a method other than forward() (`hidden`) with
+    the heads applied after it."""
     layout = Layout(dp=2, zero=3)
     mesh = build_mesh(layout)
     model = parallelize(actor_critic(), layout, mesh)

@@ -246,7 +246,8 @@ def _actor_critic_body():
         torch.nn.init.normal_(ac.score.weight, std=0.3, generator=torch.Generator().manual_seed(3))
         return ac
     ref = model()
-    logits, values = ref.logits_and_values(ids, mask)
+    hidden = ref.hidden(ids, mask)  # the heads after it, as batch.response_logprobs
+    logits, values = ref.lm_head(hidden), ref.score(hidden).squeeze(-1)
     target = torch.stack([labels.double(), goal], -1)
     ref_loss = loss_fn(torch.cat([logits, values[..., None]], -1), target)
     ref_loss.backward()

@@ -38,16 +38,16 @@ def grouped_rollout(k: int = 3) -> Rollout:
                    torch.ones(3 * k, dtype=torch.bool))
 
 
-def test_logits_match_the_joined_forward():
+def test_hidden_states_match_the_joined_forward():
     r = grouped_rollout()
     for family in FAMILIES:
         m = model(family)
         ids, mask, span = joined(r)
         with torch.no_grad():
-            whole = m(ids, mask)[:, span]
+            whole = m.hidden(ids, mask)[:, span]
             prompts = SharedPrompts(m, r, train=False)
             rows = torch.tensor([7, 0, 4, 1])    # any subset, any order
-            shared = prompts.logits(rows, r.select(rows))
+            shared = prompts.hidden(rows, r.select(rows))
         assert prompts.distinct == 3
         keep = r.response_mask[rows].bool()
         assert (shared - whole[rows])[keep].abs().max() < 1e-12

@@ -4,13 +4,12 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlloom.algos.policy_losses import entropy_from_logits
 from rlloom.data.chat import Prompt, is_chat
 from rlloom.models.heads import ActorCritic, ValueModel
+from rlloom.models.logprobs import token_logprobs
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.context_parallel import on_shards
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
-from rlloom.rollout.sampling import policy_logprobs
 from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
 
@@ -64,20 +63,15 @@ def response_logprobs(model: CausalLM, r: Rollout, temperature: float,
 
     With `prompts` (the prompt pass of a batch, see shared_prompt.py) `r` holds that batch's
     rows `rows` and only their responses are run."""
-    values = None
     if prompts is not None:
-        logits = prompts.logits(rows, r)
+        hidden = prompts.hidden(rows, r)
     else:
         ids, mask, span = joined(r)
-        if isinstance(model, ActorCritic):
-            logits, values = on_shards(model, model.logits_and_values, ids, mask)
-            values = values[:, span]
-        else:
-            logits = on_shards(model, model, ids, mask)
-        logits = logits[:, span]
-    logits = logits.float() / (temperature or 1.0)
-    logp = policy_logprobs(logits, 1.0).gather(-1, r.response_ids[..., None]).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+        hidden = on_shards(model, model.hidden, ids, mask)[:, span]
+    # the value head and the (chunked) output head see response positions only
+    values = model.score(hidden).squeeze(-1) if isinstance(model, ActorCritic) else None
+    logp, entropy = token_logprobs(model.lm_head, hidden, r.response_ids, temperature,
+                                   with_entropy)
     return logp, entropy, values
 
 

@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
-from rlloom.algos.policy_losses import entropy_from_logits
 from rlloom.algos.value import value_loss
 from rlloom.config import AlgoSection, RunConfig
+from rlloom.models.logprobs import logprobs_from_logits
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
-from rlloom.rollout.sampling import policy_logprobs
 from rlloom.runtime.stages.batch import joined
 from rlloom.runtime.stages.objective import micro_rows, token_loss
 from rlloom.runtime.stages.packing import Agree
@@ -56,10 +55,9 @@ def _rows_for(pipe: PipelinedModel, n: int) -> int:
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `tokens` and entropies, as `batch.response_logprobs` computes them."""
-    logits = logits.float() / (temperature or 1.0)
-    logp = policy_logprobs(logits, 1.0).gather(-1, tokens[..., None]).squeeze(-1)
-    return logp, entropy_from_logits(logits)
+    """Log-probs of `tokens` and entropies, as `batch.response_logprobs` computes them (from
+    the last stage's whole logits: a pipeline's head runs inside its schedule)."""
+    return logprobs_from_logits(logits, tokens, temperature, with_entropy=True)
 
 
 def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,

@@ -3,11 +3,11 @@
 The K samples of a GRPO group share their prompt, and under causal attention a prompt's
 hidden states, keys and values do not depend on what follows it. So the prompt pass runs once
 per distinct prompt; each response then runs alone, attending to its prompt's keys and values
-as a cache, and the logits that predict the first response token come from the prompt pass.
+as a cache, and the hidden state that predicts the first response token comes from the prompt pass.
 The arithmetic of every response token is the one the joined prompt+response forward does
 (same keys, positions and mask), so log-probs match it to rounding.
 
-For training, the prompt's keys, values and last logits become leaves: each response
+For training, the prompt's keys, values and last hidden state become leaves: each response
 micro-batch's backward accumulates their gradients, and `backward()` then pushes those through
 the prompt pass once, which gives the same parameter gradients as K separate forwards.
 """
@@ -81,7 +81,7 @@ class SharedPrompts:
         self.ids, self.mask = unique[:, :width], unique[:, width:]
         record = _PromptCache(self.mask[:, :0])
         hidden = model.model(self.ids, self.mask, record)
-        last = model.lm_head(hidden[:, -1])           # predicts each response's first token
+        last = hidden[:, -1]                          # predicts each response's first token
         self._graph = [t for kv in record.kv for t in kv] + [last]
         self.leaves = [t.detach().requires_grad_(train) for t in self._graph]
         self.model = model
@@ -90,9 +90,9 @@ class SharedPrompts:
     def distinct(self) -> int:
         return len(self.ids)
 
-    def logits(self, rows: torch.Tensor, r: Rollout) -> torch.Tensor:
-        """Logits [m, T, vocab] predicting the responses of batch rows `rows` [m], whose
-        response part is `r` (a micro-batch of those rows)."""
+    def hidden(self, rows: torch.Tensor, r: Rollout) -> torch.Tensor:
+        """Final-norm hidden states [m, T, d] predicting the responses of batch rows `rows`
+        [m], whose response part is `r` (a micro-batch of those rows)."""
         g = self.of_row[rows]
         first = self.leaves[-1][g][:, None]
         if r.response_ids.shape[1] == 1:
@@ -102,8 +102,8 @@ class SharedPrompts:
         p = min(r.prompt_mask.shape[1], self.mask.shape[1])
         kv = [(self.leaves[2 * i][g, :, -p:], self.leaves[2 * i + 1][g, :, -p:])
               for i in range(len(self.leaves) // 2)]
-        rest = self.model(r.response_ids[:, :-1], r.response_mask[:, :-1],
-                          _PromptCache(self.mask[g, -p:], kv))
+        rest = self.model.model(r.response_ids[:, :-1], r.response_mask[:, :-1],
+                                _PromptCache(self.mask[g, -p:], kv))
         return torch.cat([first, rest], 1)
 
     def backward(self) -> None:

@@ -1,0 +1,66 @@
+"""Peak memory of real code run on fake tensors: every storage the code allocates, live from
+its creation to its last reference, as a caching allocator would hold it (less rounding and
+fragmentation, which `perf.model.memory.USABLE` covers)."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class PeakMemory(TorchDispatchMode):
+    """Bytes allocated inside the mode and still alive (`now`), their high-water mark
+    (`peak`), and which storages were alive at that mark, to split the peak by kind after
+    the fact (`peak_split`). Storages made before the mode (the parameters) are not counted:
+    the caller knows them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self._live: dict[int, int] = {}
+        self._at_peak: set[int] = set()
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._live:
+            return
+        self._live[key] = storage.nbytes()
+        self.now += self._live[key]
+        # the storage's Python object lives as long as the storage itself (PyObject
+        # preservation), so its finaliser marks the free
+        self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        if self.now > self.peak:
+            self.peak, self._at_peak = self.now, set(self._live)
+
+    def _free(self, key: int) -> None:
+        self.now -= self._live.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def peak_split(self, kinds: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+        """The peak's bytes in each kind's tensors (e.g. gradients, optimizer state), and the
+        rest under "activations": what autograd saved and the temporaries of that moment."""
+        split, seen = {}, set()
+        for kind, tensors in kinds.items():
+            keys = {t.untyped_storage()._cdata for t in tensors} & self._at_peak - seen
+            split[kind] = sum(self._storage_bytes(k) for k in keys)
+            seen |= keys
+        split["activations"] = self.peak - sum(split.values())
+        return split
+
+    def _storage_bytes(self, key: int) -> int:
+        ref = self._refs.get(key)
+        storage = ref() if ref is not None else None
+        return storage.nbytes() if storage is not None else 0
