@@ -107,8 +107,14 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)
+        gqa = self.n_heads != self.n_kv
+        if gqa and s > 1:
+            # A GPU's fused kernels take a mask or grouped KV heads, not both, and SDPA's
+            # fallback would keep [heads, s, s] scores per layer: expand the KV heads, as
+            # transformers does. One decoded token's scores are small either way.
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
 
 
@@ -135,8 +141,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(matmul_input(self.input_layernorm(x)), cos, sin, mask, cache,
+                               layer)
+        h = self.post_attention_layernorm(x)
+        # an MoE block sums its experts' outputs in its input's dtype: left as it was
+        return x + self.mlp(matmul_input(h) if isinstance(self.mlp, MLP) else h)
+
+
+def matmul_input(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype autocast gives the matmuls it feeds. Cast once here, not by each of
+    q/k/v (gate/up) on its own: each cast copy would be kept for backward, 5 extra copies of
+    the stream per layer with fp32 weights under bf16 autocast. The same values either way."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 class Backbone(nn.Module):
@@ -165,7 +184,7 @@ class Backbone(nn.Module):
             x = layer(x, cos, sin, masks[i], cache, i)
         if cache is not None:
             cache.advance(input_ids.shape[1])
-        return self.norm(x)
+        return matmul_input(self.norm(x))
 
 
 def positions_and_mask(new_mask: torch.Tensor, past_mask: torch.Tensor | None

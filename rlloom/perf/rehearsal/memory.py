@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -25,12 +26,30 @@ class PeakMemory(TorchDispatchMode):
         self._at_peak: set[int] = set()
         self._refs: dict[int, weakref.ref] = {}
 
+    def __enter__(self) -> "PeakMemory":
+        # FSDP2 gathers into, and frees, parameter storages by resizing them, outside dispatch
+        original = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # an output sharing an input's storage (a view, an in-place op) allocated nothing
+        given = {_storage(t)._cdata for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t.untyped_storage())
+            if isinstance(t, torch.Tensor) and _storage(t)._cdata not in given:
+                self._track(_storage(t))
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
@@ -42,6 +61,18 @@ class PeakMemory(TorchDispatchMode):
         # the storage's Python object lives as long as the storage itself (PyObject
         # preservation), so its finaliser marks the free
         self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        self._mark()
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key not in self._live:
+            self._track(storage)
+            return
+        self.now += storage.nbytes() - self._live[key]
+        self._live[key] = storage.nbytes()
+        self._mark()
+
+    def _mark(self) -> None:
         if self.now > self.peak:
             self.peak, self._at_peak = self.now, set(self._live)
 
@@ -54,7 +85,7 @@ class PeakMemory(TorchDispatchMode):
         rest under "activations": what autograd saved and the temporaries of that moment."""
         split, seen = {}, set()
         for kind, tensors in kinds.items():
-            keys = {t.untyped_storage()._cdata for t in tensors} & self._at_peak - seen
+            keys = {_storage(t)._cdata for t in tensors} & self._at_peak - seen
             split[kind] = sum(self._storage_bytes(k) for k in keys)
             seen |= keys
         split["activations"] = self.peak - sum(split.values())
@@ -64,3 +95,8 @@ class PeakMemory(TorchDispatchMode):
         ref = self._refs.get(key)
         storage = ref() if ref is not None else None
         return storage.nbytes() if storage is not None else 0
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage `t`'s bytes live in: a DTensor's are its local shard's."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()

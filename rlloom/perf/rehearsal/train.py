@@ -1,0 +1,160 @@
+"""Rehearse one rank's training or assessment micro-batch: rlloom's own model, layouts and
+log-prob path at the plan's real shapes, on fake tensors (no memory is allocated and no
+arithmetic is done) and, for a layout of several ranks, in a fake world of that size
+(every collective returns at once).
+
+What runs is what a GPU rank runs: fp32 master weights with bf16 compute (autocast on one
+rank, FSDP2's mixed precision with data parallelism), `parallel.apply.parallelize` for the
+layout, `stages.batch.response_logprobs` for the log-probs and entropies, AdamW from
+`parallel.apply.make_optimizer`. Attention runs the fused kernel with a mask's memory (see
+`_gpu_attention`). What it cannot see: time, the allocator's rounding and fragmentation, and
+kernels' own workspaces.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from rlloom.models import transformer
+from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
+from rlloom.models.transformer import CausalLM
+from rlloom.parallel.apply import make_optimizer, parallelize
+from rlloom.parallel.data_parallel import before_backward, local_tensor
+from rlloom.parallel.mesh import build_mesh
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.rehearsal.memory import PeakMemory
+from rlloom.plan import Layout
+from rlloom.rollout.generate import Rollout
+from rlloom.runtime.stages.batch import joined, response_logprobs
+
+
+@dataclass(frozen=True)
+class Rehearsed:
+    """One rank's measured bytes (peaks by kind) and FLOPs of one micro-batch's stage."""
+    params: int        # this rank's parameters (shards under ZeRO / TP)
+    grads: int         # gradients at the peak of forward + backward
+    optimizer: int     # AdamW state after the step
+    activations: int   # saved activations and temporaries at the forward + backward peak
+    peak: int          # the most bytes alive at once, the optimizer step included
+    flops: float       # forward + backward FLOPs of the micro-batch on this rank
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def model_config(shape: ModelShape) -> ModelConfig:
+    """The rlloom model config of a priced shape (Qwen2 with QKV biases, Qwen3-MoE with
+    experts, Llama otherwise)."""
+    family = "qwen3_moe" if shape.moe else "qwen2" if shape.qkv_bias else "llama"
+    hf = {"architectures": [FAMILY_TO_ARCH[family]], "model_type": family,
+          "vocab_size": shape.vocab, "hidden_size": shape.hidden,
+          "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,
+          "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+          "head_dim": shape.head_dim, "tie_word_embeddings": shape.tied_embeddings,
+          "max_position_embeddings": 131072}
+    if shape.moe:
+        hf.update(num_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
+                  moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True)
+    return ModelConfig.from_hf(hf)
+
+
+def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """What SDPA runs on a GPU for rlloom's masked attention: the memory-efficient kernel,
+    which keeps the output and its log-sum-exp for backward and takes the mask as an additive
+    bias in the compute dtype (made per call, as SDPA converts a boolean mask). The CPU's
+    SDPA would pick another kernel; this one has fake-tensor rules for both passes."""
+    bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
+    b, h, s, _ = q.shape
+    if enable_gqa:
+        k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias.expand(b, h, s, k.shape[2]), True)[0]
+    return out
+
+
+@contextlib.contextmanager
+def fake_world(size: int) -> Iterator[None]:
+    """A process group of `size` ranks (this process is rank 0) whose collectives do
+    nothing: torch's fake backend, for running a layout's code without its peers."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("rehearsal needs its own fake world; a process group is already "
+                           "initialised in this process")
+    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rollout(rows: int, prompt: int, response: int, vocab: int) -> Rollout:
+    ids = torch.randint(0, vocab, (rows, prompt))
+    out = torch.randint(0, vocab, (rows, response))
+    return Rollout(ids, torch.ones(rows, prompt, dtype=torch.long), out,
+                   torch.ones(rows, response, dtype=torch.long),
+                   torch.zeros(rows, response), torch.ones(rows, dtype=torch.bool))
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(local_tensor(t).untyped_storage().nbytes() for t in tensors)
+
+
+def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+                      response: int, temperature: float = 1.0) -> Rehearsed:
+    """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
+    `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
+    loss, backward, and an AdamW step."""
+    cfg = model_config(shape)
+    with fake_world(layout.world_size):
+        mesh = build_mesh(layout, "cpu") if layout.world_size > 1 else None
+        with FakeTensorMode(allow_non_fake_inputs=True), \
+                _patched(transformer.F, "scaled_dot_product_attention", _gpu_attention):
+            model = CausalLM(cfg)
+            parallelize(model, layout, mesh, mixed_precision=True)
+            params = [p for p in model.parameters()]
+            optim = make_optimizer(model, layout, mesh, lr=1e-6)
+            r = _rollout(rows, prompt, response, shape.vocab)
+            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if layout.dp == 1
+                        else contextlib.nullcontext())
+            with PeakMemory() as mem, FlopCounterMode(display=False) as flops:
+                with autocast:
+                    logp, entropy, _ = response_logprobs(model, r, temperature,
+                                                         with_entropy=True)
+                    loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
+                before_backward(model, last=True)
+                loss.backward()
+                grads = [p.grad for p in params if p.grad is not None]
+                split = mem.peak_split({"grads": grads})
+                counted = flops.get_total_flops()
+            with PeakMemory() as step:
+                optim.step()
+            state = [t for s in optim.state.values() for t in s.values()
+                     if isinstance(t, torch.Tensor)]
+            optimizer = _local_bytes(state)
+            p_bytes = _local_bytes(params)
+            print("DEBUG", mem.peak/2**30, mem.now/2**30, step.peak/2**30, step.now/2**30)
+            return Rehearsed(params=p_bytes, grads=split["grads"], optimizer=optimizer,
+                             activations=split["activations"],
+                             peak=p_bytes + max(mem.peak, mem.now + step.peak),
+                             flops=counted)
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
