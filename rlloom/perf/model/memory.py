@@ -13,7 +13,11 @@ PARAM_B = 2
 GRAD_B = 2
 OPTIM_B = 12
 ACT_B = 2
-LOGIT_CHUNK = 8192  # tokens per chunk of the (chunked) cross-entropy; logits kept in fp32
+LOGIT_CHUNK = 1024  # tokens of logits alive at once (models.logprobs.LOGIT_CHUNK_TOKENS)
+# bytes per logit element of a chunk in training: bf16 logits, fp32 copy, log-softmax, exp,
+# the entropy's product and their gradients (tests/models/test_logprobs.py measures 21-22);
+# without gradients the bf16 logits, fp32 copy and log-softmax
+LOGIT_TRAIN_B, LOGIT_INFER_B = 22, 10
 USABLE = 0.9  # fraction of device memory usable: CUDA context, allocator fragmentation
 
 
@@ -111,18 +115,19 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: b
         acts = t * d * ACT_B * layers + full_layer
     else:
         acts = full_layer * layers
-    return acts + (_logit_bytes(shape, layout, t) * 2 if logits else 0.0)
+    return acts + (_logit_bytes(shape, t, LOGIT_TRAIN_B) if logits else 0.0)
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
     """Forward-only buffers: a few hidden-size tensors and the FFN intermediate per token."""
     t = tokens / layout.cp
     hidden = t * ACT_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
-    return hidden + (_logit_bytes(shape, layout, t) if logits else 0.0)
+    return hidden + (_logit_bytes(shape, t, LOGIT_INFER_B) if logits else 0.0)
 
 
-def _logit_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
-    return min(tokens, LOGIT_CHUNK) * shape.vocab / layout.tp * 4
+def _logit_bytes(shape: ModelShape, tokens: float, per_elem: int) -> float:
+    """One chunk of the output head's logits (the head is whole on every TP rank)."""
+    return min(tokens, LOGIT_CHUNK) * shape.vocab * per_elem
 
 
 def kv_bytes_per_rollout(shape: ModelShape, layout: Layout, context: float) -> float:

@@ -23,7 +23,10 @@ class PeakMemory(TorchDispatchMode):
         super().__init__()
         self.now = self.peak = 0
         self._live: dict[int, int] = {}
-        self._at_peak: set[int] = set()
+        # storage addresses are reused once freed: (address, serial) names one storage
+        self._serial: dict[int, int] = {}
+        self._count = 0
+        self._at_peak: set[tuple[int, int]] = set()
         self._refs: dict[int, weakref.ref] = {}
 
     def __enter__(self) -> "PeakMemory":
@@ -57,6 +60,8 @@ class PeakMemory(TorchDispatchMode):
         if key in self._live:
             return
         self._live[key] = storage.nbytes()
+        self._count += 1
+        self._serial[key] = self._count
         self.now += self._live[key]
         # the storage's Python object lives as long as the storage itself (PyObject
         # preservation), so its finaliser marks the free
@@ -74,19 +79,22 @@ class PeakMemory(TorchDispatchMode):
 
     def _mark(self) -> None:
         if self.now > self.peak:
-            self.peak, self._at_peak = self.now, set(self._live)
+            self.peak = self.now
+            self._at_peak = {(k, self._serial[k]) for k in self._live}
 
     def _free(self, key: int) -> None:
         self.now -= self._live.pop(key, 0)
         self._refs.pop(key, None)
+        self._serial.pop(key, None)
 
     def peak_split(self, kinds: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
         """The peak's bytes in each kind's tensors (e.g. gradients, optimizer state), and the
         rest under "activations": what autograd saved and the temporaries of that moment."""
         split, seen = {}, set()
         for kind, tensors in kinds.items():
-            keys = {_storage(t)._cdata for t in tensors} & self._at_peak - seen
-            split[kind] = sum(self._storage_bytes(k) for k in keys)
+            keys = {(k, self._serial.get(k)) for k in (_storage(t)._cdata for t in tensors)}
+            keys = keys & self._at_peak - seen
+            split[kind] = sum(self._storage_bytes(k) for k, _ in keys)
             seen |= keys
         split["activations"] = self.peak - sum(split.values())
         return split

@@ -3,9 +3,8 @@ log-prob path at the plan's real shapes, on fake tensors (no memory is allocated
 arithmetic is done) and, for a layout of several ranks, in a fake world of that size
 (every collective returns at once).
 
-What runs is what a GPU rank runs: fp32 master weights with bf16 compute (autocast on one
-rank, FSDP2's mixed precision with data parallelism), `parallel.apply.parallelize` for the
-layout, `stages.batch.response_logprobs` for the log-probs and entropies, AdamW from
+What runs is what a GPU rank runs: fp32 weights and AdamW state with bf16 compute by
+autocast (`train.compute_dtype: auto`), `parallel.apply.parallelize` for the layout, `stages.batch.response_logprobs` for the log-probs and entropies, AdamW from
 `parallel.apply.make_optimizer`. Attention runs the fused kernel with a mask's memory (see
 `_gpu_attention`). What it cannot see: time, the allocator's rounding and fragmentation, and
 kernels' own workspaces.
@@ -70,7 +69,10 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     """What SDPA runs on a GPU for rlloom's masked attention: the memory-efficient kernel,
     which keeps the output and its log-sum-exp for backward and takes the mask as an additive
     bias in the compute dtype (made per call, as SDPA converts a boolean mask). The CPU's
-    SDPA would pick another kernel; this one has fake-tensor rules for both passes."""
+    SDPA would pick another kernel; this one has fake-tensor rules for both passes. Autocast
+    casts SDPA's inputs (this kernel is not on its list, so the cast is made here)."""
+    if torch.is_autocast_enabled("cpu"):
+        q, k, v = (x.to(torch.get_autocast_dtype("cpu")) for x in (q, k, v))
     bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
     b, h, s, _ = q.shape
     if enable_gqa:
@@ -121,14 +123,13 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
         with FakeTensorMode(allow_non_fake_inputs=True), \
                 _patched(transformer.F, "scaled_dot_product_attention", _gpu_attention):
             model = CausalLM(cfg)
-            parallelize(model, layout, mesh, mixed_precision=True)
+            # as `runtime.ranks` does: FSDP in the weights' dtype, bf16 by autocast
+            parallelize(model, layout, mesh, mixed_precision=False)
             params = [p for p in model.parameters()]
             optim = make_optimizer(model, layout, mesh, lr=1e-6)
             r = _rollout(rows, prompt, response, shape.vocab)
-            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if layout.dp == 1
-                        else contextlib.nullcontext())
             with PeakMemory() as mem, FlopCounterMode(display=False) as flops:
-                with autocast:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
                     logp, entropy, _ = response_logprobs(model, r, temperature,
                                                          with_entropy=True)
                     loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
@@ -143,10 +144,10 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                      if isinstance(t, torch.Tensor)]
             optimizer = _local_bytes(state)
             p_bytes = _local_bytes(params)
-            print("DEBUG", mem.peak/2**30, mem.now/2**30, step.peak/2**30, step.now/2**30)
             return Rehearsed(params=p_bytes, grads=split["grads"], optimizer=optimizer,
                              activations=split["activations"],
-                             peak=p_bytes + max(mem.peak, mem.now + step.peak),
+                             # from the second step on the AdamW state is there throughout
+                             peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),
                              flops=counted)
 
 
