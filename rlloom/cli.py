@@ -119,6 +119,26 @@ def cmd_algos(args: argparse.Namespace) -> None:
         print(f"{name:<{width}}  roles: {', '.join(preset.roles):<36} {preset.summary}")
 
 
+def cmd_rehearse(args: argparse.Namespace) -> None:
+    import json
+
+    from rlloom.perf.model.shapes import model_shape
+    from rlloom.perf.rehearsal.compare import compare_training, parse_layout, render
+    layout = parse_layout(args.layout)
+    rows = compare_training(model_shape(args.model), layout, args.rows, args.prompt_len,
+                            args.response_len)
+    tokens = args.rows * (args.prompt_len + args.response_len)
+    print(render(rows, f"{args.model}, rank 0 of {layout.world_size}: training micro-batch of "
+                       f"{args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} "
+                       f"tokens, {args.layout or 'one device'}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "layout": layout.model_dump(),
+                                               "rows": args.rows, "prompt": args.prompt_len,
+                                               "response": args.response_len, "rank0": rows},
+                                              indent=2))
+        print(f"wrote {args.json}")
+
+
 def _request(args: argparse.Namespace) -> "Request":
     """The options of `rlloom plan` / `simulate` by name: each flag's dest is the Request
     field it sets (only the paths and the hardware file are converted)."""
@@ -268,7 +288,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    "host traffic")
 
 
-REPORTS = ("plan", "simulate", "algos", "perf")  # commands whose output is only a report
+REPORTS = ("plan", "simulate", "algos", "perf", "rehearse")  # commands whose output is only a report
 
 
 def _positive(text: str) -> int:
@@ -339,6 +359,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
     p.add_argument("--out", default="simulation", help="directory for trace.json, gantt.png")
     p.set_defaults(fn=cmd_simulate)
+    p = sub.add_parser("rehearse", help="run one rank's training micro-batch at real shapes on "
+                       "fake tensors and print its memory and FLOPs beside the cost model's")
+    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b, or a "
+                   "Hugging Face checkpoint directory / config.json")
+    p.add_argument("--layout", default="", help="the role's layout as key=value pairs, e.g. "
+                   "dp=16,zero=3 or tp=2,dp=8,zero=3,activation_checkpointing=true")
+    p.add_argument("--rows", type=_positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--prompt-len", type=_positive, default=1024, help="prompt tokens")
+    p.add_argument("--response-len", type=_positive, default=7168, help="response tokens")
+    p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    p.set_defaults(fn=cmd_rehearse)
     p = sub.add_parser("bench", help="measure this machine for the performance model")
     p.add_argument("what", choices=["hw"], help="hw: matmul, memory, dispatch, all-reduce")
     p.add_argument("--out", help="hardware file (default: the cache, used as `local`)")

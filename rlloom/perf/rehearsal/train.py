@@ -11,7 +11,9 @@ kernels' own workspaces.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import multiprocessing
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -38,7 +40,8 @@ from rlloom.runtime.stages.batch import joined, response_logprobs
 class Rehearsed:
     """One rank's measured bytes (peaks by kind) and FLOPs of one micro-batch's stage."""
     params: int        # this rank's parameters (shards under ZeRO / TP)
-    grads: int         # gradients at the peak of forward + backward
+    grads: int         # gradients alive at the forward + backward peak
+    grads_total: int   # gradients after backward
     optimizer: int     # AdamW state after the step
     activations: int   # saved activations and temporaries at the forward + backward peak
     peak: int          # the most bytes alive at once, the optimizer step included
@@ -109,14 +112,33 @@ def _rollout(rows: int, prompt: int, response: int, vocab: int) -> Rollout:
 
 
 def _local_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(local_tensor(t).untyped_storage().nbytes() for t in tensors)
+    """Bytes of this rank's parts of `tensors`: FSDP's gradient shards share one buffer per
+    layer, each storage is counted once (by its bytes, or the parts' own when smaller)."""
+    storages = {}
+    for t in tensors:
+        local = local_tensor(t)
+        key = local.untyped_storage()._cdata
+        storages[key] = storages.get(key, 0) + local.numel() * local.element_size()
+    return sum(storages.values())
 
 
 def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                       response: int, temperature: float = 1.0) -> Rehearsed:
     """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
-    loss, backward, and an AdamW step."""
+    loss, backward, and an AdamW step. A layout of several ranks is rehearsed in a child
+    process: the fake world and FSDP's hooks leave state behind that changed later
+    rehearsals in the same process."""
+    args = (shape, layout, rows, prompt, response, temperature)
+    if layout.world_size == 1:
+        return _rehearse_training(*args)
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_rehearse_training, *args).result()
+
+
+def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+                       response: int, temperature: float) -> Rehearsed:
     cfg = model_config(shape)
     with fake_world(layout.world_size):
         mesh = build_mesh(layout, "cpu") if layout.world_size > 1 else None
@@ -144,7 +166,8 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                      if isinstance(t, torch.Tensor)]
             optimizer = _local_bytes(state)
             p_bytes = _local_bytes(params)
-            return Rehearsed(params=p_bytes, grads=split["grads"], optimizer=optimizer,
+            return Rehearsed(params=p_bytes, grads=split["grads"],
+                             grads_total=_local_bytes(grads), optimizer=optimizer,
                              activations=split["activations"],
                              # from the second step on the AdamW state is there throughout
                              peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),

@@ -1,0 +1,74 @@
+"""The cost model's prediction for one rank's training micro-batch beside its rehearsal."""
+from __future__ import annotations
+
+import yaml
+from pydantic import ValidationError
+
+from rlloom.config import ConfigError
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.rehearsal.train import rehearse_training
+from rlloom.plan import Layout
+
+KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops")
+
+
+def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+                       response: int) -> dict[str, float]:
+    """What `perf.model.cost.training` charges one rank for this micro-batch, by kind: the
+    model state (`memory.model_state_bytes` split into its parts), the transient bytes
+    (activations, the logits' chunk, ZeRO-3's gather buffers) and forward + backward FLOPs
+    (3 C_f per token; the head on every token, as the model counts it)."""
+    seq = prompt + response
+    precision = mem.MIXED_ADAM
+    parts = {}
+    for kind, only in (("params", (precision[0], 0, 0)), ("grads", (0, precision[1], 0)),
+                       ("optimizer", (0, 0, precision[2]))):
+        parts[kind] = mem.model_state_bytes(shape, layout, True, only)
+    parts["transient"] = (mem.activation_bytes(shape, layout, rows * seq, True)
+                          + mem.zero3_buffer_bytes(shape, layout))
+    parts["peak"] = parts["params"] + parts["grads"] + parts["optimizer"] + parts["transient"]
+    shards = layout.tp * layout.pp * layout.cp
+    parts["flops"] = 3 * rows * seq * shape.forward_flops(seq) / shards
+    return parts
+
+
+def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+                     response: int) -> dict[str, dict[str, float]]:
+    """{kind: {model, rehearsed, ratio}} for rank 0 (ratio = model / rehearsed)."""
+    model = predicted_training(shape, layout, rows, prompt, response)
+    r = rehearse_training(shape, layout, rows, prompt, response)
+    measured = {"params": r.params, "grads": r.grads_total, "optimizer": r.optimizer,
+                "transient": r.activations, "peak": r.peak, "flops": r.flops}
+    return {k: {"model": model[k], "rehearsed": measured[k],
+                "ratio": model[k] / measured[k] if measured[k] else float("nan")}
+            for k in KINDS}
+
+
+def parse_layout(text: str) -> Layout:
+    """`dp=16,zero=3,activation_checkpointing=true` -> Layout; a bad item or value is a
+    ConfigError naming it."""
+    fields: dict[str, object] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"layout item {item!r} is not key=value; write e.g. "
+                              "--layout dp=16,zero=3,tp=2")
+        fields[key.strip()] = yaml.safe_load(value.strip())
+    try:
+        return Layout(**fields)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                             for err in e.errors())
+        raise ConfigError(f"--layout {text!r}: {problems}") from None
+
+
+def render(rows: dict[str, dict[str, float]], title: str) -> str:
+    """The comparison as a text table: GiB for bytes, TFLOP for FLOPs."""
+    lines = [title, f"{'kind':<10} {'model':>10} {'rehearsed':>10} {'model/rehearsed':>16}"]
+    for kind, r in rows.items():
+        unit = 1e12 if kind == "flops" else 2**30
+        lines.append(f"{kind:<10} {r['model'] / unit:>10.2f} {r['rehearsed'] / unit:>10.2f} "
+                     f"{r['ratio']:>16.2f}")
+    lines.append("(bytes in GiB per rank, FLOPs in TFLOP per rank and micro-batch)")
+    return "\n".join(lines)

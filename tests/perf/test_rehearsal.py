@@ -1,0 +1,69 @@
+"""Rehearsal: the runtime's own training micro-batch on fake tensors, in a fake world, held
+to bytes counted by hand."""
+import dataclasses
+import json
+
+import pytest
+
+from rlloom.cli import main
+from rlloom.perf.model.shapes import MODELS, ModelShape
+from rlloom.perf.rehearsal.compare import parse_layout
+from rlloom.perf.rehearsal.train import model_config, rehearse_training
+from rlloom.plan import Layout
+
+SMALL = MODELS["qwen2.5-0.5b"]
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_state_bytes_per_rank_are_fp32_weights_grads_and_two_moments(dp: int) -> None:
+    """fp32 weights, fp32 gradients and two fp32 AdamW moments, sharded 1/dp by ZeRO-3 (FSDP
+    pads each parameter's shard to a multiple of dp rows: under 0.1% here)."""
+    n = model_config(SMALL).num_params
+    r = rehearse_training(SMALL, Layout(dp=dp, zero=3 if dp > 1 else 0), 1, 64, 64)
+    assert r.params == pytest.approx(4 * n / dp, rel=1e-3)
+    assert r.grads_total == pytest.approx(4 * n / dp, rel=1e-3)
+    assert r.optimizer == pytest.approx(8 * n / dp, rel=1e-3)
+    assert r.peak > r.params + r.optimizer
+
+
+def _layers(shape: ModelShape, layers: int, seq: int):
+    return rehearse_training(dataclasses.replace(shape, layers=layers), Layout(), 1, seq // 2,
+                             seq // 2)
+
+
+@pytest.mark.parametrize("dims", [dict(hidden=256, ffn=512, heads=4, kv_heads=2),
+                                  dict(hidden=512, ffn=768, heads=8, kv_heads=1)])
+def test_a_decoder_layer_keeps_the_tensors_counted_for_it(dims: dict) -> None:
+    """Per layer and token the block keeps 20 d + 8 q + 8 f bytes for backward (fp32 norm
+    inputs and outputs and their bf16 cast; bf16 q, expanded k and v, SDPA's output; the
+    SwiGLU's four bf16 tensors), the additive bf16 mask 2 B per (query, key) pair, and
+    autocast's bf16 copy of the layer's weights: a second layer adds exactly that much to the
+    peak of forward + backward."""
+    shape = ModelShape("t", 1, head_dim=64, vocab=512, qkv_bias=True, **dims)
+    seq = 256
+    one, two = _layers(shape, 1, seq), _layers(shape, 2, seq)
+    d, q, f = shape.hidden, shape.q_width, shape.ffn
+    layer_params = shape.attn_params + shape.mlp_params + 2 * d
+    expected = seq * (20 * d + 8 * q + 8 * f) + 2 * seq * seq + 2 * layer_params
+    assert two.activations - one.activations == pytest.approx(expected, rel=0.01)
+
+
+def test_rehearse_cli_prints_the_model_beside_the_rehearsal(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    main(["rehearse", "--model", "qwen2.5-0.5b", "--layout", "dp=4,zero=3", "--rows", "2",
+          "--prompt-len", "32", "--response-len", "96", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "rank 0 of 4" in text and "model/rehearsed" in text
+    report = json.loads(out.read_text())
+    assert set(report["rank0"]) == {"params", "grads", "optimizer", "transient", "peak", "flops"}
+    row = report["rank0"]["params"]
+    assert row["ratio"] == pytest.approx(row["model"] / row["rehearsed"])
+
+
+def test_a_bad_layout_is_one_line_naming_the_key(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["rehearse", "--layout", "dp=4,zro=3"])
+    assert stop.value.code == 2
+    assert "zro" in capsys.readouterr().err
+    assert parse_layout("tp=2,activation_checkpointing=true") == Layout(
+        tp=2, activation_checkpointing=True)
