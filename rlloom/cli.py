@@ -229,9 +229,13 @@ def cmd_perf(args: argparse.Namespace) -> None:
     _perf_errors(report)
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b, or a "
                    "Hugging Face checkpoint directory / config.json")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    _model_arg(p)
     p.add_argument("--algo", default="grpo", choices=list(PRESETS), help="algorithm preset")
     p.add_argument("--gpus", default="64xH100",
                    help="cluster, e.g. 64xH100; 1xlocal is this machine (`rlloom bench hw`)")
@@ -361,8 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_simulate)
     p = sub.add_parser("rehearse", help="run one rank's training micro-batch at real shapes on "
                        "fake tensors and print its memory and FLOPs beside the cost model's")
-    p.add_argument("--model", default="qwen2.5-7b", help="model preset, e.g. llama-3-8b, or a "
-                   "Hugging Face checkpoint directory / config.json")
+    _model_arg(p)
     p.add_argument("--layout", default="", help="the role's layout as key=value pairs, e.g. "
                    "dp=16,zero=3 or tp=2,dp=8,zero=3,activation_checkpointing=true")
     p.add_argument("--rows", type=_positive, default=1, help="sequences per micro-batch")

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -33,7 +32,7 @@ from rlloom.perf.model.shapes import ModelShape
 from rlloom.perf.rehearsal.memory import PeakMemory
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
-from rlloom.runtime.stages.batch import joined, response_logprobs
+from rlloom.runtime.stages.batch import response_logprobs
 
 
 @dataclass(frozen=True)
