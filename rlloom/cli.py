@@ -123,7 +123,7 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     import json
 
     from rlloom.perf.model.shapes import model_shape
-    from rlloom.perf.rehearsal.compare import compare_training, parse_layout, render
+    from rlloom.rehearsal.compare import compare_training, parse_layout, render
     layout = parse_layout(args.layout)
     rows = compare_training(model_shape(args.model), layout, args.rows, args.prompt_len,
                             args.response_len)

@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rlloom.models.logprobs import logprobs_from_logits, token_logprobs
-from rlloom.perf.rehearsal.memory import PeakMemory
+from rlloom.rehearsal.memory import PeakMemory
 
 
 def _case(temperature: float):

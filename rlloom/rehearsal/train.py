@@ -29,7 +29,7 @@ from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.data_parallel import before_backward, local_tensor
 from rlloom.parallel.mesh import build_mesh
 from rlloom.perf.model.shapes import ModelShape
-from rlloom.perf.rehearsal.memory import PeakMemory
+from rlloom.rehearsal.memory import PeakMemory
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.stages.batch import response_logprobs
@@ -125,12 +125,9 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                       response: int, temperature: float = 1.0) -> Rehearsed:
     """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
-    loss, backward, and an AdamW step. A layout of several ranks is rehearsed in a child
-    process: the fake world and FSDP's hooks leave state behind that changed later
-    rehearsals in the same process."""
+    loss, backward, and an AdamW step, in a child process: a fake world and FSDP's hooks
+    leave state behind that changed later rehearsals in the same process."""
     args = (shape, layout, rows, prompt, response, temperature)
-    if layout.world_size == 1:
-        return _rehearse_training(*args)
     with concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_rehearse_training, *args).result()

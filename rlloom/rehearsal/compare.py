@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from rlloom.config import ConfigError
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.shapes import ModelShape
-from rlloom.perf.rehearsal.train import rehearse_training
+from rlloom.rehearsal.train import rehearse_training
 from rlloom.plan import Layout
 
 KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops")
