@@ -7,7 +7,7 @@ dtype) or refused with the rlloom way to say it, where rlloom has no such knob o
 otherwise. `beta` depends on the algorithm, as in TRL: the KL coefficient for GRPO-family
 (online) presets, DPO's inverse temperature for offline ones. `algo.beta` is DPO's only: set
 on an online preset it is refused, naming `algo.kl_coef` (a config.yaml of an older run, which
-holds the default 0.1 there, still reads). README "TRL's names" lists the table.
+holds the default 0.1 there, still reads). docs/own-model.md, "TRL's names", lists the table.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ multiprocessing.get_context("forkserver").set_forkserver_preload(
 # take seconds each: multi-process groups, torchrun, whole runs, benchmarks). The edit-test
 # loop runs `pytest -m "not slow and not ray and not vllm" -n auto`.
 SLOW = {"test_ray_groups.py", "test_plan_contract.py", "test_torchrun.py", "test_ray_faults.py",
-        "test_readme_example.py", "test_validate.py", "test_bench_hw.py", "test_humaneval.py",
+        "test_worked_example.py", "test_validate.py", "test_bench_hw.py", "test_humaneval.py",
         "test_ray_runtime.py", "test_parallel_equivalence.py", "test_train_e2e.py",
         "test_faults.py", "test_code_attacks.py", "test_partial_rollouts.py", "test_lora_run.py",
         "test_published_runs.py", "test_bench_layouts.py", "test_presets.py",

@@ -1,5 +1,5 @@
-"""The README's worked example runs as written: its bash block, in an empty directory, with
-this environment's `python` and `rlloom` first on PATH."""
+"""The worked example of docs/own-model.md (a TRL user's port) runs as written: its bash
+block, in an empty directory, with this environment's `python` and `rlloom` first on PATH."""
 import json
 import os
 import subprocess
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "own-model.md"
 
 
 def worked_example(marker: str = "worked-example:", language: str = "bash") -> str:
-    text = README.read_text()
+    text = GUIDE.read_text()
     after = text.split(f"<!-- {marker}", 1)[1]
     return after.split(f"```{language}\n", 1)[1].split("\n```", 1)[0]
 
