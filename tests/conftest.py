@@ -33,7 +33,7 @@ SLOW = {"test_ray_groups.py", "test_plan_contract.py", "test_torchrun.py", "test
         "test_ray_runtime.py", "test_parallel_equivalence.py", "test_train_e2e.py",
         "test_faults.py", "test_code_attacks.py", "test_partial_rollouts.py", "test_lora_run.py",
         "test_published_runs.py", "test_bench_layouts.py", "test_presets.py",
-        "test_multinode.py"}
+        "test_multinode.py", "test_rehearsal.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

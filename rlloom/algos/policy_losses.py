@@ -1,4 +1,4 @@
-"""Policy-gradient losses (PPO and its relatives) and the entropy of the policy.
+"""Policy-gradient losses (PPO and its relatives); the entropy is `models.logprobs`'s.
 
 Each loss returns (loss [n, T] per token, clipped [n, T] bool); both are zero/False on
 padding, and padded inputs get exactly zero gradient whatever values they hold. The
@@ -14,7 +14,6 @@ import torch
 from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.masks import valid
 from rlloom.algos.registry import Registry
-from rlloom.models.logprobs import entropy_from_logprobs
 
 if TYPE_CHECKING:
     from rlloom.config import AlgoSection
@@ -161,11 +160,3 @@ def reinforce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     """Plain policy gradient -A log pi: no ratio, nothing clipped (on-policy only)."""
     logp, adv = _zero_padding(mask, logp, advantages)
     return _finish(-adv * logp, torch.zeros_like(mask, dtype=torch.bool), mask)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy -sum_v p log p of each position's distribution: logits [n, T, V] -> [n, T].
-
-    Works from log_softmax (`models.logprobs.entropy_from_logprobs`).
-    """
-    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))

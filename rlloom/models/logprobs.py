@@ -10,10 +10,11 @@ direction. The results are those of the unchunked computation (same ops per toke
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from rlloom.rollout.sampling import policy_logprobs
 
 # Tokens per chunk. 1,024 x 152k logits are 0.6 GB in fp32; the head's matmul over 1,024
 # tokens is still ~1 TFLOP at a 7B model's width, enough to keep a GPU busy.
@@ -31,26 +32,23 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` [...] under softmax(logits [..., V] / temperature) in fp32,
     and the entropies of those distributions when asked."""
-    logits = logits.float()
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = policy_logprobs(logits, temperature)
     chosen = logp.gather(-1, targets[..., None]).squeeze(-1)
     return chosen, entropy_from_logprobs(logp) if with_entropy else None
 
 
-def token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+def token_logprobs(head: nn.Module, hidden: torch.Tensor,
                    targets: torch.Tensor, temperature: float, with_entropy: bool = False,
                    chunk: int = LOGIT_CHUNK_TOKENS
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [...] of `targets` [...] given the hidden states [..., d] that predict them,
-    `head` mapping hidden states to logits, and entropies [...] when asked; `chunk` tokens'
+    `head` (the output head) mapping hidden states to logits, and entropies [...] when asked; `chunk` tokens'
     logits at a time (see the module's docstring)."""
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, not {chunk}")
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     saved = torch.is_grad_enabled() and (hidden.requires_grad or any(
-        p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+        p.requires_grad for p in head.parameters()))
 
     def piece(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         logp, ent = logprobs_from_logits(head(h), t, temperature, with_entropy)

@@ -5,31 +5,31 @@ import yaml
 from pydantic import ValidationError
 
 from rlloom.config import ConfigError
+from rlloom.perf.model import cost
 from rlloom.perf.model import memory as mem
+from rlloom.perf.model.hardware import hardware
 from rlloom.perf.model.shapes import ModelShape
-from rlloom.rehearsal.train import rehearse_training
+from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
+from rlloom.rehearsal.train import rehearse_training
 
 KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops")
 
 
 def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                        response: int) -> dict[str, float]:
-    """What `perf.model.cost.training` charges one rank for this micro-batch, by kind: the
-    model state (`memory.model_state_bytes` split into its parts), the transient bytes
-    (activations, the logits' chunk, ZeRO-3's gather buffers) and forward + backward FLOPs
-    (3 C_f per token; the head on every token, as the model counts it)."""
-    seq = prompt + response
-    precision = mem.MIXED_ADAM
-    parts = {}
-    for kind, only in (("params", (precision[0], 0, 0)), ("grads", (0, precision[1], 0)),
-                       ("optimizer", (0, 0, precision[2]))):
-        parts[kind] = mem.model_state_bytes(shape, layout, True, only)
-    parts["transient"] = (mem.activation_bytes(shape, layout, rows * seq, True)
-                          + mem.zero3_buffer_bytes(shape, layout))
-    parts["peak"] = parts["params"] + parts["grads"] + parts["optimizer"] + parts["transient"]
-    shards = layout.tp * layout.pp * layout.cp
-    parts["flops"] = 3 * rows * seq * shape.forward_flops(seq) / shards
+    """What the cost model charges one rank for this micro-batch, by kind: the resident
+    state (`memory.model_state_bytes`, split into its parts at the model's precision) and
+    `cost.training`'s transient bytes and FLOPs for a step of exactly this micro-batch."""
+    wl = Workload(prompts=rows * layout.dp, samples=1, prompt_len=prompt,
+                  response=Lengths("fixed", response), micro_batch=rows)
+    stage = cost.training(shape, layout, wl, hardware("h100"), "actor")
+    param, grad, optim = mem.MIXED_ADAM
+    parts = {kind: mem.model_state_bytes(shape, layout, True, only) for kind, only in (
+        ("params", (param, 0, 0)), ("grads", (0, grad, 0)), ("optimizer", (0, 0, optim)))}
+    parts["transient"] = stage.transient_bytes
+    parts["peak"] = sum(parts.values())
+    parts["flops"] = stage.flops / (layout.dp * layout.tp * layout.pp * layout.cp)
     return parts
 
 
@@ -38,7 +38,7 @@ def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
     """{kind: {model, rehearsed, ratio}} for rank 0 (ratio = model / rehearsed)."""
     model = predicted_training(shape, layout, rows, prompt, response)
     r = rehearse_training(shape, layout, rows, prompt, response)
-    measured = {"params": r.params, "grads": r.grads_total, "optimizer": r.optimizer,
+    measured = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,
                 "transient": r.activations, "peak": r.peak, "flops": r.flops}
     return {k: {"model": model[k], "rehearsed": measured[k],
                 "ratio": model[k] / measured[k] if measured[k] else float("nan")}

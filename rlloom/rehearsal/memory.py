@@ -3,6 +3,7 @@ its creation to its last reference, as a caching allocator would hold it (less r
 fragmentation, which `perf.model.memory.USABLE` covers)."""
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -22,12 +23,11 @@ class PeakMemory(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.now = self.peak = 0
-        self._live: dict[int, int] = {}
-        # storage addresses are reused once freed: (address, serial) names one storage
-        self._serial: dict[int, int] = {}
-        self._count = 0
+        # storage address -> [bytes, serial, weak reference]; addresses are reused once a
+        # storage is freed, so (address, serial) names one storage
+        self._live: dict[int, list] = {}
+        self._serials = itertools.count()
         self._at_peak: set[tuple[int, int]] = set()
-        self._refs: dict[int, weakref.ref] = {}
 
     def __enter__(self) -> "PeakMemory":
         # FSDP2 gathers into, and frees, parameter storages by resizing them, outside dispatch
@@ -59,50 +59,43 @@ class PeakMemory(TorchDispatchMode):
         key = storage._cdata
         if key in self._live:
             return
-        self._live[key] = storage.nbytes()
-        self._count += 1
-        self._serial[key] = self._count
-        self.now += self._live[key]
         # the storage's Python object lives as long as the storage itself (PyObject
         # preservation), so its finaliser marks the free
-        self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
-        self._mark()
+        self._live[key] = [storage.nbytes(), next(self._serials),
+                           weakref.ref(storage, lambda _, k=key: self._free(k))]
+        self._grew(storage.nbytes())
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
-        if key not in self._live:
+        record = self._live.get(storage._cdata)
+        if record is None:
             self._track(storage)
             return
-        self.now += storage.nbytes() - self._live[key]
-        self._live[key] = storage.nbytes()
-        self._mark()
+        change, record[0] = storage.nbytes() - record[0], storage.nbytes()
+        self._grew(change)
 
-    def _mark(self) -> None:
+    def _grew(self, nbytes: int) -> None:
+        self.now += nbytes
         if self.now > self.peak:
             self.peak = self.now
-            self._at_peak = {(k, self._serial[k]) for k in self._live}
+            self._at_peak = {(k, r[1]) for k, r in self._live.items()}
 
     def _free(self, key: int) -> None:
-        self.now -= self._live.pop(key, 0)
-        self._refs.pop(key, None)
-        self._serial.pop(key, None)
+        record = self._live.pop(key, None)
+        if record is not None:
+            self.now -= record[0]
 
     def peak_split(self, kinds: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
         """The peak's bytes in each kind's tensors (e.g. gradients, optimizer state), and the
         rest under "activations": what autograd saved and the temporaries of that moment."""
         split, seen = {}, set()
         for kind, tensors in kinds.items():
-            keys = {(k, self._serial.get(k)) for k in (_storage(t)._cdata for t in tensors)}
-            keys = keys & self._at_peak - seen
-            split[kind] = sum(self._storage_bytes(k) for k, _ in keys)
-            seen |= keys
+            records = {k: self._live[k] for k in (_storage(t)._cdata for t in tensors)
+                       if k in self._live}
+            named = {(k, r[1]) for k, r in records.items()} & self._at_peak - seen
+            split[kind] = sum(records[k][0] for k, _ in named)
+            seen |= named
         split["activations"] = self.peak - sum(split.values())
         return split
-
-    def _storage_bytes(self, key: int) -> int:
-        ref = self._refs.get(key)
-        storage = ref() if ref is not None else None
-        return storage.nbytes() if storage is not None else 0
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

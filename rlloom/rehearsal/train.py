@@ -15,7 +15,8 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -37,17 +38,14 @@ from rlloom.runtime.stages.batch import response_logprobs
 
 @dataclass(frozen=True)
 class Rehearsed:
-    """One rank's measured bytes (peaks by kind) and FLOPs of one micro-batch's stage."""
+    """One rank's measured bytes and FLOPs of one training micro-batch."""
     params: int        # this rank's parameters (shards under ZeRO / TP)
-    grads: int         # gradients alive at the forward + backward peak
-    grads_total: int   # gradients after backward
+    grads: int         # gradients after backward
     optimizer: int     # AdamW state after the step
-    activations: int   # saved activations and temporaries at the forward + backward peak
+    activations: int   # at the forward + backward peak, all but the gradients: saved
+    #                    activations, temporaries, gathered and autocast copies of weights
     peak: int          # the most bytes alive at once, the optimizer step included
     flops: float       # forward + backward FLOPs of the micro-batch on this rank
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def model_config(shape: ModelShape) -> ModelConfig:
@@ -111,45 +109,40 @@ def _rollout(rows: int, prompt: int, response: int, vocab: int) -> Rollout:
 
 
 def _local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of this rank's parts of `tensors`: FSDP's gradient shards share one buffer per
-    layer, each storage is counted once (by its bytes, or the parts' own when smaller)."""
-    storages = {}
-    for t in tensors:
-        local = local_tensor(t)
-        key = local.untyped_storage()._cdata
-        storages[key] = storages.get(key, 0) + local.numel() * local.element_size()
-    return sum(storages.values())
+    """Bytes of this rank's parts of `tensors` (by their elements: FSDP's gradient shards
+    are views of one buffer per layer)."""
+    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
 
 
 def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
-                      response: int, temperature: float = 1.0) -> Rehearsed:
+                      response: int) -> Rehearsed:
     """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
     loss, backward, and an AdamW step, in a child process: a fake world and FSDP's hooks
     leave state behind that changed later rehearsals in the same process."""
-    args = (shape, layout, rows, prompt, response, temperature)
+    args = (shape, layout, rows, prompt, response)
     with concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_rehearse_training, *args).result()
 
 
 def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
-                       response: int, temperature: float) -> Rehearsed:
+                       response: int) -> Rehearsed:
     cfg = model_config(shape)
     with fake_world(layout.world_size):
         mesh = build_mesh(layout, "cpu") if layout.world_size > 1 else None
         with FakeTensorMode(allow_non_fake_inputs=True), \
-                _patched(transformer.F, "scaled_dot_product_attention", _gpu_attention):
+                mock.patch.object(transformer.F, "scaled_dot_product_attention",
+                                  _gpu_attention):
             model = CausalLM(cfg)
             # as `runtime.ranks` does: FSDP in the weights' dtype, bf16 by autocast
             parallelize(model, layout, mesh, mixed_precision=False)
-            params = [p for p in model.parameters()]
+            params = list(model.parameters())
             optim = make_optimizer(model, layout, mesh, lr=1e-6)
             r = _rollout(rows, prompt, response, shape.vocab)
             with PeakMemory() as mem, FlopCounterMode(display=False) as flops:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logp, entropy, _ = response_logprobs(model, r, temperature,
-                                                         with_entropy=True)
+                    logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
                     loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
                 before_backward(model, last=True)
                 loss.backward()
@@ -162,19 +155,9 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
                      if isinstance(t, torch.Tensor)]
             optimizer = _local_bytes(state)
             p_bytes = _local_bytes(params)
-            return Rehearsed(params=p_bytes, grads=split["grads"],
-                             grads_total=_local_bytes(grads), optimizer=optimizer,
+            return Rehearsed(params=p_bytes, grads=_local_bytes(grads), optimizer=optimizer,
                              activations=split["activations"],
                              # from the second step on the AdamW state is there throughout
                              peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),
                              flops=counted)
 
-
-@contextlib.contextmanager
-def _patched(owner: object, name: str, value: object) -> Iterator[None]:
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)

@@ -61,7 +61,10 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     top-k / top-p only shape what is sampled; the importance ratio is taken against the
     tempered, untruncated distribution, the same one the trainer recomputes.
     """
-    return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    logits = logits.float()
+    if temperature and temperature != 1.0:  # x / 1 is x: no copy of the logits for it
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
 
 
 def seen_tokens(prompts: list[list[int]], vocab: int, device: torch.device | str,

@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
 from rlloom.algos.kl import KL_ESTIMATORS
-from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig, entropy_from_logits
+from rlloom.algos.policy_losses import POLICY_LOSSES, PolicyLossConfig
+from rlloom.models.logprobs import entropy_from_logprobs
 
 D = torch.float64
 N, T, V, H = 6, 7, 11, 5  # sequences, response length, vocabulary, feature size
@@ -65,7 +66,7 @@ def objective(p: Problem, weight: torch.Tensor, rows: slice, loss_name: str, agg
     policy, _ = POLICY_LOSSES.get(loss_name)(logp, p.old_logp[rows], p.advantages[rows], mask,
                                              PolicyLossConfig(clip_high=0.28, dual_clip=3.0),
                                              p.prox_logp[rows])
-    entropy = entropy_from_logits(logits)
+    entropy = entropy_from_logprobs(torch.log_softmax(logits, -1))
     kl = KL_ESTIMATORS.get("k3")(logp, p.ref_logp[rows])
     return agg(policy, mask, norm) - 0.01 * agg(entropy, mask, norm) + 0.1 * agg(kl, mask, norm)
 

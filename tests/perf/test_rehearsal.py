@@ -20,7 +20,7 @@ def test_state_bytes_per_rank_are_fp32_weights_grads_and_two_moments(dp: int) ->
     n = model_config(SMALL).num_params
     r = rehearse_training(SMALL, Layout(dp=dp, zero=3 if dp > 1 else 0), 1, 64, 64)
     assert r.params == pytest.approx(4 * n / dp, rel=1e-3)
-    assert r.grads_total == pytest.approx(4 * n / dp, rel=1e-3)
+    assert r.grads == pytest.approx(4 * n / dp, rel=1e-3)
     assert r.optimizer == pytest.approx(8 * n / dp, rel=1e-3)
     assert r.peak > r.params + r.optimizer
 
