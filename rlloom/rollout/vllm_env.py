@@ -7,7 +7,9 @@ server (`vllm_server.py`) is started with that environment's Python.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,28 +31,47 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def _marker(venv: Path) -> Path:
+    """Written last by `install` (it holds the device): a venv without it is half-built."""
+    return venv / ".rlloom-installed"
+
+
+def installed(venv: Path) -> bool:
+    return _marker(venv).is_file()
+
+
 def install(venv: Path, device: str = "cpu") -> Path:
-    """Create `venv` with vLLM for `device` (cpu or cuda); its Python."""
+    """`venv` with vLLM for `device` (cpu or cuda); its Python. Kept when it is already
+    complete for that device; one another install left half-built (interrupted, a full
+    disk) is built again. A lock beside it makes concurrent callers (the test workers)
+    wait for one build."""
     python = venv_python(venv)
-    run = [["python3", "-m", "venv", str(venv)],
-           [str(python), "-m", "pip", "install", "-q", "--no-compile", PACKAGES[device]]]
-    if device == "cpu":
-        run.append([str(python), "-m", "pip", "uninstall", "-q", "-y", *CPU_UNUSED])
-    for cmd in run:
-        subprocess.run(cmd, check=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if installed(venv) and _marker(venv).read_text() == device:
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        run = [["python3", "-m", "venv", str(venv)],
+               [str(python), "-m", "pip", "install", "-q", "--no-compile", PACKAGES[device]]]
+        if device == "cpu":
+            run.append([str(python), "-m", "pip", "uninstall", "-q", "-y", *CPU_UNUSED])
+        for cmd in run:
+            subprocess.run(cmd, check=True)
+        _marker(venv).write_text(device)
     return python
 
 
 def resolve_python(setting: str) -> str:
     """The Python that runs the vLLM server: `rollout.vllm_python`, else RLLOOM_VLLM_PYTHON,
-    else the one `rlloom setup vllm` installed, else this interpreter (vLLM beside
+    else the one `rlloom setup vllm` installed (completely), else this interpreter (vLLM beside
     rlloom)."""
     if setting:
         return setting
     if os.environ.get("RLLOOM_VLLM_PYTHON"):
         return os.environ["RLLOOM_VLLM_PYTHON"]
-    python = venv_python(default_venv())
-    return str(python) if python.exists() else sys.executable
+    venv = default_venv()
+    return str(venv_python(venv)) if installed(venv) else sys.executable
 
 
 def config_problems(temperature: float, top_p: float, top_k: int, min_p: float,

@@ -17,7 +17,7 @@ from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.rollout.vllm_engine import VLLMEngine
-from rlloom.rollout.vllm_env import config_problems, default_venv, install, venv_python
+from rlloom.rollout.vllm_env import config_problems, default_venv, install
 from rlloom.runtime.stages.batch import response_logprobs
 
 TEMPERATURE = 0.8
@@ -32,9 +32,7 @@ def vllm_python() -> str:
     the user's."""
     if os.environ.get("RLLOOM_VLLM_PYTHON"):
         return os.environ["RLLOOM_VLLM_PYTHON"]
-    venv = default_venv()
-    python = venv_python(venv)
-    return str(python if python.exists() else install(venv))
+    return str(install(default_venv()))
 
 
 @pytest.fixture(scope="module")
