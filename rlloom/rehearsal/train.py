@@ -42,6 +42,8 @@ class Rehearsed:
     params: int        # this rank's parameters (shards under ZeRO / TP)
     grads: int         # gradients after backward
     optimizer: int     # AdamW state after the step
+    saved: int         # alive when forward ends: what backward will read (activations,
+    #                    autocast's weight copies) and the loss
     activations: int   # at the forward + backward peak, all but the gradients: saved
     #                    activations, temporaries, gathered and autocast copies of weights
     peak: int          # the most bytes alive at once, the optimizer step included
@@ -144,6 +146,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
                     loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
+                saved = mem.now
                 before_backward(model, last=True)
                 loss.backward()
                 grads = [p.grad for p in params if p.grad is not None]
@@ -156,6 +159,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
             optimizer = _local_bytes(state)
             p_bytes = _local_bytes(params)
             return Rehearsed(params=p_bytes, grads=_local_bytes(grads), optimizer=optimizer,
+                             saved=saved,
                              activations=split["activations"],
                              # from the second step on the AdamW state is there throughout
                              peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),

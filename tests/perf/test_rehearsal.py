@@ -1,11 +1,12 @@
 """Rehearsal: the runtime's own training micro-batch on fake tensors, in a fake world, held
 to bytes counted by hand."""
+import dataclasses
 import json
 
 import pytest
 
 from rlloom.cli import main
-from rlloom.perf.model.shapes import MODELS
+from rlloom.perf.model.shapes import MODELS, ModelShape
 from rlloom.rehearsal.compare import parse_layout
 from rlloom.rehearsal.train import model_config, rehearse_training
 from rlloom.plan import Layout
@@ -23,6 +24,28 @@ def test_state_bytes_per_rank_are_fp32_weights_grads_and_two_moments(dp: int) ->
     assert r.grads == pytest.approx(4 * n / dp, rel=1e-3)
     assert r.optimizer == pytest.approx(8 * n / dp, rel=1e-3)
     assert r.peak > r.params + r.optimizer
+
+
+def _layers(shape: ModelShape, layers: int, seq: int):
+    return rehearse_training(dataclasses.replace(shape, layers=layers), Layout(), 1, seq // 2,
+                             seq // 2)
+
+
+@pytest.mark.parametrize("dims", [dict(hidden=256, ffn=512, heads=4, kv_heads=2),
+                                  dict(hidden=512, ffn=768, heads=8, kv_heads=1)])
+def test_a_decoder_layer_keeps_the_tensors_counted_for_it(dims: dict) -> None:
+    """Per layer and token the block keeps 20 d + 8 q + 8 f bytes for backward (fp32 norm
+    inputs and outputs and their bf16 cast; bf16 q, expanded k and v, SDPA's output; the
+    SwiGLU's four bf16 tensors), the additive bf16 mask 2 B per (query, key) pair, and
+    autocast's bf16 copy of the layer's weights: a second layer adds exactly that much to
+    what forward leaves for backward."""
+    shape = ModelShape("t", 1, head_dim=64, vocab=512, qkv_bias=True, **dims)
+    seq = 256
+    one, two = _layers(shape, 1, seq), _layers(shape, 2, seq)
+    d, q, f = shape.hidden, shape.q_width, shape.ffn
+    layer_params = shape.attn_params + shape.mlp_params + 2 * d
+    expected = seq * (20 * d + 8 * q + 8 * f) + 2 * seq * seq + 2 * layer_params
+    assert two.saved - one.saved == pytest.approx(expected, rel=0.01)
 
 
 def test_rehearse_cli_prints_the_model_beside_the_rehearsal(tmp_path, capsys) -> None:
