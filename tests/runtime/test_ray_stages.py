@@ -117,7 +117,8 @@ def test_the_proximal_forward_runs_the_tokens_the_cost_model_prices():
     samples = Samples([None, None], rollout, torch.arange(8) // 4, {}, scores_)
     exp = assess(samples, None, None, 0.0, None, cfg)
     seen = []
-    hook = policy.register_forward_pre_hook(lambda _, args: seen.append(args[0].numel()))
+    # the backbone: log-probs run it and then the head on response positions only
+    hook = policy.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].numel()))
     fixed, _ = decoupled(exp, policy, 1.0, Rows(budget=64))
     hook.remove()
     priced, passes = Workload(prompts=2, samples=4, prompt_len=5,
