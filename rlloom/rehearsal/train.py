@@ -120,9 +120,12 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                       response: int) -> Rehearsed:
     """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
-    loss, backward, and an AdamW step, in a child process: a fake world and FSDP's hooks
-    leave state behind that changed later rehearsals in the same process."""
+    loss, backward, and an AdamW step. A layout of several ranks runs in a child process:
+    its fake world and FSDP's hooks leave state behind that changed later rehearsals in the
+    same process."""
     args = (shape, layout, rows, prompt, response)
+    if layout.world_size == 1:
+        return _rehearse_training(*args)
     with concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_rehearse_training, *args).result()
