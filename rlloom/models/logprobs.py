@@ -47,15 +47,17 @@ def token_logprobs(head: nn.Module, hidden: torch.Tensor,
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, not {chunk}")
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    saved = torch.is_grad_enabled() and (hidden.requires_grad or any(
-        p.requires_grad for p in head.parameters()))
+    # One chunk's saved tensors are what its recompute would hold at the same moment (the
+    # head's backward comes first): checkpoint only when there are several.
+    recompute = flat_t.numel() > chunk and torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
 
     def piece(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         logp, ent = logprobs_from_logits(head(h), t, temperature, with_entropy)
         return torch.stack([logp, ent]) if ent is not None else logp[None]
 
     parts = [checkpoint(piece, flat_h[i:i + chunk], flat_t[i:i + chunk], use_reentrant=False)
-             if saved else piece(flat_h[i:i + chunk], flat_t[i:i + chunk])
+             if recompute else piece(flat_h[i:i + chunk], flat_t[i:i + chunk])
              for i in range(0, flat_t.numel(), chunk)]
     out = torch.cat(parts, 1) if parts else flat_h.new_zeros(1 + with_entropy, 0,
                                                              dtype=torch.float32)
