@@ -210,8 +210,7 @@ def predict(a: argparse.Namespace, layout: Layout, hw: Hardware) -> dict[str, fl
     stage = cost.training(shape, layout, wl, rank_hardware(hw, layout.world_size, a.threads),
                           "actor")
     return {"step_s": stage.seconds, "transient": stage.transient_bytes,
-            "state_fp32": mem.model_state_bytes(shape, layout, True, mem.FP32_ADAM),
-            "state_mixed": mem.model_state_bytes(shape, layout, trainable=True)}
+            "state_fp32": mem.model_state_bytes(shape, layout, trainable=True)}
 
 
 # ---- driver -------------------------------------------------------------------------------
@@ -240,17 +239,17 @@ def run_layout(a: argparse.Namespace, name: str, hw: Hardware) -> dict[str, Any]
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'layout':<13} {'ranks':>5} {'meas step s':>11} {'pred step s':>11} "
             f"{'pred/meas':>9} {'meas CPU s':>10} {'meas state':>10} {'pred state':>10} "
-            f"{'pred mixed':>10} {'RSS high-water':>14} {'pred transient':>14} "
+            f"{'RSS high-water':>14} {'pred transient':>14} "
             f"{'loss 1st':>8} {'loss last':>9}")
     unit = (f"{'':<13} {'':>5} {'':>11} {'':>11} {'':>9} {'per rank':>10} {'MiB/rank':>10} "
-            f"{'fp32 MiB':>10} {'MiB/rank':>10} {'MiB/rank':>14} {'MiB/rank':>14}")
+            f"{'fp32 MiB':>10} {'MiB/rank':>14} {'MiB/rank':>14}")
     lines = [head, unit, "-" * len(head)]
     for r in rows:
         p = r["predicted"]
         lines.append(
             f"{r['layout']:<13} {r['ranks']:>5} {r['step_s']:>11.3f} {p['step_s']:>11.3f} "
             f"{p['step_s'] / r['step_s']:>9.2f} {r['cpu_s']:>10.3f} {r['state'] / MIB:>10.1f} "
-            f"{p['state_fp32'] / MIB:>10.1f} {p['state_mixed'] / MIB:>10.1f} "
+            f"{p['state_fp32'] / MIB:>10.1f} "
             f"{r['rss'] / MIB:>14.1f} {p['transient'] / MIB:>14.1f} "
             f"{r['loss_first']:>8.4f} {r['loss_last']:>9.4f}")
     return "\n".join(lines)
@@ -278,16 +277,15 @@ meas step s: median over steps of the slowest rank's wall time; meas CPU s: the 
   rank's own CPU time (all its threads), which other load on the machine does not inflate.
 pred step s: cost.training priced with each rank's share of the measured cores.
 meas state: local params + grads + AdamW state, counted from the tensors at the end of a step.
-pred state fp32: memory.model_state_bytes' ZeRO formulas with fp32 params and grads (4 + 4 B)
-  and moments (8 B), as this run trains. pred mixed: memory.model_state_bytes as it is (bf16
-  params and grads, 12 B of fp32 master weights and moments), which this fp32 run does not use.
-  Both count parameters at their resting size: ZeRO-2 holds the full parameters only between
-  its forward and backward (FSDP2 reshards them after backward), and TP here leaves embeddings,
-  lm_head and norms replicated, which the model splits by tp.
+pred state fp32: memory.model_state_bytes' ZeRO formulas: fp32 params and grads (4 + 4 B) and
+  moments (8 B), as the runtime trains with any compute dtype. It counts parameters at their
+  resting size: ZeRO-2 holds the full parameters only between its forward and backward (FSDP2
+  reshards them after backward), and TP here leaves embeddings, lm_head and norms replicated,
+  which the model splits by tp.
 RSS high-water: peak resident set minus the resident set before the model was built
   (activations, gathered parameters, gloo buffers, allocator slack included).
-pred transient: cost.training's activations (+ ZeRO-3 gather buffers), priced in bf16 with
-  flash attention; this run keeps fp32 activations and the full attention matrix."""
+pred transient: cost.training's activations and working weight copies beyond the gradients,
+  priced with bf16 compute; this fp32 run keeps fp32 activations."""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

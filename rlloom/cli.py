@@ -125,7 +125,11 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     from rlloom.perf.model.shapes import model_shape
     from rlloom.rehearsal.compare import compare_training, parse_layout, render
     layout = parse_layout(args.layout)
-    rows = compare_training(model_shape(args.model), layout, args.rows, args.prompt_len,
+    try:
+        shape = model_shape(args.model)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
+    rows = compare_training(shape, layout, args.rows, args.prompt_len,
                             args.response_len)
     tokens = args.rows * (args.prompt_len + args.response_len)
     print(render(rows, f"{args.model}, rank 0 of {layout.world_size}: training micro-batch of "

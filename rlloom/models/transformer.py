@@ -96,7 +96,9 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """`mask` None: causal over packed rows (`packed_order`), which fused kernels run
+        without any [seq, seq] tensor and skip the masked-out half of."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.hd)
         k = self.k_proj(x).view(b, s, self.n_kv, self.hd)
@@ -108,6 +110,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         gqa = self.n_heads != self.n_kv
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
         if gqa and s > 1:
             # A GPU's fused kernels take a mask or grouped KV heads, not both, and SDPA's
             # fallback would keep [heads, s, s] scores per layer: expand the KV heads, as
@@ -140,7 +145,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
         x = x + self.self_attn(matmul_input(self.input_layernorm(x)), cos, sin, mask, cache,
                                layer)
         h = self.post_attention_layernorm(x)
@@ -158,6 +163,16 @@ def matmul_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def kv_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a KV cache stores: the one keys and values come out of their projections
+    in, autocast's when it is on (a cache in fp32 weights' dtype would store bf16 values in
+    twice the bytes)."""
+    p = next(model.parameters())
+    if torch.is_autocast_enabled(p.device.type):
+        return torch.get_autocast_dtype(p.device.type)
+    return p.dtype
+
+
 class Backbone(nn.Module):
     """Embeddings, decoder layers and the final norm: everything but the output head."""
 
@@ -167,24 +182,78 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.unpack = Unpack()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states [batch, seq, hidden]; extends `cache` when given."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        past = cache.key_mask[:, :cache.length] if cache is not None else None
+        if cache is None:
+            return self._teacher_forced(input_ids, attention_mask)
+        past = cache.key_mask[:, :cache.length]
         positions, mask = positions_and_mask(attention_mask, past)
-        masks = layer_masks(self.config, mask, past.shape[1] if past is not None else 0)
-        if cache is not None:
-            cache.append_mask(attention_mask)
+        masks = layer_masks(self.config, mask, past.shape[1])
+        cache.append_mask(attention_mask)
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(positions, self.config, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, masks[i], cache, i)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
-        return matmul_input(self.norm(x))
+        cache.advance(input_ids.shape[1])
+        return matmul_input(self.unpack(self.norm(x), None))
+
+    def _teacher_forced(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                        ) -> torch.Tensor:
+        """A pass without a cache, on packed rows: causal attention needs no mask there, so
+        no layer holds a [seq, seq] tensor (2 B per query-key pair and layer, kept for
+        backward, in a masked fused kernel: 2 GiB per layer at 32k tokens)."""
+        order = packed_order(attention_mask)
+        packed = attention_mask.gather(1, order)
+        x = self.embed_tokens(input_ids.gather(1, order))
+        cos, sin = rotary_cos_sin(packed_positions(packed), self.config, x.dtype)
+        masks = window_masks(self.config, input_ids.shape[1], x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, masks[i], None, i)
+        return matmul_input(self.unpack(self.norm(x), order))
+
+
+def packed_order(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] indices that put each row's real tokens first, in their order, and its
+    padding after them. Real tokens then sit at their own positions (0, 1, ...) and no real
+    token comes after a pad, so plain causal attention is exact for them."""
+    return torch.argsort((attention_mask == 0).to(torch.int32), dim=1, stable=True)
+
+
+def packed_positions(packed_mask: torch.Tensor) -> torch.Tensor:
+    """Rotary positions of packed rows: 0, 1, ... over the real tokens; padding repeats the
+    last (so the longest position is the longest real sequence's, as dynamic rope needs)."""
+    return (packed_mask.cumsum(1) - 1).clamp(min=0)
+
+
+class Unpack(nn.Module):
+    """Hidden states [batch, seq, hidden] of packed rows back in the input's token order
+    (`packed_order`; None: already in it). A module, so that tensor parallelism can hand it
+    the whole sequence: the stream before it is split over the sequence."""
+
+    def forward(self, x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+        return x if order is None else unpack(x, order)
+
+
+def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Packed rows [batch, seq, hidden] back in the token order `packed_order` took them from."""
+    return x.gather(1, order.argsort(dim=1)[..., None].expand_as(x))
+
+
+def window_masks(cfg: ModelConfig, seq: int, device: torch.device
+                 ) -> list[torch.Tensor | None]:
+    """Each layer's mask over packed rows: None (causal) on full-attention layers, the causal
+    band of `sliding_window` keys on sliding-window ones (one [seq, seq] mask for all rows)."""
+    if cfg.sliding_window is None:
+        return [None] * cfg.num_layers
+    q = torch.arange(seq, device=device)[:, None]
+    k = torch.arange(seq, device=device)[None, :]
+    band = ((k <= q) & (q - k < cfg.sliding_window))[None, None]
+    return [band if cfg.layer_window(i) else None for i in range(cfg.num_layers)]
 
 
 def positions_and_mask(new_mask: torch.Tensor, past_mask: torch.Tensor | None

@@ -103,8 +103,8 @@ class ContextParallelBackbone(nn.Module):
     def __init__(self, backbone: nn.Module, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = backbone.config
-        self.embed_tokens, self.layers, self.norm = (backbone.embed_tokens, backbone.layers,
-                                                     backbone.norm)
+        self.embed_tokens, self.layers, self.norm, self.unpack = (
+            backbone.embed_tokens, backbone.layers, backbone.norm, backbone.unpack)
         self.group = group
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -128,7 +128,7 @@ class ContextParallelBackbone(nn.Module):
         kv = KVGather(self.group)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, masks[i], kv, i)
-        return self.norm(x)
+        return self.unpack(self.norm(x), None)  # in token order: no packing here
 
 
 def context_group(model: nn.Module) -> dist.ProcessGroup | None:

@@ -49,7 +49,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlloom.models.heads import ActorCritic, ValueModel
-from rlloom.models.transformer import CausalLM, layer_masks, positions_and_mask, rotary_cos_sin
+from rlloom.models.transformer import (
+    CausalLM,
+    layer_masks,
+    packed_order,
+    packed_positions,
+    rotary_cos_sin,
+    unpack,
+    window_masks,
+)
 from rlloom.parallel.context_parallel import KVGather, gather_sequence, shard_positions_and_mask
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
@@ -107,17 +115,21 @@ class StageModule(nn.Module):
         """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
         stage logits [mb, seq, vocab] (values [mb, seq] of a value model, both as
         [mb, seq, vocab + 1] of a shared actor-critic)."""
-        cache, start, longest = None, 0, None
+        cache, start, longest, order = None, 0, None, None
         if self.cp_group is not None:
             length = attention_mask.shape[1] // dist.get_world_size(self.cp_group)
             start = dist.get_rank(self.cp_group) * length
             positions, mask = shard_positions_and_mask(attention_mask, start, length)
             cache, longest = KVGather(self.cp_group), int(attention_mask.sum(1).max())
+            masks = layer_masks(self.config, mask, start)
             if self.is_first:
                 x = x[:, start:start + length]
-        else:
-            positions, mask = positions_and_mask(attention_mask, None)
-        masks = layer_masks(self.config, mask, start)
+        else:  # packed rows, as `Backbone` runs a pass without a cache: causal, no mask
+            order = packed_order(attention_mask)
+            positions = packed_positions(attention_mask.gather(1, order))
+            masks = window_masks(self.config, attention_mask.shape[1], attention_mask.device)
+            if self.is_first:
+                x = x.gather(1, order)
         if self.is_first:
             x = self.model.embed_tokens(x)
         cos, sin = rotary_cos_sin(positions, self.config, x.dtype, longest)
@@ -130,6 +142,8 @@ class StageModule(nn.Module):
             x = x.full_tensor()
         if self.is_last:
             x = self.model.norm(x)
+            if order is not None:
+                x = unpack(x, order)
             if self.both:
                 logits = self.lm_head(x)
                 x = torch.cat([logits, self.score(x).to(logits.dtype)], -1)

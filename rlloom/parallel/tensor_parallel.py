@@ -72,9 +72,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     })
     for layer in backbone.layers:
         shard_layer(layer, tp_mesh)
-    # Outputs of the whole backbone are plain and replicated, whatever head comes next.
-    parallelize_module(backbone, tp_mesh, PrepareModuleOutput(
-        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+    # Outputs of the whole backbone are plain and replicated, whatever head comes next: its
+    # last module, which restores the token order, takes the whole sequence.
+    parallelize_module(backbone, tp_mesh, {"unpack": PrepareModuleInput(
+        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+        use_local_output=True)})
     backbone.register_forward_pre_hook(_shard_kv_cache, with_kwargs=True)
     return model
 

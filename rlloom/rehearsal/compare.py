@@ -24,11 +24,12 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     wl = Workload(prompts=rows * layout.dp, samples=1, prompt_len=prompt,
                   response=Lengths("fixed", response), micro_batch=rows)
     stage = cost.training(shape, layout, wl, hardware("h100"), "actor")
-    param, grad, optim = mem.MIXED_ADAM
+    param, grad, optim = mem.TRAINED_STATE
     parts = {kind: mem.model_state_bytes(shape, layout, True, only) for kind, only in (
         ("params", (param, 0, 0)), ("grads", (0, grad, 0)), ("optimizer", (0, 0, optim)))}
-    parts["transient"] = stage.transient_bytes
-    parts["peak"] = sum(parts.values())
+    # the stage's transient is net of the gradients (`memory.training_transient_bytes`)
+    parts["transient"] = stage.transient_bytes + parts["grads"]
+    parts["peak"] = parts["params"] + parts["optimizer"] + parts["transient"]
     parts["flops"] = stage.flops / (layout.dp * layout.tp * layout.pp * layout.cp)
     return parts
 

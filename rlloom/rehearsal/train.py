@@ -3,9 +3,10 @@ log-prob path at the plan's real shapes, on fake tensors (no memory is allocated
 arithmetic is done) and, for a layout of several ranks, in a fake world of that size
 (every collective returns at once).
 
-What runs is what a GPU rank runs: fp32 weights and AdamW state with bf16 compute by
-autocast (`train.compute_dtype: auto`), `parallel.apply.parallelize` for the layout, `stages.batch.response_logprobs` for the log-probs and entropies, AdamW from
-`parallel.apply.make_optimizer`. Attention runs the fused kernel with a mask's memory (see
+What runs is what a GPU rank runs: fp32 weights and AdamW state with bf16 compute
+(`train.compute_dtype: auto`: autocast, and data parallelism gathering bf16 weights),
+`parallel.apply.parallelize` for the layout, `stages.batch.response_logprobs` for the
+log-probs and entropies, AdamW from `parallel.apply.make_optimizer`. Attention runs the fused kernel with a mask's memory (see
 `_gpu_attention`). What it cannot see: time, the allocator's rounding and fragmentation, and
 kernels' own workspaces.
 """
@@ -21,7 +22,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from rlloom.models import transformer
 from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
@@ -30,6 +30,7 @@ from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.data_parallel import before_backward, local_tensor
 from rlloom.parallel.mesh import build_mesh
 from rlloom.perf.model.shapes import ModelShape
+from rlloom.rehearsal.flops import Flops
 from rlloom.rehearsal.memory import PeakMemory
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
@@ -66,22 +67,25 @@ def model_config(shape: ModelShape) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                    enable_gqa: bool = False) -> torch.Tensor:
-    """What SDPA runs on a GPU for rlloom's masked attention: the memory-efficient kernel,
-    which keeps the output and its log-sum-exp for backward and takes the mask as an additive
-    bias in the compute dtype (made per call, as SDPA converts a boolean mask). The CPU's
-    SDPA would pick another kernel; this one has fake-tensor rules for both passes. Autocast
-    casts SDPA's inputs (this kernel is not on its list, so the cast is made here)."""
+    """What SDPA runs on a GPU for rlloom's attention: flash attention for causal packed rows
+    (grouped KV heads as they are), and for a masked layer (a sliding window) the
+    memory-efficient kernel, which takes the mask as an additive bias in the compute dtype,
+    made per call as SDPA converts a boolean mask. Both keep the output and its log-sum-exp
+    for backward and have fake-tensor rules for both passes, which the CPU's kernels lack.
+    Autocast casts SDPA's inputs; these aten ops are not on its list, so the cast is here."""
     if torch.is_autocast_enabled("cpu"):
         q, k, v = (x.to(torch.get_autocast_dtype("cpu")) for x in (q, k, v))
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal)[0]
     bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
     b, h, s, _ = q.shape
     if enable_gqa:
         k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias.expand(b, h, s, k.shape[2]), True)[0]
-    return out
 
 
 @contextlib.contextmanager
@@ -140,12 +144,13 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
                 mock.patch.object(transformer.F, "scaled_dot_product_attention",
                                   _gpu_attention):
             model = CausalLM(cfg)
-            # as `runtime.ranks` does: FSDP in the weights' dtype, bf16 by autocast
-            parallelize(model, layout, mesh, mixed_precision=False)
+            # as `RankGroup.trained` does with bf16 compute: data parallelism gathers bf16
+            # weights (one device computes under autocast over its fp32 weights)
+            parallelize(model, layout, mesh, mixed_precision=True)
             params = list(model.parameters())
             optim = make_optimizer(model, layout, mesh, lr=1e-6)
             r = _rollout(rows, prompt, response, shape.vocab)
-            with PeakMemory() as mem, FlopCounterMode(display=False) as flops:
+            with Flops() as flops, PeakMemory() as mem:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
                     loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
@@ -154,7 +159,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
                 loss.backward()
                 grads = [p.grad for p in params if p.grad is not None]
                 split = mem.peak_split({"grads": grads})
-                counted = flops.get_total_flops()
+                counted = flops.total
             with PeakMemory() as step:
                 optim.step()
             state = [t for s in optim.state.values() for t in s.values()

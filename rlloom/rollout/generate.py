@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from rlloom.models.cache import KVCache
-from rlloom.models.transformer import CausalLM
+from rlloom.models.transformer import CausalLM, kv_dtype
 from rlloom.rollout.sampling import (
     Decode,
     SamplingParams,
@@ -113,8 +113,8 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     dev = p.device
     prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
     n, t_max = len(prompts), params.max_new_tokens
-    cache = (KVCache(model.config, n, prompt_ids.shape[1] + t_max, p.dtype, dev) if use_cache
-             else None)
+    cache = (KVCache(model.config, n, prompt_ids.shape[1] + t_max, kv_dtype(model), dev)
+             if use_cache else None)
     out_ids = torch.full((n, t_max), pad_id, dtype=torch.long, device=dev)
     out_mask = torch.zeros(n, t_max, dtype=torch.long, device=dev)
     out_lp = torch.zeros(n, t_max, device=dev)

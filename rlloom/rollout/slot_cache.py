@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from rlloom.models.transformer import CausalLM
+from rlloom.models.transformer import CausalLM, kv_dtype
 
 
 def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
     """Bytes of keys and values one slot holds for `max_len` positions (a capacity step
     briefly holds the old and the new cache together)."""
     c = model.config
-    elem = next(model.parameters()).element_size()
+    elem = torch.empty((), dtype=kv_dtype(model)).element_size()
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * max_len * elem
 
 
@@ -28,7 +28,7 @@ class SlotKVCache:
         c = model.config
         p = next(model.parameters())
         self.slots, self.kv_heads, self.head_dim = slots, c.num_kv_heads, c.head_dim
-        self.layers, self.dtype, self.device = c.num_layers, p.dtype, p.device
+        self.layers, self.dtype, self.device = c.num_layers, kv_dtype(model), p.device
         self.max_len, self.chunk, self.cap = max_len, chunk, 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []

@@ -68,6 +68,12 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if requested == "bfloat16" else None
 
 
+def frozen_dtype(requested: str, params: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of a model that never trains (the reference): the compute dtype, which every
+    matmul reads it in anyway; its weights in fp32 would take twice the bytes for nothing."""
+    return compute_dtype(requested, device) or params
+
+
 def compute_precision(requested: str, device: torch.device) -> AbstractContextManager:
     """Autocast to `compute_dtype` for the block (a no-op when it is the parameters'): the
     weights and the optimizer state stay in their own dtype, the masters of mixed

@@ -222,19 +222,21 @@ class RankGroup:
             dist.barrier()
 
     # -- models ----------------------------------------------------------------------------
-    def trained(self, model: nn.Module, layout: Layout, lr: float, **adamw: Any
+    def trained(self, model: nn.Module, layout: Layout, lr: float,
+                compute: torch.dtype | None = None, **adamw: Any
                 ) -> tuple[nn.Module | PipelinedModel, torch.optim.Optimizer]:
         """Apply `layout` to a model that trains here: what trains (the model itself, or with
         pp > 1 this rank's pipeline stage of it) and its optimizer (ZeRO-sharded when the
-        layout says so)."""
+        layout says so). `compute`: the stages' autocast dtype (`device.compute_dtype`);
+        data parallelism then gathers the weights in it and reduces gradients in fp32, so
+        no layer keeps an autocast copy of its weights through backward (2 B per parameter
+        of the whole model under ZeRO-3, which frees the gathered weights per layer)."""
         mesh = self.mesh(layout)
         if layout.pp > 1:
             pipe = parallelize_pipeline(model, layout, mesh, experts=self.experts(layout))
             return pipe, make_optimizer(pipe.module, layout, mesh, lr, **adamw)
         if mesh is not None:
-            # compute in model.dtype, as generation does: FSDP's bf16 default on GPUs would
-            # change the log-probs PPO compares with the sampled ones
-            parallelize(model, layout, mesh, mixed_precision=False,
+            parallelize(model, layout, mesh, mixed_precision=compute == torch.bfloat16,
                         experts=self.experts(layout))
         return model, make_optimizer(model, layout, mesh, lr, **adamw)
 

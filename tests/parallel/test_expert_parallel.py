@@ -43,6 +43,7 @@ def batch():
     mask[1, :3] = 0
     labels = torch.where(mask.bool(), ids, -100).roll(-1, dims=1)
     labels[:, -1] = -100
+    labels[~mask.bool()] = -100            # a pad predicts nothing: its output is no one's
     return ids, mask, labels
 
 

@@ -31,7 +31,10 @@ def test_micro_batch_trades_activation_memory_for_passes():
     assert c[2].transient_bytes - c[1].transient_bytes == pytest.approx(act_one)
     # comm = A * 64 / mb + (optimizer launches): the drop from 1 to 2 is twice that from 2 to 4
     assert c[1].comm_s - c[2].comm_s == pytest.approx(2 * (c[2].comm_s - c[4].comm_s))
-    assert c[1].flops == c[4].flops  # the same tokens either way
+    # the same tokens either way; from 1,024 response tokens a micro-batch on, the head's
+    # chunks are checkpointed and recomputed: one more head forward over 4 x 512 tokens
+    rows = 8 * 64 * 512
+    assert c[4].flops - c[1].flops == pytest.approx(rows * Q7.head_flops)
 
 
 def _at(micro_batch: int, hw_name: str, devices: int) -> list:
@@ -43,14 +46,14 @@ def _at(micro_batch: int, hw_name: str, devices: int) -> list:
 
 def test_search_picks_the_micro_batch_memory_allows():
     """On 64 A100-40GB with 16k-token tails the micro-batch size matters: the search ranks the
-    fastest plan over every size (the best at one row per micro-batch is over 5% slower),
+    fastest plan over every size (the best at one row per micro-batch is 4% slower),
     and at 16 rows, with more activations, fewer plans fit: only those that split each
     sequence over the actor's cp x tp ranks."""
     res = search(Q7, "grpo", LONG, hardware("a100-40gb"), 64)
     best = res.ranked[0]
     at = {mb: _at(mb, "a100-40gb", 64) for mb in MICRO_BATCHES}
     assert best.step_s == min(p.step_s for mb in MICRO_BATCHES for p in at[mb])
-    assert min(p.step_s for p in at[1]) > 1.05 * best.step_s
+    assert min(p.step_s for p in at[1]) > 1.03 * best.step_s
     assert 0 < len(at[16]) < len(at[8])
     assert all(p.plan.layout("actor").cp * p.plan.layout("actor").tp > 1 for p in at[16])
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from rlloom.cli import main
+from rlloom.perf.model import memory as mem
 from rlloom.perf.model.shapes import MODELS, ModelShape
 from rlloom.rehearsal.compare import parse_layout
 from rlloom.rehearsal.train import model_config, rehearse_training
@@ -28,26 +29,35 @@ def test_state_bytes_per_rank_are_fp32_weights_grads_and_two_moments(dp: int) ->
     assert r.peak > r.params + r.optimizer
 
 
-def _layers(shape: ModelShape, layers: int, seq: int):
-    return rehearse_training(dataclasses.replace(shape, layers=layers), Layout(), 1, seq // 2,
+def _layers(shape: ModelShape, layers: int, seq: int, layout: Layout):
+    return rehearse_training(dataclasses.replace(shape, layers=layers), layout, 1, seq // 2,
                              seq // 2)
 
 
 @pytest.mark.parametrize("dims", [dict(hidden=256, ffn=512, heads=4, kv_heads=2),
                                   dict(hidden=512, ffn=768, heads=8, kv_heads=1)])
-def test_a_decoder_layer_keeps_the_tensors_counted_for_it(dims: dict) -> None:
-    """Per layer and token the block keeps 20 d + 8 q + 8 f bytes for backward (fp32 norm
-    inputs and outputs and their bf16 cast; bf16 q, expanded k and v, SDPA's output; the
-    SwiGLU's four bf16 tensors), the additive bf16 mask 2 B per (query, key) pair, and
-    autocast's bf16 copy of the layer's weights: a second layer adds exactly that much to
-    what forward leaves for backward."""
-    shape = ModelShape("t", 1, head_dim=64, vocab=512, qkv_bias=True, **dims)
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, zero=3)], ids=["one", "zero3"])
+def test_a_decoder_layer_keeps_the_tensors_counted_for_it(dims: dict, layout: Layout) -> None:
+    """Per layer and token the block keeps for backward: each RMSNorm its fp32 input (4 d),
+    its normalised output in the stream's dtype and the bf16 matmul input (2 d); bf16 q, k,
+    v and attention's output (4 q + 4 kv: flash attention, no mask, grouped KV heads as they
+    are) and the output's fp32 log-sum-exp per head; the SwiGLU's four bf16 tensors (8 f).
+    One device streams fp32 (20 d) and keeps autocast's bf16 copy of the layer's weights;
+    ZeRO-3 streams bf16 (16 d) and frees each layer's gathered weights after its forward.
+    A second layer adds exactly that to what forward leaves for backward, as the cost
+    model's `layer_activation_bytes` and `working_weight_bytes` say."""
+    shape = ModelShape("t", 1, head_dim=32, vocab=512, qkv_bias=True, **dims)
     seq = 256
-    one, two = _layers(shape, 1, seq), _layers(shape, 2, seq)
-    d, q, f = shape.hidden, shape.q_width, shape.ffn
-    layer_params = shape.attn_params + shape.mlp_params + 2 * d
-    expected = seq * (20 * d + 8 * q + 8 * f) + 2 * seq * seq + 2 * layer_params
-    assert two.saved - one.saved == pytest.approx(expected, rel=0.01)
+    one, two = _layers(shape, 1, seq, layout), _layers(shape, 2, seq, layout)
+    d, q, kv, f, h = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.heads
+    weights = 0 if layout.dp > 1 else 2 * (shape.attn_params + shape.mlp_params + 2 * d)
+    stream = 16 if layout.dp > 1 else 20
+    expected = seq * (stream * d + 4 * q + 4 * kv + 8 * f + 4 * h) + weights
+    assert two.saved - one.saved == pytest.approx(expected, rel=1e-3)
+    model = seq * mem.layer_activation_bytes(shape, layout) + (
+        mem.working_weight_bytes(dataclasses.replace(shape, layers=2), layout)
+        - mem.working_weight_bytes(shape, layout))
+    assert model == pytest.approx(expected, rel=1e-3)
 
 
 def test_rehearse_cli_prints_the_model_beside_the_rehearsal(tmp_path, capsys) -> None:

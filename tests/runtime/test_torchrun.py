@@ -14,8 +14,11 @@ from rlloom.cli import main
 LAYOUTS = {
     "fsdp": ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3"],
     "tp": ["plan.layouts.actor.tp=2"],
+    # with bf16 compute, as on a GPU: FSDP gathers bf16 weights, the TP generation copy and
+    # its KV cache are bf16, the fp32 masters are resharded into it after each step
     "hybrid": ["plan.layouts.actor.dp=2", "plan.layouts.actor.zero=3",
-               "plan.layouts.generation.tp=2"],
+               "plan.layouts.generation.tp=2", "train.compute_dtype=bfloat16",
+               "algo.kl_coef=0.05"],
     # the executor's roles run here too: pipeline stages, generation on 2 whole copies
     "pp": ["plan.layouts.actor.pp=2"],
     # LoRA adapters beside frozen base weights in the same ZeRO-3 shards

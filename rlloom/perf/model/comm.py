@@ -51,10 +51,11 @@ def broadcast_between_groups(hw: Hardware, nbytes: float) -> float:
 
 def tp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
              per_layer: int) -> float:
-    """`per_layer` all-reduces of [tokens, d] bf16 activations in each of the device's layers."""
+    """`per_layer` all-reduces of [tokens, d] activations (the stream's dtype) in each of the
+    device's layers."""
     if layout.tp == 1:
         return 0.0
-    nbytes = tokens * shape.hidden * mem.ACT_B
+    nbytes = tokens * shape.hidden * mem.stream_bytes(layout)
     layers = shape.layers / layout.pp
     return per_layer * layers * all_reduce(hw, layout.tp, layout.tp, nbytes)
 
@@ -66,7 +67,7 @@ def ep_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
     carved out of DP, next to the tp x cp x pp block."""
     if not shape.moe or layout.ep == 1:
         return 0.0
-    nbytes = tokens * shape.experts_per_token * shape.hidden * mem.ACT_B
+    nbytes = tokens * shape.experts_per_token * shape.hidden * mem.stream_bytes(layout)
     span = layout.tp * layout.cp * layout.pp * layout.ep
     return per_layer * shape.layers / layout.pp * all_to_all(hw, layout.ep, span, nbytes)
 
@@ -75,7 +76,7 @@ def pp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, pass
     if layout.pp == 1:
         return 0.0
     span = layout.tp * layout.cp * layout.pp
-    nbytes = tokens * shape.hidden * mem.ACT_B / (layout.tp * layout.cp)
+    nbytes = tokens * shape.hidden * mem.stream_bytes(layout) / (layout.tp * layout.cp)
     return passes * (layout.pp - 1) * p2p(hw, span, nbytes)
 
 
@@ -84,6 +85,7 @@ def cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, pass
     if layout.cp == 1:
         return 0.0
     span = layout.tp * layout.cp
-    block = tokens / layout.cp * 2 * shape.kv_width * mem.ACT_B / min(layout.tp, shape.kv_heads)
+    block = (tokens / layout.cp * 2 * shape.kv_width * mem.PARAM_B
+             / min(layout.tp, shape.kv_heads))  # bf16 K and V
     hops = (layout.cp - 1) * shape.layers / layout.pp
     return passes * hops * p2p(hw, span, block)

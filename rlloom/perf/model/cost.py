@@ -408,11 +408,15 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
 
 def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role: str,
              logits: bool = True, prompts_once: bool = False) -> StageCost:
-    """ppo_epochs passes of forward + backward (3 C_f, +1 C_f with checkpointing), the
-    DP gradient collectives and the AdamW update of each optimizer step (with an offloaded
-    layout's copies and host-side update, `model_state`). A LoRA actor (`wl.lora_rank`) skips the
-    frozen weights' gradients: backward is the activation gradients alone (2 C_f in all, the
-    adapters' own r/d-small work aside), and only the adapters' gradients are reduced."""
+    """ppo_epochs passes of forward + backward, the DP gradient collectives and the AdamW
+    update of each optimizer step (with an offloaded layout's copies and host-side update,
+    `model_state`). FLOPs as the rehearsal counts them: the layers' matmuls 3 forwards' worth,
+    +1 recomputed with checkpointing less the down projections (the recompute stops at the
+    last tensor backward needs); flash attention 3.5 (its backward recomputes the
+    scores: 5 matmuls to the forward's 2), +1; the output head at response positions only
+    (`models.logprobs`), +1 when its chunks are recomputed. A LoRA actor (`wl.lora_rank`)
+    skips the frozen weights' gradients: its matmuls and head take 2 forwards' worth, the
+    adapters' own r/d-small work aside, and only the adapters' gradients are reduced."""
     ckpt = layout.activation_checkpointing
     lora = wl.lora_rank if role == "actor" else 0
     seqs = math.ceil(wl.rollouts / layout.dp)
@@ -420,9 +424,17 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     mb_rows = math.ceil(seqs / wl.minibatches)
     tokens, m = wl.teacher_forced(mb_rows, prompts_once)  # per mini-batch
     mb_tokens, context = tokens / m, tokens / mb_rows
-    tokens *= wl.minibatches
+    prompt_tokens = (wl.distinct_prompts(mb_rows) if prompts_once else mb_rows) * wl.prompt_len
+    head_tokens = max(tokens - prompt_tokens, 0.0) if logits else 0.0
+    recompute_head = head_tokens / m > mem.LOGIT_CHUNK
+    tokens, head_tokens = tokens * wl.minibatches, head_tokens * wl.minibatches
     passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
-    flops = wl.ppo_epochs * tokens * passes * shape.forward_flops(context, logits)
+    flops = wl.ppo_epochs * (
+        tokens * ((2 if lora else 3) * shape.layer_matmul_flops()
+                  + ckpt * (shape.layer_matmul_flops() - shape.down_proj_flops())
+                  + (3.5 + ckpt) * shape.attention_flops(context)
+                  + (0 if logits else passes * 2 * shape.hidden))
+        + head_tokens * ((2 if lora else 3) + recompute_head) * shape.head_flops)
     shards = layout.tp * layout.pp * layout.cp
     compute_s = flops / shards / hw.flops(wl.dtype)
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
@@ -456,8 +468,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
                + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
     comm_s += dp_s
     memory_s += act_s + update_s
-    transient = (mem.activation_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
-                 + mem.zero3_buffer_bytes(shape, layout))
+    transient = mem.training_transient_bytes(shape, layout, wl.micro_batch * wl.max_context,
+                                             logits, lora)
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
     return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      depth, compute_s, memory_s, comm_s, seconds, transient, dispatch_s=host_s)

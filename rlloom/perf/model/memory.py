@@ -1,18 +1,24 @@
 """Bytes resident per device: model state by ZeRO stage, activations, KV cache.
 
-Precision assumption (mixed-precision Adam, as in the ZeRO paper): bf16 parameters (2 B) and
-bf16 gradients (2 B), fp32 master weights and two fp32 Adam moments (12 B): 16 B per parameter
-before sharding. Frozen models keep bf16 weights only.
+The precision is the runtime's with bf16 compute (`train.compute_dtype: auto` on a GPU), and
+its rehearsal (`rlloom rehearse`) measures every formula here on the real code:
+
+- a trained model (`runtime.ranks.RankGroup.trained`) keeps fp32 weights, fp32 gradients
+  (data parallelism reduces them in fp32) and two fp32 AdamW moments, 16 B per parameter
+  before ZeRO sharding; its matmuls read bf16 working copies (`working_weight_bytes`);
+- a model that does not train (the reference, a generation copy) is held in bf16, 2 B;
+- data parallelism gathers weights in bf16 (`data_parallel.mixed_precision_policy`), so the
+  residual stream between layers is bf16; one device, or pipeline stages, compute under
+  autocast over fp32 weights, with an fp32 stream.
 """
 from __future__ import annotations
 
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.plan import Layout
 
-PARAM_B = 2
-GRAD_B = 2
-OPTIM_B = 12
-ACT_B = 2
+PARAM_B = 2   # bf16 weights: frozen models, ZeRO gathers, generation copies, weight sync
+GRAD_B = 4    # fp32 gradients, as they are reduced
+TRAINED_STATE = (4, 4, 8)  # fp32 weights, fp32 gradients, two fp32 moments
 LOGIT_CHUNK = 1024  # tokens of logits alive at once (models.logprobs.LOGIT_CHUNK_TOKENS)
 # bytes per logit element of a chunk in training: bf16 logits, fp32 copy, log-softmax, exp,
 # the entropy's product and their gradients (tests/models/test_logprobs.py measures 21-22);
@@ -40,16 +46,13 @@ def expert_params_per_device(shape: ModelShape, layout: Layout) -> float:
     return experts / (layout.tp * layout.pp * layout.ep)
 
 
-MIXED_ADAM = (PARAM_B, GRAD_B, OPTIM_B)
-# plain fp32 training: fp32 parameters and gradients, two fp32 moments, no master copy
-FP32_ADAM = (4, 4, 8)
-
-
 def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
-                      precision: tuple[int, int, int] = MIXED_ADAM, lora_rank: int = 0,
+                      precision: tuple[int, int, int] = TRAINED_STATE, lora_rank: int = 0,
                       offloaded: bool = False) -> float:
-    """ZeRO-0: 16P; ZeRO-1: 4P + 12P/dp; ZeRO-2: 2P + 14P/dp; ZeRO-3: 16P/dp (in elements
-    4P, P + 3P/Pz, P + 3P/Pz, 4P/Pz; here in bytes with the precisions above).
+    """A trained model's weights, gradients and moments as the runtime shards them: ZeRO-0
+    16P; ZeRO-1 8P + 8P/dp (the moments, a whole parameter per rank: `Zero1AdamW`); ZeRO-2
+    and ZeRO-3 16P/dp (FSDP2 shards weights and gradients alike; ZeRO-2's unsharded bf16
+    copy is a working copy, `working_weight_bytes`). A frozen model: 2P, /dp at ZeRO-3.
     `precision` is bytes per parameter of (parameters, gradients, optimizer state). With
     `lora_rank`, a trained model is its frozen base plus LoRA adapters trained in full (the
     runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device).
@@ -62,7 +65,7 @@ def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
 def host_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
                      lora_rank: int = 0) -> float:
     """Bytes an offloaded layout keeps in host memory per device: its ZeRO-3 shards."""
-    return _state_parts(shape, layout, trainable, MIXED_ADAM, lora_rank)[0] \
+    return _state_parts(shape, layout, trainable, TRAINED_STATE, lora_rank)[0] \
         if layout.offload else 0.0
 
 
@@ -71,57 +74,105 @@ def _state_parts(shape: ModelShape, layout: Layout, trainable: bool,
     """(the ZeRO-sharded state, the routed experts' state) per device."""
     p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
     experts = expert_params_per_device(shape, layout)  # never ZeRO-sharded
-    param = precision[0]
-    if not trainable:
-        return param * (p - experts) / (dz if zero == 3 else 1), param * experts
-    if lora_rank:
-        base = _state_parts(shape, layout, False, precision, 0)
+    if not trainable or lora_rank:
+        # a LoRA model's frozen base stays in the trained model's dtype (fp32)
+        held = precision[0] if lora_rank else PARAM_B
+        base = held * (p - experts) / (dz if zero == 3 else 1), held * experts
+        if not lora_rank:
+            return base
         return base[0] + _trained_bytes(shape.lora_params(lora_rank), dz, zero,
                                         precision), base[1]
-    return _trained_bytes(p - experts, dz, zero, precision), _trained_bytes(experts, 1, 0,
-                                                                           precision)
+    return (_trained_bytes(p - experts, dz, zero, precision, shape.vocab * shape.hidden),
+            _trained_bytes(experts, 1, 0, precision))
 
 
-def _trained_bytes(p: float, dz: int, zero: int, precision: tuple[int, int, int]) -> float:
+def _trained_bytes(p: float, dz: int, zero: int, precision: tuple[int, int, int],
+                   largest: float = 0.0) -> float:
     param, grad, optim = precision
     if zero == 0:
         return (param + grad + optim) * p
-    if zero == 1:
-        return (param + grad) * p + optim * p / dz
-    if zero == 2:
-        return param * p + (grad + optim) * p / dz
+    if zero == 1:  # whole parameters per rank: the largest bounds the busiest rank
+        return (param + grad) * p + optim * max(p / dz, largest)
     return (param + grad + optim) * p / dz
 
 
-def zero3_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
-    """ZeRO-3 gathers one layer at a time; two layers in flight with prefetch."""
-    if layout.zero != 3:
-        return 0.0
-    return 2 * PARAM_B * params_per_device(shape, layout) / shape.layers
+def mixed(layout: Layout) -> bool:
+    """Data parallelism gathers bf16 weights (`RankGroup.trained` with bf16 compute), as
+    `parallel.apply.parallelize` applies it: dp > 1 and no pipeline stages."""
+    return layout.dp > 1 and layout.pp == 1
+
+
+def stream_bytes(layout: Layout) -> int:
+    """Bytes per element of the residual stream between layers: bf16 where data parallelism
+    gathers bf16 weights (`mixed`), else fp32 (autocast over fp32 weights)."""
+    return 2 if mixed(layout) else 4
+
+
+def layer_params(shape: ModelShape, layout: Layout) -> float:
+    """One decoder layer's parameters on a device (TP splits them; EP the experts)."""
+    experts = shape.mlp_params - shape.hidden * shape.n_experts if shape.moe else 0.0
+    return (shape.attn_params + shape.mlp_params + 2 * shape.hidden
+            - experts * (1 - 1 / layout.ep)) / layout.tp
+
+
+def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:
+    """bf16 copies of a trained model's weights that its matmuls read, alive from forward to
+    the end of backward. With data parallelism at ZeRO-3, the root's (embeddings, head,
+    final norm: FSDP keeps the root gathered) and two layers' (one computing, one
+    prefetched); at ZeRO 0-2 every weight (the unsharded copy stays). Without it (one
+    device, pipeline stages), autocast's copy of every weight, each kept for backward."""
+    p = params_per_device(shape, layout)
+    if mixed(layout) and layout.zero == 3:
+        return PARAM_B * (p - shape.layers * layer_params(shape, layout)
+                          + 2 * layer_params(shape, layout))
+    if layout.pp > 1 and layout.dp > 1 and layout.zero == 3:  # fp32 gathers, then autocast's
+        return PARAM_B * p + 2 * 4 * layer_params(shape, layout)
+    return PARAM_B * p
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Bytes one decoder layer keeps for backward per token (rehearsed: tests/perf/
+    test_rehearsal.py). Each RMSNorm keeps its input in fp32 (4 d), its normalised output in
+    the stream's dtype and the bf16 matmul input (2 d); attention keeps bf16 q, k, v and its
+    output (4 q + 4 kv: flash attention on packed causal rows, no mask) and the output's
+    fp32 log-sum-exp per head; the SwiGLU keeps its four f-wide bf16 tensors (gate, up, the
+    activation and the product). TP splits the widths; the routed experts' width is
+    experts_per_token x moe_ffn."""
+    stream = stream_bytes(layout)
+    f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
+    wide = 4 * shape.q_width + 4 * shape.kv_width + 8 * f + 4 * shape.heads
+    return 2 * (6 + stream) * shape.hidden + wide / layout.tp
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
     """Training activations per device for one micro-batch of `tokens` (before CP split).
-
-    Per layer and token, d (10 + 24 / tp) bytes in bf16 with flash attention (Korthikanti et al.
-    2022, no sequence parallelism); with checkpointing only each layer's bf16 input is kept, plus
-    one layer's full activations during recompute. Under 1F1B the first stage holds pp
-    micro-batches of L/pp layers, i.e. all L layers' worth.
-    """
+    With checkpointing each layer keeps only its input (the stream's dtype) and one layer's
+    full activations exist during its recompute. Under 1F1B the first stage holds pp
+    micro-batches of L/pp layers, i.e. all L layers' worth."""
     t = tokens / layout.cp
-    d, layers = shape.hidden, shape.layers
-    full_layer = t * d * (10 + 24 / layout.tp)
+    full_layer = t * layer_activation_bytes(shape, layout)
     if layout.activation_checkpointing:
-        acts = t * d * ACT_B * layers + full_layer
+        acts = t * stream_bytes(layout) * shape.hidden * shape.layers + full_layer
     else:
-        acts = full_layer * layers
+        acts = full_layer * shape.layers
     return acts + (_logit_bytes(shape, t, LOGIT_TRAIN_B) if logits else 0.0)
+
+
+def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
+                             lora_rank: int = 0) -> float:
+    """What one training micro-batch adds to the resident state at its peak: activations and
+    working weight copies, less the gradients the resident state counts whole. Backward frees
+    activations as it fills gradients, so the peak holds the larger of the two, not their
+    sum (rehearsed: within 0.1% at every ZeRO stage on Qwen2.5-7B)."""
+    acts = activation_bytes(shape, layout, tokens, logits) + working_weight_bytes(shape, layout)
+    grads = model_state_bytes(shape, layout, True, (0, GRAD_B, 0), lora_rank)
+    return max(acts - grads, 0.0)
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
     """Forward-only buffers: a few hidden-size tensors and the FFN intermediate per token."""
     t = tokens / layout.cp
-    hidden = t * ACT_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
+    hidden = t * PARAM_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
     return hidden + (_logit_bytes(shape, t, LOGIT_INFER_B) if logits else 0.0)
 
 

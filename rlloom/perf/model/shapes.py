@@ -94,6 +94,21 @@ class ModelShape:
         average, and QK^T and AV give 2 L context q_width."""
         return 2 * self.layers * context * self.q_width
 
+    def layer_matmul_flops(self) -> float:
+        """Forward FLOPs per token of the layers' weight matmuls."""
+        return 2 * self.active_matmul_params
+
+    def down_proj_flops(self) -> float:
+        """Forward FLOPs per token of the layers' last matmul, the MLP's down projection (a
+        checkpointed layer's recompute stops before it: backward needs nothing it makes)."""
+        f = self.experts_per_token * self.moe_ffn if self.moe else self.ffn
+        return 2 * self.layers * self.hidden * f
+
+    @property
+    def head_flops(self) -> float:
+        """Forward FLOPs per token of the output head."""
+        return 2 * self.vocab * self.hidden
+
     def forward_flops(self, context: float, logits: bool = True) -> float:
         """C_f: forward FLOPs per token when teacher-forcing a sequence of length `context`."""
         head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
@@ -162,15 +177,16 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in [
 
 
 def model_shape(name: str) -> ModelShape:
-    """A named preset, or a Hugging Face `config.json` (the file, or a checkpoint directory
-    holding it); the error lists the known names."""
+    """A named preset (any case: `Qwen2.5-7B` as Hugging Face spells it), or a Hugging Face
+    `config.json` (the file, or a checkpoint directory holding it); the error lists the
+    known names."""
     path = Path(name)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
         return ModelShape.from_hf_config(json.loads(path.read_text()), name=str(name))
     try:
-        return MODELS[name]
+        return MODELS[name.lower()]
     except KeyError:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}, or a checkpoint "
                        "directory / config.json") from None

@@ -34,7 +34,7 @@ from rlloom.rollout.generate import Rollout
 from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
-from rlloom.runtime.device import compute_precision
+from rlloom.runtime.device import compute_dtype, compute_precision, frozen_dtype
 from rlloom.runtime.executor.policy import build_critic, build_policy
 from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
@@ -182,13 +182,18 @@ class TrainingHost:
         self.generator = self.policy
         if ranks.world > 1 and (self.layout.cp > 1 or self.layout.pp > 1 or (
                 generates and needs_generation_copy(self.layout, gen))):  # the priced rule
-            self.generator = ranks.generating(copy.deepcopy(self.policy), gen)
+            # in the dtype the trainer's data parallelism gathers its weights in, so both
+            # compute with the same weights
+            held = frozen_dtype(cfg.train.compute_dtype, DTYPES[cfg.model.dtype], ranks.device)
+            self.generator = ranks.generating(copy.deepcopy(self.policy).to(held), gen)
+        compute = compute_dtype(cfg.train.compute_dtype, ranks.device)
         # with pp > 1 the policy that trains is this rank's pipeline stage
         self.policy, self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,
+                                                    compute,
                                                     weight_decay=cfg.train.weight_decay)
         if self.critic is not None:
             self.critic, self.critic_optimizer = ranks.trained(self.critic, self.critic_layout,
-                                                               a.critic_lr)
+                                                               a.critic_lr, compute)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.eval_set = eval_problems(cfg)
         self.tools = Tools.of(cfg.rollout, cfg.reward.sandbox_isolation)
@@ -339,7 +344,7 @@ class AssessmentHost:
                  group: DeviceGroup, training: TrainingHost | None) -> None:
         self.cfg, self.spans, self.ranks = cfg, spans, ranks
         a, plan = cfg.algo, cfg.plan
-        dtype = DTYPES[cfg.model.dtype]
+        dtype = frozen_dtype(cfg.train.compute_dtype, DTYPES[cfg.model.dtype], ranks.device)
         ref_layout = model_layout(plan, group, "reference")
         self.ref_share = ranks.share(ref_layout)
         self.reference: nn.Module | None = None
