@@ -18,7 +18,10 @@ from rlloom.runtime.stages.nonfinite import NonFiniteStop
 from rlloom.runtime.stop_signals import Stopped
 
 if TYPE_CHECKING:
-    from rlloom.perf.search.report import Request
+    from rlloom.perf.model.compose import Priced
+    from rlloom.perf.model.hardware import Hardware
+    from rlloom.perf.model.shapes import ModelShape
+    from rlloom.perf.search.report import Checker, Request
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
 # a full disk, a quota, a read-only or unwritable run directory: one line, no traceback
@@ -179,8 +182,25 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from rlloom.perf.search.report import plan_report
     if args.from_run:
         return _perf_errors(lambda: _from_run(args))
+    if args.rehearse and args.json:
+        raise ConfigError("--rehearse prints a report; leave out --json")
+    check = _rehearsal(args.rehearse) if args.rehearse else None
     _perf_errors(lambda: plan_report(_request(args), args.top, args.json,
-                                     Path(args.write_plan) if args.write_plan else None))
+                                     Path(args.write_plan) if args.write_plan else None,
+                                     check))
+
+
+def _rehearsal(n: int) -> Callable[[ModelShape, Hardware], Checker]:
+    """`plan --rehearse N`'s check, with a progress bar over the plans it rehearses."""
+    from rlloom.rehearsal.plans import plan_checker
+    from rlloom.runtime.outputs.progress import progress_bar
+
+    def for_model(shape: ModelShape, hw: Hardware) -> Checker:
+        def check(ranked: list[Priced]) -> tuple[list[Priced], list[str], dict[int, str]]:
+            with progress_bar("rehearse", min(n, len(ranked))) as bar:
+                return plan_checker(n, shape, hw, bar.advance)(ranked)
+        return check
+    return for_model
 
 
 def _from_run(args: argparse.Namespace) -> str:
@@ -351,6 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--json", action="store_true", help="emit JSON")
     p.add_argument("--write-plan", metavar="FILE", help="save the best plan as a config file")
+    p.add_argument("--rehearse", type=int, default=0, metavar="N", help="run the first N "
+                   "plans' actor training micro-batch at their real shapes on fake tensors "
+                   "(`rlloom rehearse`), drop those whose measured peak does not fit the "
+                   "device, and record the rehearsed peak in --write-plan's file")
     p.add_argument("--price-only", action="store_true", help="also search pipeline, context "
                    "and expert parallelism, which are priced but do not run yet (a plan file "
                    "written then may not run)")

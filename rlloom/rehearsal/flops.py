@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 
@@ -26,7 +28,13 @@ class Flops(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
-            n = formula(*args, **kwargs, out_val=out)
+            # a DTensor op reaches the mode whole: this rank computes on its local shards
+            local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
+            n = formula(*local_args, **local_kwargs, out_val=local_out)
             # rlloom runs flash attention on causal packed rows only (`_gpu_attention`)
             self.total += n / 2 if "flash_attention" in func.__name__ else n
         return out
+
+
+def _local(x: Any) -> Any:
+    return x._local_tensor if isinstance(x, DTensor) else x

@@ -89,6 +89,21 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @contextlib.contextmanager
+def _real_meshes() -> Iterator[None]:
+    """Device meshes made with real tensors: FSDP over TP joins the two meshes while the
+    model's fake mode is on, and a mesh computes its ranks' coordinates from its tensor."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    made = DeviceMesh._concatenate
+
+    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return made(meshes)
+    with mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate)):
+        yield
+
+
+@contextlib.contextmanager
 def fake_world(size: int) -> Iterator[None]:
     """A process group of `size` ranks (this process is rank 0) whose collectives do
     nothing: torch's fake backend, for running a layout's code without its peers."""
@@ -140,7 +155,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     cfg = model_config(shape)
     with fake_world(layout.world_size):
         mesh = build_mesh(layout, "cpu") if layout.world_size > 1 else None
-        with FakeTensorMode(allow_non_fake_inputs=True), \
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), \
                 mock.patch.object(transformer.F, "scaled_dot_product_attention",
                                   _gpu_attention):
             model = CausalLM(cfg)

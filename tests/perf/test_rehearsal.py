@@ -1,5 +1,5 @@
 """Rehearsal: the runtime's own training micro-batch on fake tensors, in a fake world, held
-to bytes counted by hand."""
+to bytes counted by hand and to the cost model (the drift gate)."""
 import dataclasses
 import json
 
@@ -8,7 +8,7 @@ import pytest
 from rlloom.cli import main
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.shapes import MODELS, ModelShape
-from rlloom.rehearsal.compare import parse_layout
+from rlloom.rehearsal.compare import compare_training, parse_layout
 from rlloom.rehearsal.train import model_config, rehearse_training
 from rlloom.plan import Layout
 
@@ -60,6 +60,25 @@ def test_a_decoder_layer_keeps_the_tensors_counted_for_it(dims: dict, layout: La
     assert model == pytest.approx(expected, rel=1e-3)
 
 
+# the layouts CI holds the cost model to: ZeRO stages, checkpointing, tensor parallelism
+GATE = [Layout(), Layout(dp=4, zero=1), Layout(dp=4, zero=3),
+        Layout(dp=4, zero=3, activation_checkpointing=True), Layout(dp=2, tp=2, zero=3),
+        Layout(dp=2, tp=2, zero=3, activation_checkpointing=True)]
+
+
+@pytest.mark.parametrize("layout", GATE, ids=lambda x: str(x).replace(" ", ","))
+def test_the_cost_model_prices_what_the_runtime_holds(layout: Layout) -> None:
+    """The drift gate: rank 0's training micro-batch (2 rows of 256 + 768 tokens) rehearsed
+    beside the cost model. Weights, gradients and AdamW state within 1%, the peak within 10%
+    and FLOPs within 5% (measured: 0.98-1.01 and 1.00); a change to either side that breaks
+    this must fix the other in the same commit."""
+    rows = compare_training(SMALL, layout, 2, 256, 768)
+    for kind in ("params", "grads", "optimizer"):
+        assert rows[kind]["ratio"] == pytest.approx(1, abs=0.01), kind
+    assert rows["peak"]["ratio"] == pytest.approx(1, abs=0.10)
+    assert rows["flops"]["ratio"] == pytest.approx(1, abs=0.05)
+
+
 def test_rehearse_cli_prints_the_model_beside_the_rehearsal(tmp_path, capsys) -> None:
     out, config = tmp_path / "r.json", tmp_path / "config.json"
     config.write_text(json.dumps(model_config(SMALL).to_hf()))   # a checkpoint's config
@@ -80,3 +99,34 @@ def test_a_bad_layout_is_one_line_naming_the_key(capsys) -> None:
     assert "zro" in capsys.readouterr().err
     assert parse_layout("tp=2,activation_checkpointing=true") == Layout(
         tp=2, activation_checkpointing=True)
+
+
+def test_plan_rehearse_drops_a_plan_the_device_cannot_hold() -> None:
+    """The planner's first plan rehearsed: kept on an H100; on a device of 1 GiB, where its
+    rehearsed peak does not fit, dropped and said so."""
+    from dataclasses import replace
+
+    from rlloom.perf.model.hardware import hardware
+    from rlloom.perf.model.workload import Lengths, Workload
+    from rlloom.perf.search.planner import search
+    from rlloom.rehearsal.plans import plan_checker
+    wl = Workload(16, 4, 128, Lengths("fixed", 384))
+    h100 = hardware("h100")
+    ranked = search(SMALL, "grpo", wl, h100, 4).ranked
+    kept, lines, notes = plan_checker(1, SMALL, h100)(ranked)
+    assert kept == ranked and id(ranked[0]) in notes and "DROPPED" not in "\n".join(lines)
+    tiny = replace(h100, mem_gib=1)
+    kept, lines, notes = plan_checker(1, SMALL, tiny)(ranked)
+    assert kept == ranked[1:] and "DROPPED: does not fit" in lines[-2] and not notes
+    assert "rehearse more plans (--rehearse 2)" in lines[-1]  # the new first is unrehearsed
+
+
+def test_plan_rehearse_writes_the_rehearsed_peak_into_the_plan_file(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.yaml"
+    main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "2xH100", "--prompts", "8",
+          "--samples", "2", "--prompt-len", "64", "--p50", "128", "--p99", "256",
+          "--rehearse", "1", "--top", "1", "--write-plan", str(out)])
+    text = capsys.readouterr().out
+    assert "rehearsed the first 1 plans" in text
+    header = out.read_text().splitlines()[1]
+    assert header.startswith("# rehearsed: actor training peak") and "GiB per device" in header

@@ -45,8 +45,10 @@ def test_a_layout_that_cannot_run_fails_the_dry_run(tmp_path, capsys):
 
 
 def test_the_dry_run_prices_lora_and_tool_turns(capsys):
-    """LoRA leaves optimizer state to the adapters and skips the frozen weights' gradients;
-    three turns re-prefill the conversation: the priced memory and step move accordingly."""
+    """LoRA leaves gradients and optimizer state to the adapters (the frozen base keeps its
+    fp32 weights: 4 of a trained weight's 16 B) and skips the frozen weights' gradients in
+    backward; three turns re-prefill the conversation: the priced memory and step move
+    accordingly."""
     size = ["model.hidden_size=1024", "model.layers=8", "model.heads=16", "model.kv_heads=4"]
 
     def priced(*extra):
@@ -57,5 +59,5 @@ def test_the_dry_run_prices_lora_and_tool_turns(capsys):
 
     full, lora = priced(), priced("model.lora.rank=8")
     turns = priced("rollout.tools=[calculator]", "rollout.max_turns=3")
-    assert lora[0] < full[0] / 2 and lora[1] < full[1]
+    assert lora[0] < full[0] * 0.6 and lora[1] < full[1]
     assert turns[0] == full[0] and turns[1] > full[1]

@@ -429,14 +429,16 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     recompute_head = head_tokens / m > mem.LOGIT_CHUNK
     tokens, head_tokens = tokens * wl.minibatches, head_tokens * wl.minibatches
     passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
-    flops = wl.ppo_epochs * (
-        tokens * ((2 if lora else 3) * shape.layer_matmul_flops()
-                  + ckpt * (shape.layer_matmul_flops() - shape.down_proj_flops())
-                  + (3.5 + ckpt) * shape.attention_flops(context)
-                  + (0 if logits else passes * 2 * shape.hidden))
-        + head_tokens * ((2 if lora else 3) + recompute_head) * shape.head_flops)
+    layers = tokens * ((2 if lora else 3) * shape.layer_matmul_flops()
+                       + ckpt * (shape.layer_matmul_flops() - shape.down_proj_flops())
+                       + (3.5 + ckpt) * shape.attention_flops(context)
+                       + (0 if logits else passes * 2 * shape.hidden))
+    head = head_tokens * ((2 if lora else 3) + recompute_head) * shape.head_flops
     shards = layout.tp * layout.pp * layout.cp
-    compute_s = flops / shards / hw.flops(wl.dtype)
+    # the head is whole on every TP rank: each computes all of it
+    device_flops = wl.ppo_epochs * (layers + head * layout.tp) / shards
+    flops = device_flops * shards
+    compute_s = device_flops / hw.flops(wl.dtype)
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
     memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
                 / (hw.mem_bw * hw.mem_eff))

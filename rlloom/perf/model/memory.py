@@ -28,11 +28,14 @@ USABLE = 0.9  # fraction of device memory usable: CUDA context, allocator fragme
 
 
 def params_per_device(shape: ModelShape, layout: Layout) -> float:
-    """Parameters a device holds before ZeRO sharding: TP and PP split them, EP the experts."""
-    p = shape.params / (layout.tp * layout.pp)
+    """Parameters a device holds before ZeRO sharding: PP splits the layers, TP the layers'
+    projections (norms, the router, embeddings and the head stay whole on every TP rank, as
+    `parallel.tensor_parallel` leaves them), EP the routed experts."""
+    p = (shape.layers * layer_params(shape, Layout(tp=layout.tp))
+         + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden)
+    p /= layout.pp
     if shape.moe and layout.ep > 1:
-        experts = shape.layers * (shape.mlp_params - shape.hidden * shape.n_experts)
-        p -= experts / (layout.tp * layout.pp) * (1 - 1 / layout.ep)
+        p -= expert_params_per_device(shape, layout) * (layout.ep - 1)
     return p
 
 
@@ -109,10 +112,12 @@ def stream_bytes(layout: Layout) -> int:
 
 
 def layer_params(shape: ModelShape, layout: Layout) -> float:
-    """One decoder layer's parameters on a device (TP splits them; EP the experts)."""
-    experts = shape.mlp_params - shape.hidden * shape.n_experts if shape.moe else 0.0
-    return (shape.attn_params + shape.mlp_params + 2 * shape.hidden
-            - experts * (1 - 1 / layout.ep)) / layout.tp
+    """One decoder layer's parameters on a device: TP splits its projections (not its norms
+    or router), EP its routed experts."""
+    router = shape.hidden * shape.n_experts
+    experts = shape.mlp_params - router if shape.moe else 0.0
+    split = shape.attn_params + shape.mlp_params - router - experts * (1 - 1 / layout.ep)
+    return split / layout.tp + 2 * shape.hidden + router
 
 
 def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -136,26 +141,39 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     the stream's dtype and the bf16 matmul input (2 d); attention keeps bf16 q, k, v and its
     output (4 q + 4 kv: flash attention on packed causal rows, no mask) and the output's
     fp32 log-sum-exp per head; the SwiGLU keeps its four f-wide bf16 tensors (gate, up, the
-    activation and the product). TP splits the widths; the routed experts' width is
-    experts_per_token x moe_ffn."""
+    activation and the product). The routed experts' width is experts_per_token x moe_ffn.
+    TP splits the widths, and the norms' tensors by sequence
+    (its sequence parallelism) but not the bf16 matmul inputs, which it gathers."""
     stream = stream_bytes(layout)
     f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
     wide = 4 * shape.q_width + 4 * shape.kv_width + 8 * f + 4 * shape.heads
-    return 2 * (6 + stream) * shape.hidden + wide / layout.tp
+    # TP's sequence-parallel norms keep their share of the sequence; the matmul inputs they
+    # feed are gathered whole
+    return (2 * (4 + stream) / layout.tp + 4) * shape.hidden + wide / layout.tp
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
     """Training activations per device for one micro-batch of `tokens` (before CP split).
-    With checkpointing each layer keeps only its input (the stream's dtype) and one layer's
-    full activations exist during its recompute. Under 1F1B the first stage holds pp
-    micro-batches of L/pp layers, i.e. all L layers' worth."""
+    With checkpointing each layer keeps only its input (the stream's dtype); during a
+    layer's backward its recompute and the gradients of those tensors exist. Under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e.
+    all L layers' worth."""
     t = tokens / layout.cp
     full_layer = t * layer_activation_bytes(shape, layout)
-    if layout.activation_checkpointing:
-        acts = t * stream_bytes(layout) * shape.hidden * shape.layers + full_layer
-    else:
-        acts = full_layer * shape.layers
-    return acts + (_logit_bytes(shape, t, LOGIT_TRAIN_B) if logits else 0.0)
+    head = _logit_bytes(shape, t, LOGIT_TRAIN_B) if logits else 0.0
+    if not layout.activation_checkpointing:  # the head's backward comes first, all layers held
+        return full_layer * shape.layers + head
+    # each layer's input, and then the larger of
+    # the head's backward and a layer's: its recompute and the gradients of its tensors (a
+    # third more, rehearsed on Qwen2.5-7B at 8k-33k tokens: 1.34), beside the root's
+    # unsharded head gradient that FSDP holds until the last layer's backward (4 B per weight)
+    inputs = checkpointed_input_bytes(shape, layout, tokens)
+    root_grad = 4 * shape.vocab * shape.hidden if mixed(layout) else 0.0
+    return inputs + max(head, 4 / 3 * full_layer + root_grad)
+
+
+def checkpointed_input_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
+    """Every checkpointed layer's input: the stream, split over the sequence by TP and CP."""
+    return tokens / layout.cp * stream_bytes(layout) * shape.hidden / layout.tp * shape.layers
 
 
 def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
@@ -166,7 +184,12 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
     sum (rehearsed: within 0.1% at every ZeRO stage on Qwen2.5-7B)."""
     acts = activation_bytes(shape, layout, tokens, logits) + working_weight_bytes(shape, layout)
     grads = model_state_bytes(shape, layout, True, (0, GRAD_B, 0), lora_rank)
-    return max(acts - grads, 0.0)
+    if not layout.activation_checkpointing:
+        return max(acts - grads, 0.0)
+    # checkpointed, only the layers' inputs are freed as gradients fill; the rest is the
+    # same at every layer
+    inputs = checkpointed_input_bytes(shape, layout, tokens)
+    return max(inputs - grads, 0.0) + acts - inputs
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:

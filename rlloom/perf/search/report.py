@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -192,10 +193,21 @@ def simulate_report(req: Request, which: str, steps: int, seed: int, out: Path) 
             f"idle: {idle}\nwrote {out / 'trace.json'} and {out / 'gantt.png'}")
 
 
-def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None = None) -> str:
+Checker = Callable[[list[Priced]], tuple[list[Priced], list[str], dict[int, str]]]
+
+
+def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None = None,
+                check: Callable[[ModelShape, Hardware], Checker] | None = None) -> str:
+    """`check` (`rlloom plan --rehearse`, outside this torch-free package): given the model
+    and hardware, a function that takes the ranked plans and returns those kept, lines to
+    print, and a plan-file note per kept plan (by `id`)."""
     devices, hw = req.cluster()
     shape, wl, model, algo = model_shape(req.model), req.workload(), req.model, req.algo
     found = req.search(shape, wl, hw, devices)
+    checked: list[str] = []
+    notes: dict[int, str] = {}
+    if check is not None:
+        found.ranked, checked, notes = check(shape, hw)(found.ranked)
     base = naive(shape, algo, wl, hw, devices, critic=req.critic_shape())
     models = req.models(shape)
     shown = found.ranked[:top]
@@ -207,9 +219,10 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
     if write_plan is not None and found.ranked:
         best = found.ranked[0]
         critic_dir = req.critic if req.critic and Path(req.critic).is_dir() else None
+        rehearsed = f"\n# {notes[id(best)]}" if id(best) in notes else ""
         write_plan.write_text(plan_file(best, f"rlloom plan: {model} {algo} on {best.devices} x "
-                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step",
-                                        algo, critic_dir))
+                                        f"{hw.name}, predicted {_sec(best.step_s)} s per step"
+                                        f"{rehearsed}", algo, critic_dir))
     if as_json:
         return json.dumps({"seconds": found.seconds, "workload": asdict(wl),
                            "objective": req.objective,
@@ -240,6 +253,7 @@ def plan_report(req: Request, top: int, as_json: bool, write_plan: Path | None =
         lines += explain(found.ranked, base, hw, req.objective)
     for plan, reason in found.rejected[:3]:
         lines.append(f"rejected {plan}: {reason}")
+    lines += checked
     if write_plan is not None and found.ranked:
         lines.append(f"wrote the best plan to {write_plan} (`rlloom train {write_plan}`)")
     return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""`rlloom plan --rehearse N`: the planner's top plans checked by rehearsal. Each plan's actor
+training micro-batch runs at its real shapes and world size (`rehearse_training`), and its
+training group's priced peak is raised by what the rehearsal measures above the model."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlloom.perf.model import memory as mem
+from rlloom.perf.model.compose import Priced
+from rlloom.perf.model.hardware import GIB, Hardware
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.rehearsal.compare import predicted_training
+from rlloom.rehearsal.train import rehearse_training
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """One plan's check: its actor's training peak per rank, priced and rehearsed, and its
+    training group's peak with the rehearsed bytes (GiB per device)."""
+    priced: Priced
+    model_gib: float
+    rehearsed_gib: float | None   # None: the layout is not rehearsed yet (`why`)
+    group_gib: float
+    why: str = ""
+
+    def fits(self, hw: Hardware) -> bool:
+        return self.group_gib <= hw.mem_gib * mem.USABLE
+
+
+def unrehearsable(p: Priced) -> str:
+    """Why the plan's actor training cannot be rehearsed yet ('' when it can)."""
+    x = p.plan.layouts["actor"]
+    if x.pp > 1 or x.cp > 1 or x.ep > 1:
+        return "pipeline, context and expert parallel layouts are not rehearsed yet"
+    if p.workload.lora_rank:
+        return "LoRA is not rehearsed yet"
+    return ""
+
+
+def rehearse_plan(p: Priced, shape: ModelShape) -> Rehearsal:
+    """The actor's training micro-batch at the plan's rows and longest context."""
+    x, wl = p.plan.layouts["actor"], p.workload
+    group = next(g for st, g in zip(p.stages, p.stage_groups)
+                 if st.stage == "training" and st.role == "actor")
+    why = unrehearsable(p)
+    if why:
+        return Rehearsal(p, float("nan"), None, p.mem_gib[group], why)
+    response = math.ceil(wl.max_context - wl.prompt_len)
+    args = (shape, x, p.micro_batch, wl.prompt_len, response)
+    model = predicted_training(*args)["peak"]
+    measured = rehearse_training(*args).peak
+    # only ever raised: the group's peak may be another stage's, which this does not measure
+    return Rehearsal(p, model / GIB, measured / GIB,
+                     p.mem_gib[group] + max(0.0, measured - model) / GIB)
+
+
+def plan_checker(n: int, shape: ModelShape, hw: Hardware,
+                 advance: Callable[[], None] = lambda: None
+                 ) -> Callable[[list[Priced]], tuple[list[Priced], list[str], dict[int, str]]]:
+    """For `perf.search.report.plan_report`: rehearse the first `n` ranked plans, drop those
+    whose rehearsed peak does not fit the device, and say so; the plan-file note of each kept
+    rehearsed plan (by `id`)."""
+    def check(ranked: list[Priced]) -> tuple[list[Priced], list[str], dict[int, str]]:
+        done = []
+        for p in ranked[:n]:
+            done.append(rehearse_plan(p, shape))
+            advance()
+        usable = hw.mem_gib * mem.USABLE
+        lines = [f"rehearsed the first {len(done)} plans (actor training, rank 0; GiB per "
+                 f"device, {usable:.1f} usable):",
+                 f"{'model':>8} {'rehearsed':>9} {'group peak':>10}  plan"]
+        notes: dict[int, str] = {}
+        for r in done:
+            seen = f"{r.rehearsed_gib:9.2f}" if r.rehearsed_gib is not None else f"{'-':>9}"
+            verdict = "" if r.fits(hw) else "  DROPPED: does not fit"
+            lines.append(f"{r.model_gib:8.2f} {seen} {r.group_gib:10.2f}  "
+                         f"{_brief(r.priced)}{verdict}{'  (' + r.why + ')' if r.why else ''}")
+            if r.rehearsed_gib is not None and r.fits(hw):
+                notes[id(r.priced)] = (f"rehearsed: actor training peak {r.rehearsed_gib:.2f} "
+                                       f"GiB per device (priced {r.model_gib:.2f}), training "
+                                       f"group peak {r.group_gib:.2f} GiB")
+        dropped = {id(r.priced) for r in done if not r.fits(hw)}
+        kept = [p for p in ranked if id(p) not in dropped]
+        if kept and id(kept[0]) not in notes:
+            lines.append(f"the first plan kept is not rehearsed: rehearse more plans "
+                         f"(--rehearse {min(2 * n, len(ranked))})")
+        return kept, lines, notes
+    return check
+
+
+def _brief(p: Priced) -> str:
+    x = p.plan.layouts["actor"]
+    return (f"actor dp={x.dp} tp={x.tp} zero={x.zero}"
+            f"{' ckpt' if x.activation_checkpointing else ''}, {p.micro_batch} rows per "
+            f"micro-batch")
