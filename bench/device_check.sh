@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16's GPU checks in one run on the lent GPU machine (the `device` tool), logs under
 # $OUT: the CUDA tests (tests/device: model parity in fp32 and bf16, generation log-probs,
-# a checkpoint round trip, a GRPO run) and bench/gpu.sh (decode and training throughput,
+# a checkpoint round trip, a GRPO run), bench/rehearsal_check.py (a training step's rehearsed
+# peak beside torch.cuda.max_memory_allocated) and bench/gpu.sh (decode and training throughput,
 # HBM roofline and MFU, GRPO step against TRL where TRL is there).
 #   here, first:  bash bench/device_wheels.sh
 #   then:         run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=540)
@@ -21,5 +22,7 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia_smi.txt" 2>&1
 "$PY" -m pytest -q -p no:cacheprovider tests/device 2>&1 | tee "$OUT/device_tests.log"
+# issue 53: the rehearsal's peak beside torch.cuda.max_memory_allocated on the same step
+"$PY" bench/rehearsal_check.py 2>&1 | tee "$OUT/rehearsal_check.log"
 PYTHON=$PY bash bench/gpu.sh 2>&1 | tee "$OUT/gpu_bench.log"
 echo "logs in $OUT"
