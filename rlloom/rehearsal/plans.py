@@ -18,11 +18,15 @@ from rlloom.rehearsal.train import rehearse_training
 @dataclass(frozen=True)
 class Rehearsal:
     """One plan's check: its actor's training peak per rank, priced and rehearsed, and its
-    training group's peak with the rehearsed bytes (GiB per device)."""
+    training group's peak with the rehearsed bytes (GiB per device), for a micro-batch of
+    `rows` x (`prompt` + `response`) tokens."""
     priced: Priced
     model_gib: float
     rehearsed_gib: float | None   # None: the layout is not rehearsed yet (`why`)
     group_gib: float
+    rows: int = 0
+    prompt: int = 0
+    response: int = 0
     why: str = ""
 
     def fits(self, hw: Hardware) -> bool:
@@ -46,14 +50,14 @@ def rehearse_plan(p: Priced, shape: ModelShape) -> Rehearsal:
                  if st.stage == "training" and st.role == "actor")
     why = unrehearsable(p)
     if why:
-        return Rehearsal(p, float("nan"), None, p.mem_gib[group], why)
+        return Rehearsal(p, float("nan"), None, p.mem_gib[group], why=why)
     response = math.ceil(wl.max_context - wl.prompt_len)
     args = (shape, x, p.micro_batch, wl.prompt_len, response)
     model = predicted_training(*args)["peak"]
     measured = rehearse_training(*args).peak
     # only ever raised: the group's peak may be another stage's, which this does not measure
     return Rehearsal(p, model / GIB, measured / GIB,
-                     p.mem_gib[group] + max(0.0, measured - model) / GIB)
+                     p.mem_gib[group] + max(0.0, measured - model) / GIB, *args[2:])
 
 
 def plan_checker(n: int, shape: ModelShape, hw: Hardware,
@@ -79,8 +83,9 @@ def plan_checker(n: int, shape: ModelShape, hw: Hardware,
                          f"{_brief(r.priced)}{verdict}{'  (' + r.why + ')' if r.why else ''}")
             if r.rehearsed_gib is not None and r.fits(hw):
                 notes[id(r.priced)] = (f"rehearsed: actor training peak {r.rehearsed_gib:.2f} "
-                                       f"GiB per device (priced {r.model_gib:.2f}), training "
-                                       f"group peak {r.group_gib:.2f} GiB")
+                                       f"GiB per device (priced {r.model_gib:.2f}) for "
+                                       f"{r.rows} rows of {r.prompt} + {r.response} tokens, "
+                                       f"training group peak {r.group_gib:.2f} GiB")
         dropped = {id(r.priced) for r in done if not r.fits(hw)}
         kept = [p for p in ranked if id(p) not in dropped]
         if kept and id(kept[0]) not in notes:
