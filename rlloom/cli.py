@@ -70,11 +70,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(dump_config(run.cfg), end="")
         return
     from rlloom.runtime.executor.interface import RunOptions
-    if args.dry_run:
+    if args.dry_run or args.rehearse:
         from rlloom.runtime.executor.dry_run import dry_run
-        print(dry_run(run.cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus))))
-        print("dry run: every check passed; nothing was built or run")
-        return
+        if args.rehearse and not args.hardware:
+            raise ConfigError("--rehearse checks the measured peak against a device: give "
+                              "--hardware NAME (h100, a100-80gb, ...)")
+        print(dry_run(run.cfg, args.hardware, RunOptions(group_cpus=_group_cpus(args.group_cpus)),
+                      rehearse=args.rehearse))
+        if args.dry_run:
+            print("dry run: every check passed; nothing was built or run")
+            return
     from rlloom.runtime.executor.interface import WorkerFailure
     try:
         api.launch(run, overwrite=args.overwrite, ray=args.ray, options=RunOptions(
@@ -340,6 +345,10 @@ def main(argv: list[str] | None = None) -> None:
                    "resources; memory with --hardware) and print its device groups, then exit")
     p.add_argument("--hardware", metavar="NAME", help="--dry-run: price memory per device on "
                    "this hardware (h100, a100-80gb, local, ...)")
+    p.add_argument("--rehearse", action="store_true", help="before anything is built, run the "
+                   "actor's training micro-batch at its real shapes on fake tensors "
+                   "(`rlloom rehearse`) and stop if its measured peak does not fit the "
+                   "--hardware device")
     p.add_argument("--ray", action="store_true", help="run on Ray (the default for plans with "
                    "placement other than colocated or schedule other than sync)")
     p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. auto, "

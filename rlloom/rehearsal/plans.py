@@ -35,7 +35,7 @@ class Rehearsal:
 
 def unrehearsable(p: Priced) -> str:
     """Why the plan's actor training cannot be rehearsed yet ('' when it can)."""
-    x = p.plan.layouts["actor"]
+    x = p.plan.layout("actor")
     if x.pp > 1 or x.cp > 1 or x.ep > 1:
         return "pipeline, context and expert parallel layouts are not rehearsed yet"
     if p.workload.lora_rank:
@@ -45,7 +45,7 @@ def unrehearsable(p: Priced) -> str:
 
 def rehearse_plan(p: Priced, shape: ModelShape) -> Rehearsal:
     """The actor's training micro-batch at the plan's rows and longest context."""
-    x, wl = p.plan.layouts["actor"], p.workload
+    x, wl = p.plan.layout("actor"), p.workload
     group = next(g for st, g in zip(p.stages, p.stage_groups)
                  if st.stage == "training" and st.role == "actor")
     why = unrehearsable(p)
@@ -96,7 +96,7 @@ def plan_checker(n: int, shape: ModelShape, hw: Hardware,
 
 
 def _brief(p: Priced) -> str:
-    x = p.plan.layouts["actor"]
+    x = p.plan.layout("actor")
     return (f"actor dp={x.dp} tp={x.tp} zero={x.zero}"
             f"{' ckpt' if x.activation_checkpointing else ''}, {p.micro_batch} rows per "
             f"micro-batch")

@@ -61,3 +61,20 @@ def test_the_dry_run_prices_lora_and_tool_turns(capsys):
     turns = priced("rollout.tools=[calculator]", "rollout.max_turns=3")
     assert lora[0] < full[0] * 0.6 and lora[1] < full[1]
     assert turns[0] == full[0] and turns[1] > full[1]
+
+
+def test_rehearse_measures_the_actors_training_before_anything_is_built(tmp_path, capsys):
+    """`train --rehearse` runs the actor's micro-batch on fake tensors, prints it beside the
+    price and, with --dry-run, stops there; without a device to hold it to, it says what to
+    give."""
+    main(["train", "--dry-run", "--rehearse", "--hardware", "h100",
+          "train.micro_batch_tokens=2304", f"run_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    line = re.search(r"rehearsal: actor training ([\d.]+) GiB per device \(priced ([\d.]+)\) "
+                     r"for 4 rows of 512 \+ 64 tokens", out)
+    assert line and float(line.group(1)) > 0 and "dry run: every check passed" in out
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--rehearse", f"run_dir={tmp_path / 'run'}"])
+    assert e.value.code == 2 and "give --hardware NAME" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

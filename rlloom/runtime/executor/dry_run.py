@@ -2,6 +2,8 @@
 device groups, resources and memory per device, without building or running anything."""
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from pathlib import Path
 
 from rlloom.config import ConfigError, RunConfig
@@ -9,8 +11,9 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.hf_io import read_model_config
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.parallel.mesh import layout_summary
-from rlloom.perf.model.compose import price, role_models
-from rlloom.perf.model.hardware import hardware
+from rlloom.perf.model.compose import Priced, price, role_models
+from rlloom.perf.model.hardware import Hardware, hardware
+from rlloom.perf.model.memory import USABLE
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.perf.validation.validate import critic_shape, run_roles
@@ -27,10 +30,14 @@ def _architecture(cfg: RunConfig) -> ModelConfig:
     return tiny_model_config(cfg.model, len(build_char_tokenizer()))  # the built-in model, unbuilt
 
 
-def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None = None) -> str:
+def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None = None,
+            rehearse: bool = False) -> str:
     """The checks' verdict and what the run would use; raises ConfigError on a problem.
     `hardware_name` prices memory per device (worst case: every prompt at
-    data.max_prompt_tokens, every response at rollout.max_new_tokens)."""
+    data.max_prompt_tokens, every response at rollout.max_new_tokens). `rehearse`: the
+    actor's training micro-batch (as many such rows as train.micro_batch_tokens holds) is
+    rehearsed too, and the training group's peak raised by what it measures above the
+    price."""
     opts = opts or RunOptions()
     on_ray = needs_ray(cfg)
     preflight(cfg, "ray" if on_ray else "process", opts)
@@ -72,4 +79,24 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None =
                  + f"; predicted step {priced.step_s:.3g} s")
     if priced.problems:
         raise ConfigError("the plan does not fit: " + "; ".join(priced.problems))
+    if rehearse:
+        lines.append(_rehearsed(priced, shape, hw))
     return "\n".join(lines)
+
+
+def _rehearsed(priced: Priced, shape: ModelShape, hw: Hardware) -> str:
+    from rlloom.rehearsal.plans import rehearse_plan
+    wl = priced.workload
+    rows = max(1, wl.micro_batch_tokens // math.ceil(wl.max_context))
+    r = rehearse_plan(replace(priced, workload=replace(wl, micro_batch=rows)), shape)
+    if r.rehearsed_gib is None:
+        return f"rehearsal: skipped ({r.why})"
+    said = (f"rehearsal: actor training {r.rehearsed_gib:.2f} GiB per device (priced "
+            f"{r.model_gib:.2f}) for {r.rows} rows of {r.prompt} + {r.response} tokens; "
+            f"training group {r.group_gib:.2f} GiB")
+    if not r.fits(hw):
+        raise ConfigError(f"{said}: over the {hw.mem_gib * USABLE:.1f} GiB usable on "
+                          f"{hw.name}; lower train.micro_batch_tokens, turn on "
+                          "plan.layouts.actor.activation_checkpointing, or shard more "
+                          "(plan.layouts.actor.zero=3, more dp or tp)")
+    return said
