@@ -15,8 +15,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 from unittest import mock
 
 import torch
@@ -26,15 +27,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from rlloom.models import transformer
 from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
 from rlloom.models.transformer import CausalLM
-from rlloom.parallel.apply import make_optimizer, parallelize
 from rlloom.parallel.data_parallel import before_backward, local_tensor
-from rlloom.parallel.mesh import build_mesh
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.rehearsal.flops import Flops
 from rlloom.rehearsal.memory import PeakMemory
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
+from rlloom.runtime.ranks import RankGroup
 from rlloom.runtime.stages.batch import response_logprobs
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -139,52 +141,86 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                       response: int) -> Rehearsed:
     """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
-    loss, backward, and an AdamW step. A layout of several ranks runs in a child process:
-    its fake world and FSDP's hooks leave state behind that changed later rehearsals in the
-    same process."""
-    args = (shape, layout, rows, prompt, response)
+    loss, backward, and an AdamW step."""
+    return _in_child(_rehearse_training, shape, layout, rows, prompt, response)
+
+
+def rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+                     response: int) -> int:
+    """The peak bytes of rank 0 of `layout` scoring one micro-batch with a model that does not
+    train (the reference's log-probs): its weights and the forward's buffers."""
+    return _in_child(_rehearse_scoring, shape, layout, rows, prompt, response)
+
+
+def _in_child(fn: Callable[..., T], shape: ModelShape, layout: Layout, *sizes: int) -> T:
+    """A layout of several ranks runs in a child process: its fake world and FSDP's hooks
+    leave state behind that changed later rehearsals in the same process."""
     if layout.world_size == 1:
-        return _rehearse_training(*args)
+        return fn(shape, layout, *sizes)
     with concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_rehearse_training, *args).result()
+        return pool.submit(fn, shape, layout, *sizes).result()
+
+
+@contextlib.contextmanager
+def _rank_zero(layout: Layout) -> Iterator[RankGroup]:
+    """Rank 0 of the layout's world, its mesh made (with real tensors) before the fake mode
+    that the model is built and run under is entered."""
+    with fake_world(layout.world_size):
+        ranks = RankGroup(0, layout.world_size)
+        ranks.mesh(layout)
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), \
+                mock.patch.object(transformer.F, "scaled_dot_product_attention",
+                                  _gpu_attention):
+            yield ranks
 
 
 def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                        response: int) -> Rehearsed:
-    cfg = model_config(shape)
-    with fake_world(layout.world_size):
-        mesh = build_mesh(layout, "cpu") if layout.world_size > 1 else None
-        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), \
-                mock.patch.object(transformer.F, "scaled_dot_product_attention",
-                                  _gpu_attention):
-            model = CausalLM(cfg)
-            # as `RankGroup.trained` does with bf16 compute: data parallelism gathers bf16
-            # weights (one device computes under autocast over its fp32 weights)
-            parallelize(model, layout, mesh, mixed_precision=True)
-            params = list(model.parameters())
-            optim = make_optimizer(model, layout, mesh, lr=1e-6)
-            r = _rollout(rows, prompt, response, shape.vocab)
-            with Flops() as flops, PeakMemory() as mem:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
-                    loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
-                saved = mem.now
-                before_backward(model, last=True)
-                loss.backward()
-                grads = [p.grad for p in params if p.grad is not None]
-                split = mem.peak_split({"grads": grads})
-                counted = flops.total
-            with PeakMemory() as step:
-                optim.step()
-            state = [t for s in optim.state.values() for t in s.values()
-                     if isinstance(t, torch.Tensor)]
-            optimizer = _local_bytes(state)
-            p_bytes = _local_bytes(params)
-            return Rehearsed(params=p_bytes, grads=_local_bytes(grads), optimizer=optimizer,
-                             saved=saved,
-                             activations=split["activations"],
-                             # from the second step on the AdamW state is there throughout
-                             peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),
-                             flops=counted)
+    with _rank_zero(layout) as ranks:
+        # as a GPU rank with bf16 compute: fp32 weights and AdamW state, data parallelism
+        # gathering bf16 weights
+        model, optim = ranks.trained(CausalLM(model_config(shape)), layout, 1e-6,
+                                     torch.bfloat16)
+        params = list(model.parameters())
+        r = _rollout(rows, prompt, response, shape.vocab)
+        with Flops() as flops, PeakMemory() as mem:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
+                loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
+            saved = mem.now
+            before_backward(model, last=True)
+            loss.backward()
+            grads = [p.grad for p in params if p.grad is not None]
+            split = mem.peak_split({"grads": grads})
+        with PeakMemory() as step:
+            optim.step()
+        state = [t for s in optim.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        optimizer = _local_bytes(state)
+        p_bytes = _local_bytes(params)
+        return Rehearsed(params=p_bytes, grads=_local_bytes(grads), optimizer=optimizer,
+                         saved=saved, activations=split["activations"],
+                         # from the second step on the AdamW state is there throughout
+                         peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),
+                         flops=flops.total)
 
+
+def _rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+                      response: int) -> int:
+    with _rank_zero(layout) as ranks:
+        # held in the compute dtype, as `runtime.device.frozen_dtype` holds it on a GPU (made
+        # in it: converting fake parameters after the fact is refused)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            plain = CausalLM(model_config(shape)).eval().requires_grad_(False)
+        finally:
+            torch.set_default_dtype(default)
+        model = ranks.frozen(plain, layout)
+        held = _local_bytes(list(model.parameters()))
+        r = _rollout(rows, prompt, response, shape.vocab)
+        with PeakMemory() as mem, torch.no_grad(), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            response_logprobs(model, r, 1.0)
+        return held + mem.peak

@@ -32,7 +32,7 @@ def test_tp_lowers_memory_per_device():
 
 def _disagg(schedule: str, eta: int = 0) -> Plan:
     return Plan(placement="disaggregated", schedule=schedule, staleness=eta,
-                layouts={"actor": Layout(dp=16, zero=1, activation_checkpointing=True),
+                layouts={"actor": Layout(dp=16, zero=2, activation_checkpointing=True),
                          "reference": Layout(dp=16)})
 
 

@@ -9,7 +9,7 @@ from rlloom.cli import main
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.shapes import MODELS, ModelShape
 from rlloom.rehearsal.compare import compare_training, parse_layout
-from rlloom.rehearsal.train import model_config, rehearse_training
+from rlloom.rehearsal.train import model_config, rehearse_scoring, rehearse_training
 from rlloom.plan import Layout
 
 # Qwen2.5-0.5B's widths and vocabulary with 4 of its 24 layers: what is counted per layer
@@ -77,6 +77,18 @@ def test_the_cost_model_prices_what_the_runtime_holds(layout: Layout) -> None:
         assert rows[kind]["ratio"] == pytest.approx(1, abs=0.01), kind
     assert rows["peak"]["ratio"] == pytest.approx(1, abs=0.10)
     assert rows["flops"]["ratio"] == pytest.approx(1, abs=0.05)
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, tp=2), Layout(dp=4, zero=3)],
+                         ids=["one", "dp2-tp2", "zero3"])
+def test_the_cost_model_prices_what_scoring_holds(layout: Layout) -> None:
+    """A model that does not train (the reference) scoring a micro-batch: bf16 weights and
+    the forward's buffers, rehearsed beside `memory.model_state_bytes` + `inference_bytes`,
+    within 10% (measured on Qwen2.5-7B: 1.00 on one device, 0.995 at tp 2, 0.90 at ZeRO-3)."""
+    peak = rehearse_scoring(SMALL, layout, 2, 256, 768)
+    model = mem.model_state_bytes(SMALL, layout, False) + mem.inference_bytes(
+        SMALL, layout, 2 * 1024, True)
+    assert model / peak == pytest.approx(1, abs=0.10)
 
 
 def test_rehearse_cli_prints_the_model_beside_the_rehearsal(tmp_path, capsys) -> None:

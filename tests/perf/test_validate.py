@@ -307,7 +307,7 @@ def test_dpo_prices_no_generation():
 def test_hybrid_colocated_layout_pays_resharding():
     """TP generation and FSDP training on the same 8 devices: generation runs on them (no
     generation group) and each step pays one all-gather of a device's generation share of the
-    bf16 weights: (8-1) (alpha + share/8/bw). Generating in the training layout itself does
+    bf16 weights (its TP shard of the layers, the embeddings and head whole): (8-1) (alpha + share/8/bw). Generating in the training layout itself does
     too: data-parallel replicas decode on whole copies (`plan.needs_generation_copy`), each
     all-gathering the whole model."""
     from rlloom.perf.model import memory as mem
@@ -317,7 +317,7 @@ def test_hybrid_colocated_layout_pays_resharding():
     train, gen = Layout(dp=8, zero=3), Layout(dp=4, tp=2)
     hybrid = price(Plan(layouts={"actor": train, "generation": gen}), models, wl, hw)
     plain = price(Plan(layouts={"actor": train}), models, wl, hw)
-    share = mem.PARAM_B * shape.params / 2
+    share = mem.PARAM_B * mem.params_per_device(shape, gen)  # TP keeps embeddings whole
     alpha, bw = hw.intra_node_latency, hw.intra_node_bw * hw.comm_eff
     assert hybrid.sync_s == pytest.approx(7 * (alpha + share / 8 / bw))
     whole = mem.PARAM_B * shape.params

@@ -128,11 +128,18 @@ def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:
     device, pipeline stages), autocast's copy of every weight, each kept for backward."""
     p = params_per_device(shape, layout)
     if mixed(layout) and layout.zero == 3:
-        return PARAM_B * (p - shape.layers * layer_params(shape, layout)
-                          + 2 * layer_params(shape, layout))
+        return zero3_gathered_bytes(shape, layout)
     if layout.pp > 1 and layout.dp > 1 and layout.zero == 3:  # fp32 gathers, then autocast's
         return PARAM_B * p + 2 * 4 * layer_params(shape, layout)
     return PARAM_B * p
+
+
+def zero3_gathered_bytes(shape: ModelShape, layout: Layout) -> float:
+    """bf16 weights a ZeRO-3 pass holds gathered: the root's (embeddings, head, final norm:
+    FSDP keeps the root gathered through the pass) and two layers' (one computing, one
+    prefetched)."""
+    layer = layer_params(shape, layout)
+    return PARAM_B * (params_per_device(shape, layout) - (shape.layers / layout.pp - 2) * layer)
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -193,10 +200,16 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
-    """Forward-only buffers: a few hidden-size tensors and the FFN intermediate per token."""
+    """Forward-only buffers (rehearsed, `rlloom.rehearsal.train.rehearse_scoring`): a layer's
+    few hidden-size tensors and its FFN intermediate per token, or later the head's chunk of
+    logits, whichever is larger (the layers' are freed before the head runs), beside the
+    final hidden states the head reads; at ZeRO-3 the weights gathered meanwhile."""
     t = tokens / layout.cp
     hidden = t * PARAM_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
-    return hidden + (_logit_bytes(shape, t, LOGIT_INFER_B) if logits else 0.0)
+    head = _logit_bytes(shape, t, LOGIT_INFER_B) if logits else 0.0
+    gathered = zero3_gathered_bytes(shape, layout) if layout.zero == 3 and layout.dp > 1 \
+        else 0.0
+    return max(hidden, head) + t * PARAM_B * shape.hidden + gathered
 
 
 def _logit_bytes(shape: ModelShape, tokens: float, per_elem: int) -> float:
