@@ -138,15 +138,17 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     except KeyError as e:
         raise ConfigError(e.args[0]) from None
     rows = compare_training(shape, layout, args.rows, args.prompt_len,
-                            args.response_len)
+                            args.response_len, args.lora)
     tokens = args.rows * (args.prompt_len + args.response_len)
     print(render(rows, f"{args.model}, rank 0 of {layout.world_size}: training micro-batch of "
                        f"{args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} "
-                       f"tokens, {args.layout or 'one device'}"))
+                       f"tokens, {args.layout or 'one device'}"
+                       f"{f', LoRA rank {args.lora}' if args.lora else ''}"))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "layout": layout.model_dump(),
                                                "rows": args.rows, "prompt": args.prompt_len,
-                                               "response": args.response_len, "rank0": rows},
+                                               "response": args.response_len,
+                                               "lora": args.lora, "rank0": rows},
                                               indent=2))
         print(f"wrote {args.json}")
 
@@ -289,7 +291,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partial-rollout", type=int, default=0, metavar="TOKENS", help="partial "
                    "rollouts: a response generates at most TOKENS a step, one still going is "
                    "carried to the next (rollout.partial_tokens; default 0: off)")
-    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters "
+    p.add_argument("--lora", type=_positive, default=0, metavar="RANK", help="train LoRA adapters "
                    "of this rank on the actor instead of every weight (model.lora.rank; "
                    "default 0: full training)")
     p.add_argument("--turns", type=_positive, default=1, help="multi-turn rollouts: model turns "
@@ -408,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=_positive, default=1, help="sequences per micro-batch")
     p.add_argument("--prompt-len", type=_positive, default=1024, help="prompt tokens")
     p.add_argument("--response-len", type=_positive, default=7168, help="response tokens")
+    p.add_argument("--lora", type=_positive, default=0, metavar="RANK", help="train LoRA adapters "
+                   "of this rank on every projection instead of every weight")
     p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
     p.set_defaults(fn=cmd_rehearse)
     p = sub.add_parser("bench", help="measure this machine for the performance model")

@@ -22,7 +22,7 @@ REHEARSED = re.compile(r"# rehearsed: actor training peak ([\d.]+) GiB per devic
 
 def test_there_are_the_recipes_the_readme_lists():
     listed = set(re.findall(r"\(([\w.-]+\.yaml)\)", (RECIPES / "README.md").read_text()))
-    assert listed == {p.name for p in RECIPES.glob("*.yaml")} and len(listed) >= 4
+    assert listed == {p.name for p in RECIPES.glob("*.yaml")} and len(listed) >= 5
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
@@ -32,8 +32,8 @@ def test_a_recipe_is_a_run_config_that_fits_as_rehearsed(path: Path) -> None:
     peak, priced, rows, prompt, response, group = REHEARSED.match(second).groups()
     cfg = load_config(path)
     assert cfg.algo.name == algo
-    r = rehearse_training(model_shape(model), cfg.plan.layouts["actor"], int(rows),
-                          int(prompt), int(response))
+    r = rehearse_training(model_shape(model), cfg.plan.layout("actor"), int(rows),
+                          int(prompt), int(response), cfg.lora_rank)
     assert r.peak / GIB == pytest.approx(float(peak), abs=0.01)
     assert float(priced) == pytest.approx(float(peak), rel=0.10)
     assert float(group) <= hardware(device).mem_gib * USABLE

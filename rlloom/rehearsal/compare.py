@@ -17,15 +17,16 @@ KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops")
 
 
 def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
-                       response: int) -> dict[str, float]:
+                       response: int, lora_rank: int = 0) -> dict[str, float]:
     """What the cost model charges one rank for this micro-batch, by kind: the resident
     state (`memory.model_state_bytes`, split into its parts at the model's precision) and
     `cost.training`'s transient bytes and FLOPs for a step of exactly this micro-batch."""
     wl = Workload(prompts=rows * layout.dp, samples=1, prompt_len=prompt,
-                  response=Lengths("fixed", response), micro_batch=rows)
+                  response=Lengths("fixed", response), micro_batch=rows, lora_rank=lora_rank)
     stage = cost.training(shape, layout, wl, hardware("h100"), "actor")
     param, grad, optim = mem.TRAINED_STATE
-    parts = {kind: mem.model_state_bytes(shape, layout, True, only) for kind, only in (
+    parts = {kind: mem.model_state_bytes(shape, layout, True, only, lora_rank)
+             for kind, only in (
         ("params", (param, 0, 0)), ("grads", (0, grad, 0)), ("optimizer", (0, 0, optim)))}
     # the stage's transient is net of the gradients (`memory.training_transient_bytes`)
     parts["transient"] = stage.transient_bytes + parts["grads"]
@@ -35,10 +36,10 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
 
 
 def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
-                     response: int) -> dict[str, dict[str, float]]:
+                     response: int, lora_rank: int = 0) -> dict[str, dict[str, float]]:
     """{kind: {model, rehearsed, ratio}} for rank 0 (ratio = model / rehearsed)."""
-    model = predicted_training(shape, layout, rows, prompt, response)
-    r = rehearse_training(shape, layout, rows, prompt, response)
+    model = predicted_training(shape, layout, rows, prompt, response, lora_rank)
+    r = rehearse_training(shape, layout, rows, prompt, response, lora_rank)
     measured = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,
                 "transient": r.activations, "peak": r.peak, "flops": r.flops}
     return {k: {"model": model[k], "rehearsed": measured[k],

@@ -1,6 +1,7 @@
 """`rlloom plan --rehearse N`: the planner's top plans checked by rehearsal. Each plan's actor
-training micro-batch runs at its real shapes and world size (`rehearse_training`), and its
-training group's priced peak is raised by what the rehearsal measures above the model."""
+training micro-batch runs at its real shapes and world size (`rehearse_training`), and what
+its training group holds while it trains is repriced with the rehearsal's measured peak in
+place of the model's."""
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ from rlloom.rehearsal.train import rehearse_training
 
 @dataclass(frozen=True)
 class Rehearsal:
-    """One plan's check: its actor's training peak per rank, priced and rehearsed, and its
-    training group's peak with the rehearsed bytes (GiB per device), for a micro-batch of
+    """One plan's check: its actor's training peak per rank, priced and rehearsed, and what
+    its training group holds while it trains, with the rehearsed bytes (GiB per device),
+    for a micro-batch of
     `rows` x (`prompt` + `response`) tokens."""
     priced: Priced
     model_gib: float
@@ -38,26 +40,27 @@ def unrehearsable(p: Priced) -> str:
     x = p.plan.layout("actor")
     if x.pp > 1 or x.cp > 1 or x.ep > 1:
         return "pipeline, context and expert parallel layouts are not rehearsed yet"
-    if p.workload.lora_rank:
-        return "LoRA is not rehearsed yet"
     return ""
 
 
 def rehearse_plan(p: Priced, shape: ModelShape) -> Rehearsal:
     """The actor's training micro-batch at the plan's rows and longest context."""
     x, wl = p.plan.layout("actor"), p.workload
-    group = next(g for st, g in zip(p.stages, p.stage_groups)
-                 if st.stage == "training" and st.role == "actor")
+    # the update itself: a proximal or old-log-prob forward is priced as a training stage too
+    group, stage = next((g, st) for st, g in zip(p.stages, p.stage_groups)
+                        if st.stage == "training" and st.role == "actor" and not st.note)
+    # what the group holds while the actor trains (generation's KV cache takes what is left
+    # by design, so the group's overall peak is not the one to raise)
+    training = p.resident_gib[group] + stage.transient_bytes / GIB
     why = unrehearsable(p)
     if why:
-        return Rehearsal(p, float("nan"), None, p.mem_gib[group], why=why)
+        return Rehearsal(p, float("nan"), None, training, why=why)
     response = math.ceil(wl.max_context - wl.prompt_len)
-    args = (shape, x, p.micro_batch, wl.prompt_len, response)
+    args = (shape, x, p.micro_batch, wl.prompt_len, response, wl.lora_rank)
     model = predicted_training(*args)["peak"]
     measured = rehearse_training(*args).peak
-    # only ever raised: the group's peak may be another stage's, which this does not measure
-    return Rehearsal(p, model / GIB, measured / GIB,
-                     p.mem_gib[group] + max(0.0, measured - model) / GIB, *args[2:])
+    return Rehearsal(p, model / GIB, measured / GIB, training + (measured - model) / GIB,
+                     *args[2:5])
 
 
 def plan_checker(n: int, shape: ModelShape, hw: Hardware,

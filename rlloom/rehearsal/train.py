@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rlloom.models import transformer
 from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
+from rlloom.models.lora import PROJECTIONS, apply_lora
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.data_parallel import before_backward, local_tensor
 from rlloom.perf.model.shapes import ModelShape
@@ -138,11 +139,12 @@ def _local_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
-                      response: int) -> Rehearsed:
+                      response: int, lora_rank: int = 0) -> Rehearsed:
     """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
-    loss, backward, and an AdamW step."""
-    return _in_child(_rehearse_training, shape, layout, rows, prompt, response)
+    loss, backward, and an AdamW step; with `lora_rank`, LoRA adapters on every projection
+    (`model.lora`'s default targets) train and the base stays frozen."""
+    return _in_child(_rehearse_training, shape, layout, rows, prompt, response, lora_rank)
 
 
 def rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
@@ -176,12 +178,14 @@ def _rank_zero(layout: Layout) -> Iterator[RankGroup]:
 
 
 def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
-                       response: int) -> Rehearsed:
+                       response: int, lora_rank: int) -> Rehearsed:
     with _rank_zero(layout) as ranks:
+        plain = CausalLM(model_config(shape))
+        if lora_rank:
+            apply_lora(plain, lora_rank, 2.0 * lora_rank, 0.0, PROJECTIONS, seed=0)
         # as a GPU rank with bf16 compute: fp32 weights and AdamW state, data parallelism
         # gathering bf16 weights
-        model, optim = ranks.trained(CausalLM(model_config(shape)), layout, 1e-6,
-                                     torch.bfloat16)
+        model, optim = ranks.trained(plain, layout, 1e-6, torch.bfloat16)
         params = list(model.parameters())
         r = _rollout(rows, prompt, response, shape.vocab)
         with Flops() as flops, PeakMemory() as mem:

@@ -235,9 +235,9 @@ class RankGroup:
         if layout.pp > 1:
             pipe = parallelize_pipeline(model, layout, mesh, experts=self.experts(layout))
             return pipe, make_optimizer(pipe.module, layout, mesh, lr, **adamw)
-        if mesh is not None:
-            parallelize(model, layout, mesh, mixed_precision=compute == torch.bfloat16,
-                        experts=self.experts(layout))
+        # one rank applies its layout too: activation checkpointing is its to apply
+        parallelize(model, layout, mesh, mixed_precision=compute == torch.bfloat16,
+                    experts=self.experts(layout))
         return model, make_optimizer(model, layout, mesh, lr, **adamw)
 
     def generating(self, model: nn.Module, layout: Layout) -> nn.Module:

@@ -70,3 +70,17 @@ def test_parallelize_refuses_what_is_not_implemented():
 def test_offload_needs_zero3_over_dp(kw):
     with pytest.raises(ValueError, match="offload moves the shards of ZeRO-3 over dp ranks"):
         Layout(offload=True, **kw)
+
+
+def test_one_rank_checkpoints_the_layers_its_layout_says_to():
+    """A one-rank actor layout with activation checkpointing trains checkpointed layers, as
+    the cost model prices it (found by rehearsal: one rank used to skip its layout)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from rlloom.models.config import ModelConfig
+    from rlloom.models.transformer import CausalLM
+    from rlloom.runtime.ranks import RankGroup
+    cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=16, intermediate_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+    model, _ = RankGroup().trained(CausalLM(cfg), Layout(activation_checkpointing=True), 1e-3)
+    assert all(isinstance(layer, CheckpointWrapper) for layer in model.model.layers)

@@ -81,6 +81,18 @@ def test_the_cost_model_prices_what_the_runtime_holds(layout: Layout) -> None:
     assert rows["flops"]["ratio"] == pytest.approx(1, abs=0.05)
 
 
+def test_lora_is_priced_as_it_trains() -> None:
+    """LoRA adapters on every projection over a frozen fp32 base, one device with
+    checkpointing (the layout a one-GPU LoRA run takes): state exact (base weights, adapter
+    gradients and moments), the peak within 10%, FLOPs within 5%."""
+    rows = compare_training(SMALL, Layout(activation_checkpointing=True), 2, 256, 768, 8)
+    for kind in ("params", "grads", "optimizer"):
+        assert rows[kind]["ratio"] == pytest.approx(1, abs=0.01), kind
+    assert rows["grads"]["rehearsed"] == 4 * SMALL.lora_params(8)
+    assert rows["peak"]["ratio"] == pytest.approx(1, abs=0.10)
+    assert rows["flops"]["ratio"] == pytest.approx(1, abs=0.05)
+
+
 @pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, tp=2), Layout(dp=4, zero=3)],
                          ids=["one", "dp2-tp2", "zero3"])
 def test_the_cost_model_prices_what_scoring_holds(layout: Layout) -> None:

@@ -51,6 +51,7 @@ class Priced:
     stage_groups: list[str]  # the device group each of `stages` runs on
     call_s: dict[str, float]  # group -> the driver's round trip of one stage call to it
     problems: list[str] = field(default_factory=list)
+    resident_gib: dict[str, float] = field(default_factory=dict)  # model state, by group
 
     @property
     def feasible(self) -> bool:
@@ -283,4 +284,5 @@ def price(plan: Plan, models: dict[str, ModelShape | None], wl: Workload, hw: Ha
     return Priced(plan, gen_layout, devices, step, g_cost.seconds, sum(a_by.values()),
                   sum(t_by.values()), sync_s, [g_cost] + [st for _, st in later],
                   {g: b / GIB for g, b in peak.items()}, wl,
-                  [p.gen_g] + [g for g, _ in later], call, problems)
+                  [p.gen_g] + [g for g, _ in later], call, problems,
+                  {g: b / GIB for g, b in resident.items()})

@@ -430,7 +430,10 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     tokens, head_tokens = tokens * wl.minibatches, head_tokens * wl.minibatches
     passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
     layers = tokens * ((2 if lora else 3) * shape.layer_matmul_flops()
-                       + ckpt * (shape.layer_matmul_flops() - shape.down_proj_flops())
+                       # a LoRA down projection's adapter reads its input after the base
+                       # matmul, so the recompute runs through it
+                       + ckpt * (shape.layer_matmul_flops()
+                                 - (0 if lora else shape.down_proj_flops()))
                        + (3.5 + ckpt) * shape.attention_flops(context)
                        + (0 if logits else passes * 2 * shape.hidden))
     head = head_tokens * ((2 if lora else 3) + recompute_head) * shape.head_flops

@@ -159,7 +159,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     return (2 * (4 + stream) / layout.tp + 4) * shape.hidden + wide / layout.tp
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
+                     lora: bool = False) -> float:
     """Training activations per device for one micro-batch of `tokens` (before CP split).
     With checkpointing each layer keeps only its input (the stream's dtype); during a
     layer's backward its recompute and the gradients of those tensors exist. Under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e.
@@ -172,9 +173,10 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: b
     # each layer's input, and then the larger of
     # the head's backward and a layer's: its recompute and the gradients of its tensors (a
     # third more, rehearsed on Qwen2.5-7B at 8k-33k tokens: 1.34), beside the root's
-    # unsharded head gradient that FSDP holds until the last layer's backward (4 B per weight)
+    # unsharded head gradient that FSDP holds until the last layer's backward (4 B per
+    # weight; none when LoRA leaves the head frozen)
     inputs = checkpointed_input_bytes(shape, layout, tokens)
-    root_grad = 4 * shape.vocab * shape.hidden if mixed(layout) else 0.0
+    root_grad = 4 * shape.vocab * shape.hidden if mixed(layout) and not lora else 0.0
     return inputs + max(head, 4 / 3 * full_layer + root_grad)
 
 
@@ -189,14 +191,22 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
     working weight copies, less the gradients the resident state counts whole. Backward frees
     activations as it fills gradients, so the peak holds the larger of the two, not their
     sum (rehearsed: within 0.1% at every ZeRO stage on Qwen2.5-7B)."""
-    acts = activation_bytes(shape, layout, tokens, logits) + working_weight_bytes(shape, layout)
+    acts = activation_bytes(shape, layout, tokens, logits, bool(lora_rank))
+    working = working_weight_bytes(shape, layout)
     grads = model_state_bytes(shape, layout, True, (0, GRAD_B, 0), lora_rank)
     if not layout.activation_checkpointing:
-        return max(acts - grads, 0.0)
-    # checkpointed, only the layers' inputs are freed as gradients fill; the rest is the
-    # same at every layer
+        return max(acts + working - grads, 0.0)
+    # checkpointed, only the layers' inputs are freed as gradients fill; a layer's
+    # backward (`rest`) is the same at every layer
     inputs = checkpointed_input_bytes(shape, layout, tokens)
-    return max(inputs - grads, 0.0) + acts - inputs
+    rest = acts - inputs
+    if mixed(layout):  # the gathered weights are there in both
+        return max(inputs - grads, 0.0) + rest + working
+    # autocast over fp32 weights: its cache holds a bf16 copy of every trained weight to the
+    # end of forward (frozen LoRA bases are cast per use), and backward recasts one layer's
+    cached = 0.0 if lora_rank else working
+    recast = PARAM_B * layer_params(shape, layout)
+    return max(inputs + cached, inputs + rest + recast, grads + rest + recast) - grads
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:

@@ -127,7 +127,9 @@ def _solo(role: str, shape: ModelShape, x: Layout, wl: Workload, hw: Hardware,
         return cost.generation(shape, x, wl, hw, usable - 2 * mem.PARAM_B *
                                mem.params_per_device(shape, x)).seconds
     trainable = role in TRAINABLE
-    state, on_host = resident_bytes(shape, x, hw, trainable)
+    # a LoRA actor keeps its base frozen: adapters' gradients and moments only
+    state, on_host = resident_bytes(shape, x, hw, trainable,
+                                    wl.lora_rank if role == "actor" else 0)
     if not host_fits(on_host, hw):
         return INF
     total = 0.0
