@@ -21,7 +21,7 @@ ROLE_NEEDS = {"critic": "critic"}
 #   when algo.advantage is remax, its only user today.
 # - prox_logp: in one process, under torchrun and on Ray at staleness 0 the samples come from
 #   the weights being trained, so the proximal policy is the behaviour policy and its
-#   log-probs are the rollout's; a stale Ray step computes them (hosts.decoupled).
+#   log-probs are the rollout's; a stale Ray step computes them (corrections.decoupled).
 ALWAYS = frozenset({"greedy_baseline", "prox_logp"})
 
 

@@ -110,16 +110,14 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         gqa = self.n_heads != self.n_kv
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-            return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
-        if gqa and s > 1:
+        if mask is not None and gqa and s > 1:
             # A GPU's fused kernels take a mask or grouped KV heads, not both, and SDPA's
             # fallback would keep [heads, s, s] scores per layer: expand the KV heads, as
             # transformers does. One decoded token's scores are small either way.
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
 
 
@@ -208,9 +206,8 @@ class Backbone(nn.Module):
         no layer holds a [seq, seq] tensor (2 B per query-key pair and layer, kept for
         backward, in a masked fused kernel: 2 GiB per layer at 32k tokens)."""
         order = packed_order(attention_mask)
-        packed = attention_mask.gather(1, order)
         x = self.embed_tokens(input_ids.gather(1, order))
-        cos, sin = rotary_cos_sin(packed_positions(packed), self.config, x.dtype)
+        cos, sin = rotary_cos_sin(packed_positions(attention_mask, order), self.config, x.dtype)
         masks = window_masks(self.config, input_ids.shape[1], x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, masks[i], None, i)
@@ -224,10 +221,11 @@ def packed_order(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.argsort((attention_mask == 0).to(torch.int32), dim=1, stable=True)
 
 
-def packed_positions(packed_mask: torch.Tensor) -> torch.Tensor:
-    """Rotary positions of packed rows: 0, 1, ... over the real tokens; padding repeats the
-    last (so the longest position is the longest real sequence's, as dynamic rope needs)."""
-    return (packed_mask.cumsum(1) - 1).clamp(min=0)
+def packed_positions(attention_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rotary positions of the rows packed by `order`: 0, 1, ... over the real tokens;
+    padding repeats the last (so the longest position is the longest real sequence's, as
+    dynamic rope needs)."""
+    return (attention_mask.gather(1, order).cumsum(1) - 1).clamp(min=0)
 
 
 class Unpack(nn.Module):

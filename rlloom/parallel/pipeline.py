@@ -126,7 +126,7 @@ class StageModule(nn.Module):
                 x = x[:, start:start + length]
         else:  # packed rows, as `Backbone` runs a pass without a cache: causal, no mask
             order = packed_order(attention_mask)
-            positions = packed_positions(attention_mask.gather(1, order))
+            positions = packed_positions(attention_mask, order)
             masks = window_masks(self.config, attention_mask.shape[1], attention_mask.device)
             if self.is_first:
                 x = x.gather(1, order)

@@ -99,10 +99,10 @@ def test_routed_experts_are_priced_as_the_runtime_holds_them():
     # ep=4 within dp=8: two owners per expert; the rest reduce-scattered and gathered (ZeRO-2)
     owners = cost.comm.all_reduce(H100, 2, 8, mem.GRAD_B * experts / 4)
     rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=4)) - experts / 4)
-    assert cost._dp_comm(moe, Layout(dp=8, ep=4, zero=2), H100, 1) == pytest.approx(
+    assert cost.comm.dp_comm(moe, Layout(dp=8, ep=4, zero=2), H100, 1) == pytest.approx(
         owners + 2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))
     rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=8)) - experts / 8)
-    assert cost._dp_comm(moe, Layout(dp=8, ep=8, zero=2), H100, 1) == pytest.approx(
+    assert cost.comm.dp_comm(moe, Layout(dp=8, ep=8, zero=2), H100, 1) == pytest.approx(
         2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))  # one owner each: no all-reduce
 
 
@@ -113,17 +113,17 @@ def test_data_parallel_collectives_per_step_are_those_the_runtime_issues():
     grads = mem.GRAD_B * mem.params_per_device(Q7, Layout(dp=8))
     gs = cost.comm.gather_or_scatter(H100, 8, 8, grads)
     for zero in (0, 1):
-        assert cost._dp_comm(Q7, Layout(dp=8, zero=zero), H100, 4) == pytest.approx(
+        assert cost.comm.dp_comm(Q7, Layout(dp=8, zero=zero), H100, 4) == pytest.approx(
             cost.comm.all_reduce(H100, 8, 8, grads))
-    assert cost._dp_comm(Q7, Layout(dp=8, zero=2), H100, 4) == pytest.approx(5 * gs)
-    assert cost._dp_comm(Q7, Layout(dp=8, zero=3), H100, 4) == pytest.approx(12 * gs)
+    assert cost.comm.dp_comm(Q7, Layout(dp=8, zero=2), H100, 4) == pytest.approx(5 * gs)
+    assert cost.comm.dp_comm(Q7, Layout(dp=8, zero=3), H100, 4) == pytest.approx(12 * gs)
     # a machine whose replicate all-reduce costs 50 ms a wrapped module under load
     # (`Hardware.reduce_s`, measured by `rlloom bench hw`): the floor over 28 layers + root
     slow = replace(H100, reduce_s=0.05)
-    assert cost._dp_comm(Q7, Layout(dp=8), slow, 4) == pytest.approx(0.05 * 29)
-    assert cost._dp_comm(Q7, Layout(dp=8), replace(H100, reduce_s=1e-9), 4) == pytest.approx(
+    assert cost.comm.dp_comm(Q7, Layout(dp=8), slow, 4) == pytest.approx(0.05 * 29)
+    assert cost.comm.dp_comm(Q7, Layout(dp=8), replace(H100, reduce_s=1e-9), 4) == pytest.approx(
         cost.comm.all_reduce(H100, 8, 8, grads))       # the link model when it is larger
-    assert cost._dp_comm(Q7, Layout(), slow, 4) == 0.0   # one rank reduces nothing
+    assert cost.comm.dp_comm(Q7, Layout(), slow, 4) == 0.0   # one rank reduces nothing
 
 
 def test_context_parallel_is_searched():

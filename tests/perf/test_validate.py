@@ -383,7 +383,7 @@ def test_max_response_caps_lognormal_lengths_with_a_mass_at_the_cap():
 
 
 def test_async_ppo_pays_the_proximal_forward_it_runs():
-    """Stale samples of a ppo loss are corrected (hosts.decoupled): the trainer recomputes the
+    """Stale samples of a ppo loss are corrected (corrections.decoupled): the trainer recomputes the
     actor's log-probs over every rollout first. By hand on the dispatch-only device: 16
     rollouts of 5 tokens after 7 prompt tokens in one micro-batch is one forward, 87 x 2 + 45
     operators. Sync, and a REINFORCE loss (no correction), pay nothing."""

@@ -13,7 +13,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.default_model import tiny_model_config
-from rlloom.runtime.executor.hosts import Rows, decoupled
+from rlloom.runtime.executor.corrections import Rows, decoupled
 from rlloom.runtime.stages.generation import Rewarder, Samples, sample_groups
 from rlloom.runtime.stages.online import assess, assess_from, logprobs_of, scores
 from rlloom.runtime.stages.packing import trim

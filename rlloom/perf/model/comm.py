@@ -89,3 +89,32 @@ def cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, pass
              / min(layout.tp, shape.kv_heads))  # bf16 K and V
     hops = (layout.cp - 1) * shape.layers / layout.pp
     return passes * hops * p2p(hw, span, block)
+
+
+def dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int,
+             lora_rank: int = 0) -> float:
+    """Per optimizer step, as the runtime's `data_parallel.before_backward` runs it. ZeRO-0/1:
+    all-reduce bf16 gradients once, in the last micro-batch's backward; ZeRO-2: all-gather
+    the parameters once and reduce-scatter the gradients in every micro-batch's backward
+    (they stay sharded); ZeRO-3: per micro-batch, all-gather parameters for forward and
+    backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
+    change; ZeRO-3 still gathers the frozen weights for forward and backward.
+    `_exposed_dp` takes off what compute hides. Routed experts under expert parallelism are
+    not ZeRO-sharded: their gradients are all-reduced over the dp / ep ranks owning the same
+    experts (nothing when ep = dp)."""
+    dp, span = layout.dp, layout.world_size
+    experts = mem.GRAD_B * mem.expert_params_per_device(shape, layout)
+    owners = (all_reduce(hw, dp // layout.ep, span, experts)
+              if experts and dp > layout.ep else 0.0)
+    weights = mem.GRAD_B * mem.params_per_device(shape, layout) - experts
+    grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
+    if layout.zero <= 1:  # replicate all-reduces each wrapped module's gradients
+        wrapped = (shape.layers / layout.pp + 1) if dp > 1 else 0
+        return owners + max(all_reduce(hw, dp, span, grads), hw.reduce_s * wrapped)
+    if layout.zero == 2:  # gathered once a step, kept to the last micro-batch's backward
+        return (owners + gather_or_scatter(hw, dp, span, weights)
+                + micro_batches * gather_or_scatter(hw, dp, span, grads))
+    if lora_rank:
+        return micro_batches * (2 * gather_or_scatter(hw, dp, span, weights)
+                                + gather_or_scatter(hw, dp, span, grads))
+    return owners + micro_batches * 3 * gather_or_scatter(hw, dp, span, grads)

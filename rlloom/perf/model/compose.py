@@ -186,7 +186,7 @@ def _scoring_and_training(p: _Placement, wl: Workload, hw: Hardware, stale: bool
                                             "training"))))
         proximal = stale and wl.policy_loss in DECOUPLED_LOSSES
         if role == "actor" and (proximal or wl.recompute_logprobs):
-            # the proximal log-probs of the decoupled correction (runtime: hosts.decoupled),
+            # the proximal log-probs of the decoupled correction (runtime: corrections.decoupled),
             # or a peer's recomputed old log-probs: a forward over every rollout in the
             # training layout before the update
             out.append((p.train_g, replace(

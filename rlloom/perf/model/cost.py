@@ -453,7 +453,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     per_mb += comm.ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
     comm_s = steps * m * per_mb + steps * comm.pp_comm(hw, layout, shape, mb_tokens / pieces,
                                                    2 * m * pieces)
-    dp_s = steps * (_dp_comm(shape, layout, hw, m, lora)
+    dp_s = steps * (comm.dp_comm(shape, layout, hw, m, lora)
                     + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
@@ -486,32 +486,3 @@ def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:
     (`Hardware.dp_overlap`) of the rest exceeds the compute by."""
     hidden = hw.dp_overlap * dp_s * (1 - 1 / max(layers, 1))
     return dp_s - hidden + max(0.0, hidden - work)
-
-
-def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int,
-             lora_rank: int = 0) -> float:
-    """Per optimizer step, as the runtime's `data_parallel.before_backward` runs it. ZeRO-0/1:
-    all-reduce bf16 gradients once, in the last micro-batch's backward; ZeRO-2: all-gather
-    the parameters once and reduce-scatter the gradients in every micro-batch's backward
-    (they stay sharded); ZeRO-3: per micro-batch, all-gather parameters for forward and
-    backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
-    change; ZeRO-3 still gathers the frozen weights for forward and backward.
-    `_exposed_dp` takes off what compute hides. Routed experts under expert parallelism are
-    not ZeRO-sharded: their gradients are all-reduced over the dp / ep ranks owning the same
-    experts (nothing when ep = dp)."""
-    dp, span = layout.dp, layout.world_size
-    experts = mem.GRAD_B * mem.expert_params_per_device(shape, layout)
-    owners = (comm.all_reduce(hw, dp // layout.ep, span, experts)
-              if experts and dp > layout.ep else 0.0)
-    weights = mem.GRAD_B * mem.params_per_device(shape, layout) - experts
-    grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
-    if layout.zero <= 1:  # replicate all-reduces each wrapped module's gradients
-        wrapped = (shape.layers / layout.pp + 1) if dp > 1 else 0
-        return owners + max(comm.all_reduce(hw, dp, span, grads), hw.reduce_s * wrapped)
-    if layout.zero == 2:  # gathered once a step, kept to the last micro-batch's backward
-        return (owners + comm.gather_or_scatter(hw, dp, span, weights)
-                + micro_batches * comm.gather_or_scatter(hw, dp, span, grads))
-    if lora_rank:
-        return micro_batches * (2 * comm.gather_or_scatter(hw, dp, span, weights)
-                                + comm.gather_or_scatter(hw, dp, span, grads))
-    return owners + micro_batches * 3 * comm.gather_or_scatter(hw, dp, span, grads)

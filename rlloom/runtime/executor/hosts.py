@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from rlloom.algos.advantages import ADVANTAGES
-from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.lr_schedule import lr_factor
 from rlloom.algos.presets import PRESETS
-from rlloom.algos.rollout_correction import mismatch_stats, recomputes_behaviour, tis_weights
+from rlloom.algos.rollout_correction import recomputes_behaviour
 from rlloom.config import RunConfig
 from rlloom.data.preferences import read_preference_file
 from rlloom.data.prompts import PromptStream, load_prompt_sets
@@ -30,11 +29,11 @@ from rlloom.parallel.apply import load_sharded, save_sharded
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.plan import DeviceGroup, generation_layout, model_layout, needs_generation_copy
 from rlloom.rewards.sandbox import SandboxPool
-from rlloom.rollout.generate import Rollout
 from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.partial import PartialPool
 from rlloom.runtime.checkpoint import load_whole_state, whole_state
 from rlloom.runtime.device import compute_dtype, compute_precision, frozen_dtype
+from rlloom.runtime.executor.corrections import Rows, decoupled, sampler_corrected
 from rlloom.runtime.executor.policy import build_critic, build_policy
 from rlloom.runtime.executor.weight_sync import ShadowModel, synced_state
 from rlloom.runtime.outputs.spans import SpanLog
@@ -52,9 +51,7 @@ from rlloom.runtime.stages.offline import preference_eval, preference_step
 from rlloom.runtime.stages.online import (
     assess_from,
     behaviour_kl,
-    logprobs_of,
     optimise,
-    rows_scored,
     scores,
 )
 
@@ -67,64 +64,6 @@ class Batch:
     samples: Samples
     baseline: torch.Tensor | None  # [n] ReMax greedy reward, else None
     version: int
-
-
-@dataclass(frozen=True)
-class Rows:
-    """How the training group runs a forward over a batch's rows: micro-batches of at most
-    `budget` padded tokens, each data-parallel replica (`share`) its share (`rows_scored`)."""
-    budget: int | None = None
-    ranks: RankGroup | None = None
-    share: Share = Share()
-
-
-def _trainer_logprobs(r: Rollout, policy: torch.nn.Module | PipelinedModel, temperature: float,
-                      rows: Rows) -> torch.Tensor:
-    """The sampled tokens' log-probs under the trainer's current weights [n, T], computed as
-    `perf.model.cost.forward` prices them: length-bucketed, shared over data parallelism (a
-    forward over whole mini-batches padded to their longest row cost 2-3x the training of a
-    step with one long response)."""
-    return rows_scored(lambda mb: logprobs_of(policy, mb, temperature), r, rows.budget,
-                       rows.ranks, rows.share)
-
-
-@torch.no_grad()
-def sampler_corrected(exp: Experience, policy: torch.nn.Module | PipelinedModel,
-                      temperature: float, rows: Rows, mode: str, cap: float
-                      ) -> tuple[Experience, dict[str, float]]:
-    """Rollouts of another engine or precision (algos/rollout_correction.py): the trainer's
-    log-probs replace the sampler's as PPO's old log-probs, the advantages are weighted by the
-    truncated importance ratio of `mode`, and the mismatch is measured."""
-    r = exp.samples.rollout
-    mask = r.action_mask.float()
-    keep = mask > 0
-    trainer = torch.where(keep, _trainer_logprobs(r, policy, temperature, rows), 0.0)
-    sampler = torch.where(keep, r.logprobs, 0.0)
-    weights = tis_weights(trainer, sampler, mask, mode, cap)
-    samples = replace(exp.samples, rollout=replace(r, logprobs=trainer))
-    return (replace(exp, samples=samples, advantages=exp.advantages * weights),
-            mismatch_stats(trainer, sampler, mask, weights, cap))
-
-
-@torch.no_grad()
-def decoupled(exp: Experience, policy: torch.nn.Module | PipelinedModel, temperature: float,
-              rows: Rows = Rows()) -> tuple[Experience, float]:
-    """Decoupled PPO for stale samples, expressed for the plain `ppo` loss that `optimise`
-    calls: the proximal log-probs (the weights before this update) replace the behaviour
-    log-probs as PPO's `old_logp`, and the advantages are scaled by the detached behaviour
-    weight w = exp(prox - behaviour). Because w > 0 is constant per token, min(r wA, clip(r) wA)
-    = w min(rA, clip(r) A) with the same clipped branch (and dual clip), so the loss equals
-    `decoupled_ppo(logp, behaviour, A, prox)` (tests/runtime/test_ray_stages.py).
-    Returns the corrected experience and the k1 KL(behaviour || proximal) per token."""
-    r = exp.samples.rollout
-    prox = _trainer_logprobs(r, policy, temperature, rows)
-    mask = r.action_mask.float()
-    keep = mask > 0
-    prox, old = torch.where(keep, prox, 0.0), torch.where(keep, r.logprobs, 0.0)
-    weight = (prox - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    kl = (((old - prox) * mask).sum() / mask.sum().clamp(min=1)).item()
-    samples = replace(exp.samples, rollout=replace(r, logprobs=prox))
-    return replace(exp, samples=samples, advantages=exp.advantages * weight), kl
 
 
 # -- the stages a rank hosts ---------------------------------------------------------------

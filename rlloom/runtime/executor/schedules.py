@@ -5,7 +5,7 @@
   the whole batch and training follows.
 - async (staleness eta): generation of step i+eta is submitted once step i-1's weights are
   synced, so it runs while step i trains; samples more than eta versions old are generated
-  again; stale samples are corrected as decoupled PPO (`hosts.decoupled`) for ppo and
+  again; stale samples are corrected as decoupled PPO (`corrections.decoupled`) for ppo and
   decoupled_ppo. Assessment on a group of its own is prefetched too; on the training group
   it is submitted with its own step, or it would queue ahead of the training it overlaps.
   Groups that generate and train take turns in submission order, which keeps the staleness

@@ -48,7 +48,7 @@ class TokenLoss:
         a = self.cfg.algo
         # one process and torchrun train on samples of the weights this step starts from,
         # so the proximal policy is the behaviour policy: decoupled_ppo is ppo, as on Ray
-        # at staleness 0 (a stale Ray step corrects its samples first: hosts.decoupled)
+        # at staleness 0 (a stale Ray step corrects its samples first: corrections.decoupled)
         per_token, clipped = POLICY_LOSSES.get(a.policy_loss)(
             logp, old_logp, advantages, mask, PolicyLossConfig.from_algo(a), prox_logp=old_logp)
         sums["clip_frac"] += masked_sum(clipped.float(), mask)
