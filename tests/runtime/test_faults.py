@@ -14,7 +14,7 @@ from interrupt import signal_after_two_steps
 from safetensors.torch import load_file
 
 from rlloom.cli import main
-from rlloom.runtime.executor import hosts
+from rlloom.runtime.executor import corrections
 from rlloom.runtime.run_dir import RunDirLock
 from rlloom.runtime.stages import online
 
@@ -271,8 +271,8 @@ def test_a_sampler_that_disagrees_with_the_trainer_is_measured_and_corrected(
     """The trainer's own log-probs are shifted by -0.2 per token against the sampler's (a
     sampler perturbed on purpose): every token's ratio trainer / sampler is e^-0.2, so the
     k1 mismatch is 0.2, the largest ratio e^-0.2, and token TIS weighs each token e^-0.2."""
-    real = hosts._trainer_logprobs
-    monkeypatch.setattr(hosts, "_trainer_logprobs", lambda *a: real(*a) - 0.2)
+    real = corrections._trainer_logprobs
+    monkeypatch.setattr(corrections, "_trainer_logprobs", lambda *a: real(*a) - 0.2)
     run = tmp_path / "run"
     main(["train", *tiny, "algo.rollout_is=token_tis", f"run_dir={run}"])
     for row in _rows(run):
