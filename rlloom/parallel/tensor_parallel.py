@@ -88,20 +88,21 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
     plan: dict[str, Any] = {
         "input_layernorm": SequenceParallel(),
         # Attention(x, cos, sin, mask, cache, layer): only x is sharded.
+        # The gathered input stays a DTensor so that backward sums the q, k and v (gate and
+        # up) projections' partial input gradients locally and reduce-scatters them once;
+        # a plain tensor made each projection all-reduce its own (5 all-reduces a layer).
         "self_attn": PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * 5,
-                                        desired_input_layouts=(Replicate(),) + (None,) * 5,
-                                        use_local_output=True),
+                                        desired_input_layouts=(Replicate(),) + (None,) * 5),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                  desired_input_layouts=(Replicate(),),
-                                  use_local_output=True),
     }
     if isinstance(layer.mlp, MLP):
         plan.update({
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),

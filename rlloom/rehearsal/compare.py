@@ -5,7 +5,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlloom.config import ConfigError
-from rlloom.perf.model import cost
+from rlloom.perf.model import comm, cost
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.hardware import hardware
 from rlloom.perf.model.shapes import ModelShape
@@ -13,14 +13,15 @@ from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
 from rlloom.rehearsal.train import rehearse_training
 
-KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops")
+KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops", "sent")
 
 
 def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                        response: int, lora_rank: int = 0) -> dict[str, float]:
     """What the cost model charges one rank for this micro-batch, by kind: the resident
-    state (`memory.model_state_bytes`, split into its parts at the model's precision) and
-    `cost.training`'s transient bytes and FLOPs for a step of exactly this micro-batch."""
+    state (`memory.model_state_bytes`, split into its parts at the model's precision),
+    `cost.training`'s transient bytes and FLOPs for a step of exactly this micro-batch, and
+    the bytes it sends in that step's collectives (`cost.training_collectives`)."""
     wl = Workload(prompts=rows * layout.dp, samples=1, prompt_len=prompt,
                   response=Lengths("fixed", response), micro_batch=rows, lora_rank=lora_rank)
     stage = cost.training(shape, layout, wl, hardware("h100"), "actor")
@@ -32,6 +33,8 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     parts["transient"] = stage.transient_bytes + parts["grads"]
     parts["peak"] = parts["params"] + parts["optimizer"] + parts["transient"]
     parts["flops"] = stage.flops / (layout.dp * layout.tp * layout.pp * layout.cp)
+    step = cost.training_collectives(shape, layout, wl, "actor")
+    parts["sent"] = comm.sent(step["model"] + step["dp"])
     return parts
 
 
@@ -41,9 +44,11 @@ def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
     model = predicted_training(shape, layout, rows, prompt, response, lora_rank)
     r = rehearse_training(shape, layout, rows, prompt, response, lora_rank)
     measured = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,
-                "transient": r.activations, "peak": r.peak, "flops": r.flops}
+                "transient": r.activations, "peak": r.peak, "flops": r.flops,
+                "sent": sum(r.sent.values())}
     return {k: {"model": model[k], "rehearsed": measured[k],
-                "ratio": model[k] / measured[k] if measured[k] else float("nan")}
+                "ratio": model[k] / measured[k] if measured[k]
+                else 1.0 if not model[k] else float("inf")}
             for k in KINDS}
 
 
@@ -72,5 +77,6 @@ def render(rows: dict[str, dict[str, float]], title: str) -> str:
         unit = 1e12 if kind == "flops" else 2**30
         lines.append(f"{kind:<10} {r['model'] / unit:>10.2f} {r['rehearsed'] / unit:>10.2f} "
                      f"{r['ratio']:>16.2f}")
-    lines.append("(bytes in GiB per rank, FLOPs in TFLOP per rank and micro-batch)")
+    lines.append("(bytes in GiB per rank, FLOPs in TFLOP per rank and micro-batch; sent: "
+                 "bytes the rank sends in the step's collectives)")
     return "\n".join(lines)

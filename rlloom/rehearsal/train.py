@@ -30,6 +30,7 @@ from rlloom.models.lora import PROJECTIONS, apply_lora
 from rlloom.models.transformer import CausalLM
 from rlloom.parallel.data_parallel import before_backward, local_tensor
 from rlloom.perf.model.shapes import ModelShape
+from rlloom.rehearsal.comm import Collectives
 from rlloom.rehearsal.flops import Flops
 from rlloom.rehearsal.memory import PeakMemory
 from rlloom.plan import Layout
@@ -52,6 +53,8 @@ class Rehearsed:
     #                    activations, temporaries, gathered and autocast copies of weights
     peak: int          # the most bytes alive at once, the optimizer step included
     flops: float       # forward + backward FLOPs of the micro-batch on this rank
+    sent: dict[str, float]  # bytes this rank sends in collectives, by kind, over the step
+    collectives: int   # how many collectives it issues
 
 
 def model_config(shape: ModelShape) -> ModelConfig:
@@ -188,7 +191,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
         model, optim = ranks.trained(plain, layout, 1e-6, torch.bfloat16)
         params = list(model.parameters())
         r = _rollout(rows, prompt, response, shape.vocab)
-        with Flops() as flops, PeakMemory() as mem:
+        with Collectives() as comm, Flops() as flops, PeakMemory() as mem:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
                 loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
@@ -197,7 +200,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
             loss.backward()
             grads = [p.grad for p in params if p.grad is not None]
             split = mem.peak_split({"grads": grads})
-        with PeakMemory() as step:
+        with comm, PeakMemory() as step:
             optim.step()
         state = [t for s in optim.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor)]
@@ -207,7 +210,8 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
                          saved=saved, activations=split["activations"],
                          # from the second step on the AdamW state is there throughout
                          peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),
-                         flops=flops.total)
+                         flops=flops.total, sent=dict(comm.sent),
+                         collectives=sum(comm.count.values()))
 
 
 def _rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,

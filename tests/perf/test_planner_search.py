@@ -96,33 +96,53 @@ def test_routed_experts_are_priced_as_the_runtime_holds_them():
     x = Layout(dp=8, ep=8, zero=3)
     rest = moe.params - experts
     assert mem.model_state_bytes(moe, x, True) == pytest.approx(16 * rest / 8 + 16 * experts / 8)
-    # ep=4 within dp=8: two owners per expert; the rest reduce-scattered and gathered (ZeRO-2)
-    owners = cost.comm.all_reduce(H100, 2, 8, mem.GRAD_B * experts / 4)
-    rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=4)) - experts / 4)
-    assert cost.comm.dp_comm(moe, Layout(dp=8, ep=4, zero=2), H100, 1) == pytest.approx(
-        owners + 2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))
-    rest = mem.GRAD_B * (mem.params_per_device(moe, Layout(dp=8, ep=8)) - experts / 8)
-    assert cost.comm.dp_comm(moe, Layout(dp=8, ep=8, zero=2), H100, 1) == pytest.approx(
-        2 * cost.comm.gather_or_scatter(H100, 8, 8, rest))  # one owner each: no all-reduce
+    # ep=4 within dp=8: two owners per expert all-reduce their fp32 gradients; the rest is
+    # gathered in bf16 once and its fp32 gradients reduce-scattered (ZeRO-2)
+    rest = mem.params_per_device(moe, Layout(dp=8, ep=4)) - experts / 4
+    assert _dp_records(moe, Layout(dp=8, ep=4, zero=2), 1) == {
+        "all_reduce": (2, 4 * experts / 4, 1), "all_gather": (8, 2 * rest, 1),
+        "reduce_scatter": (8, 4 * rest, 1)}
+    rest = mem.params_per_device(moe, Layout(dp=8, ep=8)) - experts / 8
+    assert _dp_records(moe, Layout(dp=8, ep=8, zero=2), 1) == {  # one owner each: no all-reduce
+        "all_gather": (8, 2 * rest, 1), "reduce_scatter": (8, 4 * rest, 1)}
+
+
+def _dp_records(shape, layout, micro_batches):
+    return {c.kind: (c.size, pytest.approx(c.nbytes), c.calls)
+            for c in cost.comm.dp(shape, layout, micro_batches)}
 
 
 def test_data_parallel_collectives_per_step_are_those_the_runtime_issues():
-    """`data_parallel.before_backward`: over 4 micro-batches ZeRO-0/1 all-reduce the
-    gradients once; ZeRO-2 gathers the parameters once and reduce-scatters the gradients in
-    each of the 4 backwards; ZeRO-3 gathers twice and scatters once per micro-batch."""
-    grads = mem.GRAD_B * mem.params_per_device(Q7, Layout(dp=8))
-    gs = cost.comm.gather_or_scatter(H100, 8, 8, grads)
-    for zero in (0, 1):
-        assert cost.comm.dp_comm(Q7, Layout(dp=8, zero=zero), H100, 4) == pytest.approx(
-            cost.comm.all_reduce(H100, 8, 8, grads))
-    assert cost.comm.dp_comm(Q7, Layout(dp=8, zero=2), H100, 4) == pytest.approx(5 * gs)
-    assert cost.comm.dp_comm(Q7, Layout(dp=8, zero=3), H100, 4) == pytest.approx(12 * gs)
+    """`data_parallel.before_backward` with bf16 compute, over 4 micro-batches: ZeRO-0/1
+    all-reduce the fp32 gradients once, and ZeRO-1's ranks then broadcast the fp32
+    parameters each stepped; ZeRO-2 gathers the bf16 parameters once and reduce-scatters the
+    fp32 gradients in each of the 4 backwards; ZeRO-3 gathers twice and scatters once per
+    micro-batch. (`tests/perf/test_rehearsal.py` holds these bytes against the ones the
+    runtime sends.)"""
+    p = mem.params_per_device(Q7, Layout(dp=8))
+    assert _dp_records(Q7, Layout(dp=8, zero=0), 4) == {"all_reduce": (8, 4 * p, 1)}
+    assert _dp_records(Q7, Layout(dp=8, zero=1), 4) == {"all_reduce": (8, 4 * p, 1),
+                                                       "broadcast": (8, 4 * p, 8)}
+    assert _dp_records(Q7, Layout(dp=8, zero=2), 4) == {"all_gather": (8, 2 * p, 1),
+                                                       "reduce_scatter": (8, 16 * p, 4)}
+    # the root (embeddings, head, final norm) is gathered once: FSDP keeps it to backward
+    root = p - Q7.layers * mem.layer_params(Q7, Layout(dp=8))
+    assert root == pytest.approx(2 * Q7.vocab * Q7.hidden + Q7.hidden)
+    assert _dp_records(Q7, Layout(dp=8, zero=3), 4) == {
+        "all_gather": (8, 4 * (2 * p + 2 * (p - root)), 8), "reduce_scatter": (8, 16 * p, 4)}
+    # a member sends 7/8 of each gathered or scattered buffer on a ring of 8, 14/8 of an
+    # all-reduced one, and a whole broadcast
+    assert cost.comm.sent(cost.comm.dp(Q7, Layout(dp=8, zero=3), 4)) == pytest.approx(
+        7 / 8 * (16 * p + 8 * (2 * p - root)))
+    assert cost.comm.sent(cost.comm.dp(Q7, Layout(dp=8, zero=1), 4)) == pytest.approx(
+        14 / 8 * 4 * p + 4 * p)
+    grads = cost.comm.Collective("all_reduce", 8, 8, 4 * p)
     # a machine whose replicate all-reduce costs 50 ms a wrapped module under load
     # (`Hardware.reduce_s`, measured by `rlloom bench hw`): the floor over 28 layers + root
     slow = replace(H100, reduce_s=0.05)
     assert cost.comm.dp_comm(Q7, Layout(dp=8), slow, 4) == pytest.approx(0.05 * 29)
     assert cost.comm.dp_comm(Q7, Layout(dp=8), replace(H100, reduce_s=1e-9), 4) == pytest.approx(
-        cost.comm.all_reduce(H100, 8, 8, grads))       # the link model when it is larger
+        grads.seconds(H100))       # the link model when it is larger
     assert cost.comm.dp_comm(Q7, Layout(), slow, 4) == 0.0   # one rank reduces nothing
 
 

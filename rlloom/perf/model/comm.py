@@ -1,10 +1,57 @@
-"""Alpha-beta cost of the collectives a layout implies, on the link its group spans."""
+"""The collectives a layout implies, as records (`Collective`: what is sent, over which
+group), and their alpha-beta time on the link the group spans. A stage's collectives are
+built here once; the cost model prices them and the rehearsal compares their bytes with the
+ones the runtime sends (`rehearsal.comm`)."""
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.plan import Layout
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`calls` collectives of one kind over a group of `size` members lying within `span`
+    consecutive devices, `nbytes` in all of them together: a member's buffer for an
+    all-reduce or all-to-all, the whole (unsharded) buffer for an all-gather or
+    reduce-scatter, the message for a broadcast or point-to-point send."""
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | p2p
+    size: int
+    span: int
+    nbytes: float
+    calls: float = 1.0
+
+    def sent(self) -> float:
+        """Bytes a member sends: a ring's 2(p-1)/p of the buffer for an all-reduce, (p-1)/p
+        for a gather, scatter or all-to-all; a pipelined broadcast or a send forwards all."""
+        if self.kind in ("broadcast", "p2p"):
+            return self.nbytes
+        if self.size <= 1:
+            return 0.0
+        share = (self.size - 1) / self.size
+        return (2 * share if self.kind == "all_reduce" else share) * self.nbytes
+
+    def seconds(self, hw: Hardware) -> float:
+        if self.size <= 1 and self.kind != "p2p":
+            return 0.0
+        alpha, bw = link(hw, self.span)
+        if self.kind in ("broadcast", "p2p"):
+            return self.calls * alpha + self.nbytes / bw
+        steps = 2 * (self.size - 1) if self.kind == "all_reduce" else self.size - 1
+        return steps * (self.calls * alpha + self.nbytes / self.size / bw)
+
+
+def seconds(hw: Hardware, collectives: Iterable[Collective]) -> float:
+    return sum(c.seconds(hw) for c in collectives)
+
+
+def sent(collectives: Iterable[Collective]) -> float:
+    """Bytes a member sends in all of `collectives`."""
+    return sum(c.sent() for c in collectives)
 
 
 def link(hw: Hardware, span: int) -> tuple[float, float]:
@@ -15,32 +62,6 @@ def link(hw: Hardware, span: int) -> tuple[float, float]:
     return hw.inter_node_latency, hw.inter_node_bw * hw.comm_eff
 
 
-def all_reduce(hw: Hardware, size: int, span: int, nbytes: float) -> float:
-    """Ring all-reduce of `nbytes` per member over `size` members: 2 (p-1) steps."""
-    if size <= 1:
-        return 0.0
-    alpha, bw = link(hw, span)
-    return 2 * (size - 1) * (alpha + nbytes / size / bw)
-
-
-def gather_or_scatter(hw: Hardware, size: int, span: int, nbytes: float) -> float:
-    """Ring all-gather or reduce-scatter; `nbytes` is the full (unsharded) buffer."""
-    if size <= 1:
-        return 0.0
-    alpha, bw = link(hw, span)
-    return (size - 1) * (alpha + nbytes / size / bw)
-
-
-def all_to_all(hw: Hardware, size: int, span: int, nbytes: float) -> float:
-    """Pairwise all-to-all of `nbytes` per member: (p-1) rounds of a 1/p share each."""
-    return gather_or_scatter(hw, size, span, nbytes)
-
-
-def p2p(hw: Hardware, span: int, nbytes: float) -> float:
-    alpha, bw = link(hw, span)
-    return alpha + nbytes / bw
-
-
 def broadcast_between_groups(hw: Hardware, nbytes: float) -> float:
     """Weight sync from a training group to a separate group holding a copy: one broadcast of
     the whole weights from training rank 0 over a channel spanning the copy's ranks
@@ -49,72 +70,100 @@ def broadcast_between_groups(hw: Hardware, nbytes: float) -> float:
     return hw.inter_node_latency + nbytes / (hw.inter_node_bw * hw.comm_eff)
 
 
-def tp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
-             per_layer: int) -> float:
-    """`per_layer` all-reduces of [tokens, d] activations (the stream's dtype) in each of the
-    device's layers."""
+def tp(layout: Layout, shape: ModelShape, tokens: float, per_layer: int,
+       ends: int) -> list[Collective]:
+    """`per_layer` all-reduces' worth of [tokens, d] bf16 activations in each of the device's
+    layers: sequence parallelism's all-gather before attention and the MLP and reduce-scatter
+    after them (and their transposes in backward) send what an all-reduce does; and `ends`
+    all-gathers of the residual stream (its dtype) where the backbone's sequence shards are
+    made whole: its output in forward, the embedding's gradient in backward."""
     if layout.tp == 1:
-        return 0.0
-    nbytes = tokens * shape.hidden * mem.stream_bytes(layout)
-    layers = shape.layers / layout.pp
-    return per_layer * layers * all_reduce(hw, layout.tp, layout.tp, nbytes)
+        return []
+    row = tokens * shape.hidden
+    calls = per_layer * shape.layers / layout.pp
+    return [Collective("all_reduce", layout.tp, layout.tp, calls * row * mem.PARAM_B, calls),
+            Collective("all_gather", layout.tp, layout.tp,
+                       ends * row * mem.stream_bytes(layout), ends)]
 
 
-def ep_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float,
-             per_layer: int) -> float:
+def ep(layout: Layout, shape: ModelShape, tokens: float, per_layer: int) -> list[Collective]:
     """`per_layer` all-to-alls (dispatch and combine, each way) of the k routed copies of each
     token's activations among the ep ranks, in every MoE layer of the device. EP ranks are
     carved out of DP, next to the tp x cp x pp block."""
     if not shape.moe or layout.ep == 1:
-        return 0.0
+        return []
     nbytes = tokens * shape.experts_per_token * shape.hidden * mem.stream_bytes(layout)
     span = layout.tp * layout.cp * layout.pp * layout.ep
-    return per_layer * shape.layers / layout.pp * all_to_all(hw, layout.ep, span, nbytes)
+    calls = per_layer * shape.layers / layout.pp
+    return [Collective("all_to_all", layout.ep, span, calls * nbytes, calls)]
 
 
-def pp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
+def pp(layout: Layout, shape: ModelShape, tokens: float, passes: int) -> list[Collective]:
+    """Each of `passes` sends a stage's [tokens, d] boundary activations to the next stage,
+    pp - 1 times along the pipeline."""
     if layout.pp == 1:
-        return 0.0
+        return []
     span = layout.tp * layout.cp * layout.pp
     nbytes = tokens * shape.hidden * mem.stream_bytes(layout) / (layout.tp * layout.cp)
-    return passes * (layout.pp - 1) * p2p(hw, span, nbytes)
+    calls = passes * (layout.pp - 1)
+    return [Collective("p2p", 2, span, calls * nbytes, calls)]
 
 
-def cp_comm(hw: Hardware, layout: Layout, shape: ModelShape, tokens: float, passes: int) -> float:
+def cp(layout: Layout, shape: ModelShape, tokens: float, passes: int) -> list[Collective]:
     """Ring exchange of K/V blocks: cp - 1 hops per layer per pass."""
     if layout.cp == 1:
-        return 0.0
+        return []
     span = layout.tp * layout.cp
     block = (tokens / layout.cp * 2 * shape.kv_width * mem.PARAM_B
              / min(layout.tp, shape.kv_heads))  # bf16 K and V
-    hops = (layout.cp - 1) * shape.layers / layout.pp
-    return passes * hops * p2p(hw, span, block)
+    calls = passes * (layout.cp - 1) * shape.layers / layout.pp
+    return [Collective("p2p", 2, span, calls * block, calls)]
+
+
+def dp(shape: ModelShape, layout: Layout, micro_batches: int,
+       lora_rank: int = 0) -> list[Collective]:
+    """Per optimizer step, as the runtime's `data_parallel.before_backward` runs it, weights
+    gathered in the stream's dtype (bf16 under mixed precision) and gradients reduced in
+    fp32. ZeRO-0/1: all-reduce the gradients once, in the last micro-batch's backward, and
+    at ZeRO-1 each rank then broadcasts the fp32 parameters it stepped (`Zero1AdamW`);
+    ZeRO-2: all-gather the parameters once and reduce-scatter the gradients in every
+    micro-batch's backward (they stay sharded); ZeRO-3: per micro-batch, all-gather
+    the layers' parameters for forward and backward, the root's (embeddings, head) once,
+    and reduce-scatter gradients. With LoRA only the
+    adapters have gradients and change; ZeRO-3 still gathers the frozen weights for forward
+    and backward. Routed experts under expert parallelism are not ZeRO-sharded: their
+    gradients are all-reduced over the dp / ep ranks owning the same experts (nothing when
+    ep = dp)."""
+    d, span = layout.dp, layout.world_size
+    expert_params = mem.expert_params_per_device(shape, layout)
+    out = []
+    if expert_params and d > layout.ep and not lora_rank:
+        out.append(Collective("all_reduce", d // layout.ep, span, mem.GRAD_B * expert_params))
+    weights = mem.params_per_device(shape, layout) - expert_params
+    gathered = mem.stream_bytes(layout) * weights
+    grads = mem.GRAD_B * (shape.lora_params(lora_rank) if lora_rank else weights)
+    if layout.zero <= 1:
+        out.append(Collective("all_reduce", d, span, grads))
+        if layout.zero == 1:  # fp32 parameters, as many as their gradients
+            out.append(Collective("broadcast", d, span, grads, d))
+    elif layout.zero == 2:  # gathered once a step, kept to the last micro-batch's backward
+        out += [Collective("all_gather", d, span, gathered),
+                Collective("reduce_scatter", d, span, micro_batches * grads, micro_batches)]
+    else:  # the root (embeddings, head, final norm) stays gathered from forward to backward
+        layers = shape.layers / layout.pp * mem.layer_params(shape, layout) - expert_params
+        twice = mem.stream_bytes(layout) * layers
+        out += [Collective("all_gather", d, span, micro_batches * (gathered + twice),
+                           2 * micro_batches),
+                Collective("reduce_scatter", d, span, micro_batches * grads, micro_batches)]
+    return [c for c in out if c.size > 1]
 
 
 def dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int,
-             lora_rank: int = 0) -> float:
-    """Per optimizer step, as the runtime's `data_parallel.before_backward` runs it. ZeRO-0/1:
-    all-reduce bf16 gradients once, in the last micro-batch's backward; ZeRO-2: all-gather
-    the parameters once and reduce-scatter the gradients in every micro-batch's backward
-    (they stay sharded); ZeRO-3: per micro-batch, all-gather parameters for forward and
-    backward and reduce-scatter gradients. With LoRA only the adapters have gradients and
-    change; ZeRO-3 still gathers the frozen weights for forward and backward.
-    `_exposed_dp` takes off what compute hides. Routed experts under expert parallelism are
-    not ZeRO-sharded: their gradients are all-reduced over the dp / ep ranks owning the same
-    experts (nothing when ep = dp)."""
-    dp, span = layout.dp, layout.world_size
-    experts = mem.GRAD_B * mem.expert_params_per_device(shape, layout)
-    owners = (all_reduce(hw, dp // layout.ep, span, experts)
-              if experts and dp > layout.ep else 0.0)
-    weights = mem.GRAD_B * mem.params_per_device(shape, layout) - experts
-    grads = mem.GRAD_B * shape.lora_params(lora_rank) if lora_rank else weights
-    if layout.zero <= 1:  # replicate all-reduces each wrapped module's gradients
-        wrapped = (shape.layers / layout.pp + 1) if dp > 1 else 0
-        return owners + max(all_reduce(hw, dp, span, grads), hw.reduce_s * wrapped)
-    if layout.zero == 2:  # gathered once a step, kept to the last micro-batch's backward
-        return (owners + gather_or_scatter(hw, dp, span, weights)
-                + micro_batches * gather_or_scatter(hw, dp, span, grads))
-    if lora_rank:
-        return micro_batches * (2 * gather_or_scatter(hw, dp, span, weights)
-                                + gather_or_scatter(hw, dp, span, grads))
-    return owners + micro_batches * 3 * gather_or_scatter(hw, dp, span, grads)
+            lora_rank: int = 0) -> float:
+    """Seconds of `dp`'s collectives. `replicate` all-reduces each wrapped module's gradients
+    separately: no faster than one reduction launch per module. `_exposed_dp` takes off
+    what compute hides."""
+    t = seconds(hw, dp(shape, layout, micro_batches, lora_rank))
+    if layout.zero <= 1 and layout.dp > 1:
+        t = max(t, hw.reduce_s * (shape.layers / layout.pp + 1))
+    return t

@@ -92,7 +92,8 @@ def reshard_seconds(shape: ModelShape, train: Layout, gen: Layout, hw: Hardware)
     """Training layout -> generation layout on the same devices: every device all-gathers its
     generation share of the bf16 weights from the training shards across the whole group."""
     world = train.world_size
-    return comm.gather_or_scatter(hw, world, world, mem.PARAM_B * mem.params_per_device(shape, gen))
+    return comm.Collective("all_gather", world, world,
+                           mem.PARAM_B * mem.params_per_device(shape, gen)).seconds(hw)
 
 
 @dataclass

@@ -266,10 +266,10 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         if simulated not in per_live:
             per_live[simulated] = (
                 live * proj_row, _decode_weight_bytes(shape, layout, wl, live) * pp,
-                pp * (comm.tp_comm(hw, layout, shape, live, 2)
-                      + comm.ep_comm(hw, layout, shape, live, 2)
+                pp * (comm.seconds(hw, comm.tp(layout, shape, live, 2, 1)
+                                   + comm.ep(layout, shape, live, 2))
                       + _activation_s(shape, layout, wl, hw, live))
-                + comm.pp_comm(hw, layout, shape, live, 1))
+                + comm.seconds(hw, comm.pp(layout, shape, live, 1)))
         f_proj, b_proj, c = per_live[simulated]
         # keys each row attends to, mean over the segment: vLLM's paged attention reads each
         # rollout's own context; rlloom's engine reads every row up to the widest one
@@ -296,9 +296,9 @@ def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flo
     b = forwards * _weight_bytes(shape, layout, wl) * pp + kv_bytes
     dispatch = forwards * pp * hw.launch_s * _ops(FORWARD_OPS, shape, layout)
     c = pp * (_activation_s(shape, layout, wl, hw, tokens)
-              + comm.tp_comm(hw, layout, shape, tokens, 2)
-              + comm.ep_comm(hw, layout, shape, tokens, 2)) \
-        + comm.pp_comm(hw, layout, shape, tokens, 1)
+              + comm.seconds(hw, comm.tp(layout, shape, tokens, 2, 1)
+                             + comm.ep(layout, shape, tokens, 2))) \
+        + comm.seconds(hw, comm.pp(layout, shape, tokens, 1))
     seconds = _with_dispatch(max(flops / flops_s, b / bw) + c, dispatch, hw)
     return flops, b, flops / flops_s, b / bw, c, seconds, dispatch
 
@@ -382,18 +382,19 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     pieces = layout.pp
     memory_s = m * pieces * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     # per-device layers (L / pp) already: each stage exchanges for its own layers
-    comm_s = m * (comm.tp_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-                  + comm.cp_comm(hw, layout, shape, mb_tokens, 1))
-    comm_s += m * comm.ep_comm(hw, layout, shape, mb_tokens / layout.cp, 2)
-    comm_s += comm.pp_comm(hw, layout, shape, mb_tokens / pieces, m * pieces)
+    comm_s = m * comm.seconds(hw, comm.tp(layout, shape, mb_tokens / layout.cp, 2, 1)
+                              + comm.cp(layout, shape, mb_tokens, 1)
+                              + comm.ep(layout, shape, mb_tokens / layout.cp, 2))
+    comm_s += comm.seconds(hw, comm.pp(layout, shape, mb_tokens / pieces, m * pieces))
     host_s = (m * pieces * hw.stage_launch_s("assessment") * _ops(FORWARD_OPS, shape, layout)
               + m * _wrapper_s(hw, shape, layout, trained))
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
     act_s += _attention_s(shape, layout, wl, hw, tokens, context)
     work = (max(compute_s, memory_s) + act_s) * _bubble(layout)
     # ZeRO-3 gathers each layer's parameters for every micro-batch's forward
-    dp_s = m * comm.gather_or_scatter(hw, layout.dp, layout.world_size, mem.PARAM_B
-                                      * mem.params_per_device(shape, layout)) \
+    dp_s = m * comm.Collective(
+        "all_gather", layout.dp, layout.world_size,
+        mem.PARAM_B * mem.params_per_device(shape, layout)).seconds(hw) \
         if layout.zero == 3 else 0.0
     dp_s += offload_copy_s(shape, layout, hw, m, trained=False)
     seconds = (_with_dispatch(work + comm_s, host_s, hw)
@@ -419,11 +420,9 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     adapters' own r/d-small work aside, and only the adapters' gradients are reduced."""
     ckpt = layout.activation_checkpointing
     lora = wl.lora_rank if role == "actor" else 0
-    seqs = math.ceil(wl.rollouts / layout.dp)
     steps = wl.ppo_epochs * wl.minibatches
-    mb_rows = math.ceil(seqs / wl.minibatches)
-    tokens, m = wl.teacher_forced(mb_rows, prompts_once)  # per mini-batch
-    mb_tokens, context = tokens / m, tokens / mb_rows
+    mb_rows, tokens, m = _minibatch(layout, wl, prompts_once)
+    context = tokens / mb_rows
     prompt_tokens = (wl.distinct_prompts(mb_rows) if prompts_once else mb_rows) * wl.prompt_len
     head_tokens = max(tokens - prompt_tokens, 0.0) if logits else 0.0
     recompute_head = head_tokens / m > mem.LOGIT_CHUNK
@@ -445,14 +444,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
     memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
                 / (hw.mem_bw * hw.mem_eff))
-    # Under TP an MoE block's backward also sums the gradient its experts' feature slices
-    # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
-    tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
-    per_mb = (comm.tp_comm(hw, layout, shape, mb_tokens / layout.cp, tp_per_layer)
-              + comm.cp_comm(hw, layout, shape, mb_tokens, passes))
-    per_mb += comm.ep_comm(hw, layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4)
-    comm_s = steps * m * per_mb + steps * comm.pp_comm(hw, layout, shape, mb_tokens / pieces,
-                                                   2 * m * pieces)
+    comm_s = steps * comm.seconds(hw, training_collectives(shape, layout, wl, role,
+                                                          prompts_once)["model"])
     dp_s = steps * (comm.dp_comm(shape, layout, hw, m, lora)
                     + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
@@ -478,6 +471,33 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
     return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      depth, compute_s, memory_s, comm_s, seconds, transient, dispatch_s=host_s)
+
+
+def _minibatch(layout: Layout, wl: Workload, prompts_once: bool) -> tuple[int, float, int]:
+    """(rows, teacher-forced tokens, micro-batches) of one device's mini-batch."""
+    mb_rows = math.ceil(math.ceil(wl.rollouts / layout.dp) / wl.minibatches)
+    tokens, m = wl.teacher_forced(mb_rows, prompts_once)
+    return mb_rows, tokens, m
+
+
+def training_collectives(shape: ModelShape, layout: Layout, wl: Workload, role: str,
+                         prompts_once: bool = False) -> dict[str, list[comm.Collective]]:
+    """A device's collectives in one optimizer step: "model", those among the tp / cp / ep /
+    pp ranks of every micro-batch's passes, and "dp", the data-parallel ones (`comm.dp`)."""
+    ckpt = layout.activation_checkpointing
+    lora = wl.lora_rank if role == "actor" else 0
+    _, tokens, m = _minibatch(layout, wl, prompts_once)
+    mb_tokens, pieces = tokens / m, layout.pp
+    passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
+    # Under TP an MoE block's backward also sums the gradient its experts' feature slices
+    # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
+    tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
+    per_mb = (comm.tp(layout, shape, mb_tokens / layout.cp, tp_per_layer, 2)
+              + comm.cp(layout, shape, mb_tokens, passes)
+              + comm.ep(layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4))
+    model = [replace(c, nbytes=m * c.nbytes, calls=m * c.calls) for c in per_mb]
+    model += comm.pp(layout, shape, mb_tokens / pieces, 2 * m * pieces)
+    return {"model": model, "dp": comm.dp(shape, layout, m, lora)}
 
 
 def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:

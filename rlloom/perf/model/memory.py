@@ -56,6 +56,7 @@ def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
     16P; ZeRO-1 8P + 8P/dp (the moments, a whole parameter per rank: `Zero1AdamW`); ZeRO-2
     and ZeRO-3 16P/dp (FSDP2 shards weights and gradients alike; ZeRO-2's unsharded bf16
     copy is a working copy, `working_weight_bytes`). A frozen model: 2P, /dp at ZeRO-3.
+    A LoRA base: 4P, /dp at ZeRO-2 and 3.
     `precision` is bytes per parameter of (parameters, gradients, optimizer state). With
     `lora_rank`, a trained model is its frozen base plus LoRA adapters trained in full (the
     runtime refuses tp, pp and ep with LoRA, so the adapters are whole on every device).
@@ -78,9 +79,12 @@ def _state_parts(shape: ModelShape, layout: Layout, trainable: bool,
     p, dz, zero = params_per_device(shape, layout), layout.dp, layout.zero
     experts = expert_params_per_device(shape, layout)  # never ZeRO-sharded
     if not trainable or lora_rank:
-        # a LoRA model's frozen base stays in the trained model's dtype (fp32)
+        # a LoRA model's frozen base stays in the trained model's dtype (fp32), sharded as
+        # FSDP shards every parameter of a model it wraps (ZeRO-2 and 3); a frozen model is
+        # wrapped at ZeRO-3 only (`RankGroup.frozen`)
         held = precision[0] if lora_rank else PARAM_B
-        base = held * (p - experts) / (dz if zero == 3 else 1), held * experts
+        shards = zero == 3 or (zero == 2 and lora_rank)
+        base = held * (p - experts) / (dz if shards else 1), held * experts
         if not lora_rank:
             return base
         return base[0] + _trained_bytes(shape.lora_params(lora_rank), dz, zero,
