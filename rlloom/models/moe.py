@@ -95,11 +95,17 @@ def run_experts(experts: Iterable[tuple[int, nn.Module]], x: torch.Tensor,
     with no rows still run (on zero rows) so the autograd graph has the same shape on every
     rank: distributed backward passes must issue the same collectives everywhere.
     """
+    experts = list(experts)
     out = torch.zeros_like(x)
-    for e, expert in experts:
-        rows = (expert_ids == e).nonzero(as_tuple=True)[0]
+    for (_, expert), rows in zip(experts, rows_by_expert(expert_ids, [e for e, _ in experts])):
         out = out.index_copy(0, rows, expert(x[rows]))
     return out
+
+
+def rows_by_expert(expert_ids: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+    """The indices of the rows routed to each of `experts` (the rehearsal replaces this
+    data-dependent step with an even split)."""
+    return [(expert_ids == e).nonzero(as_tuple=True)[0] for e in experts]
 
 
 class MoEBlock(nn.Module):

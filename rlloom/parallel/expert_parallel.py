@@ -85,19 +85,24 @@ class ExpertParallelMoE(nn.Module):
         expert = chosen.reshape(-1)
         order = expert.argsort(stable=True)
         token = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.top_k)[order]
+        send, recv, row_expert = self.splits(expert)
+        rows = all_to_all(flat[token], recv, send, self.group)               # [received, d]
+        out = run_experts(((int(e), m) for e, m in self.experts.items()), rows, row_expert)
+        back = all_to_all(out, send, recv, self.group)                       # [tokens * k, d]
+        back = back * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token, back).view_as(x)
+
+    def splits(self, expert: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """(rows sent to each ep rank, rows received from each, the local expert of each
+        received row) for the routed rows' experts `expert` [tokens * k]: the counts are
+        exchanged first, as the all-to-all of rows needs its split sizes."""
         send_counts = torch.bincount(expert, minlength=self.n_experts)       # [experts]
         recv_counts = torch.empty_like(send_counts)                          # [ep * n_local]
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send = send_counts.view(self.ep, self.n_local).sum(1).tolist()
         recv = recv_counts.view(self.ep, self.n_local).sum(1).tolist()
-
-        rows = all_to_all(flat[token], recv, send, self.group)               # [received, d]
-        local = torch.arange(self.first, self.first + self.n_local, device=x.device)
-        row_expert = local.repeat(self.ep).repeat_interleave(recv_counts)    # src-major order
-        out = run_experts(((int(e), m) for e, m in self.experts.items()), rows, row_expert)
-        back = all_to_all(out, send, recv, self.group)                       # [tokens * k, d]
-        back = back * weights.reshape(-1)[order, None]
-        return torch.zeros_like(flat).index_add(0, token, back).view_as(x)
+        local = torch.arange(self.first, self.first + self.n_local, device=expert.device)
+        return send, recv, local.repeat(self.ep).repeat_interleave(recv_counts)  # src-major
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
     model = predicted_training(shape, layout, rows, prompt, response, lora_rank)
     r = rehearse_training(shape, layout, rows, prompt, response, lora_rank)
     measured = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,
-                "transient": r.activations, "peak": r.peak, "flops": r.flops,
+                # what the step adds to weights and AdamW state at its peak, as the model's
+                "transient": r.peak - r.params - r.optimizer, "peak": r.peak, "flops": r.flops,
                 "sent": sum(r.sent.values())}
     return {k: {"model": model[k], "rehearsed": measured[k],
                 "ratio": model[k] / measured[k] if measured[k]

@@ -3,9 +3,7 @@ its creation to its last reference, as a caching allocator would hold it (less r
 fragmentation, which `perf.model.memory.USABLE` covers)."""
 from __future__ import annotations
 
-import itertools
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,19 +13,15 @@ from torch.utils._pytree import tree_flatten
 
 
 class PeakMemory(TorchDispatchMode):
-    """Bytes allocated inside the mode and still alive (`now`), their high-water mark
-    (`peak`), and which storages were alive at that mark, to split the peak by kind after
-    the fact (`peak_split`). Storages made before the mode (the parameters) are not counted:
-    the caller knows them."""
+    """Bytes allocated inside the mode and still alive (`now`) and their high-water mark
+    (`peak`). Storages made before the mode (the parameters) are not counted: the caller
+    knows them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.now = self.peak = 0
-        # storage address -> [bytes, serial, weak reference]; addresses are reused once a
-        # storage is freed, so (address, serial) names one storage
+        # storage address -> [bytes, weak reference]
         self._live: dict[int, list] = {}
-        self._serials = itertools.count()
-        self._at_peak: set[tuple[int, int]] = set()
 
     def __enter__(self) -> "PeakMemory":
         # FSDP2 gathers into, and frees, parameter storages by resizing them, outside dispatch
@@ -61,7 +55,7 @@ class PeakMemory(TorchDispatchMode):
             return
         # the storage's Python object lives as long as the storage itself (PyObject
         # preservation), so its finaliser marks the free
-        self._live[key] = [storage.nbytes(), next(self._serials),
+        self._live[key] = [storage.nbytes(),
                            weakref.ref(storage, lambda _, k=key: self._free(k))]
         self._grew(storage.nbytes())
 
@@ -75,27 +69,12 @@ class PeakMemory(TorchDispatchMode):
 
     def _grew(self, nbytes: int) -> None:
         self.now += nbytes
-        if self.now > self.peak:
-            self.peak = self.now
-            self._at_peak = {(k, r[1]) for k, r in self._live.items()}
+        self.peak = max(self.peak, self.now)
 
     def _free(self, key: int) -> None:
         record = self._live.pop(key, None)
         if record is not None:
             self.now -= record[0]
-
-    def peak_split(self, kinds: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
-        """The peak's bytes in each kind's tensors (e.g. gradients, optimizer state), and the
-        rest under "activations": what autograd saved and the temporaries of that moment."""
-        split, seen = {}, set()
-        for kind, tensors in kinds.items():
-            records = {k: self._live[k] for k in (_storage(t)._cdata for t in tensors)
-                       if k in self._live}
-            named = {(k, r[1]) for k, r in records.items()} & self._at_peak - seen
-            split[kind] = sum(records[k][0] for k, _ in named)
-            seen |= named
-        split["activations"] = self.peak - sum(split.values())
-        return split
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

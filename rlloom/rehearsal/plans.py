@@ -38,8 +38,8 @@ class Rehearsal:
 def unrehearsable(p: Priced) -> str:
     """Why the plan's actor training cannot be rehearsed yet ('' when it can)."""
     x = p.plan.layout("actor")
-    if x.pp > 1 or x.cp > 1 or x.ep > 1:
-        return "pipeline, context and expert parallel layouts are not rehearsed yet"
+    if x.pp > 1 or x.cp > 1:
+        return "pipeline and context parallel layouts are not rehearsed yet"
     return ""
 
 
@@ -100,6 +100,6 @@ def plan_checker(n: int, shape: ModelShape, hw: Hardware,
 
 def _brief(p: Priced) -> str:
     x = p.plan.layout("actor")
-    return (f"actor dp={x.dp} tp={x.tp} zero={x.zero}"
+    return (f"actor dp={x.dp} tp={x.tp}{f' ep={x.ep}' if x.ep > 1 else ''} zero={x.zero}"
             f"{' ckpt' if x.activation_checkpointing else ''}, {p.micro_batch} rows per "
             f"micro-batch")

@@ -33,6 +33,7 @@ from rlloom.perf.model.shapes import ModelShape
 from rlloom.rehearsal.comm import Collectives
 from rlloom.rehearsal.flops import Flops
 from rlloom.rehearsal.memory import PeakMemory
+from rlloom.rehearsal.routing import even_routing
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.ranks import RankGroup
@@ -49,8 +50,6 @@ class Rehearsed:
     optimizer: int     # AdamW state after the step
     saved: int         # alive when forward ends: what backward will read (activations,
     #                    autocast's weight copies) and the loss
-    activations: int   # at the forward + backward peak, all but the gradients: saved
-    #                    activations, temporaries, gathered and autocast copies of weights
     peak: int          # the most bytes alive at once, the optimizer step included
     flops: float       # forward + backward FLOPs of the micro-batch on this rank
     sent: dict[str, float]  # bytes this rank sends in collectives, by kind, over the step
@@ -169,12 +168,15 @@ def _in_child(fn: Callable[..., T], shape: ModelShape, layout: Layout, *sizes: i
 
 @contextlib.contextmanager
 def _rank_zero(layout: Layout) -> Iterator[RankGroup]:
-    """Rank 0 of the layout's world, its mesh made (with real tensors) before the fake mode
-    that the model is built and run under is entered."""
+    """Rank 0 of the layout's world, its mesh and expert groups made (with real tensors)
+    before the fake mode that the model is built and run under is entered; MoE routing even
+    (`routing.even_routing`)."""
     with fake_world(layout.world_size):
         ranks = RankGroup(0, layout.world_size)
         ranks.mesh(layout)
-        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), \
+        if layout.ep > 1:
+            ranks.experts(layout)  # its groups are read off the mesh's real tensor
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), even_routing(), \
                 mock.patch.object(transformer.F, "scaled_dot_product_attention",
                                   _gpu_attention):
             yield ranks
@@ -199,15 +201,17 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
             before_backward(model, last=True)
             loss.backward()
             grads = [p.grad for p in params if p.grad is not None]
-            split = mem.peak_split({"grads": grads})
         with comm, PeakMemory() as step:
+            # as the training stage finishes a step (`stages.online`), less the gradient
+            # clipping, which reads its norm on the host (a scalar's collectives and bytes)
+            ranks.share(layout).reduce(model)
             optim.step()
         state = [t for s in optim.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor)]
         optimizer = _local_bytes(state)
         p_bytes = _local_bytes(params)
         return Rehearsed(params=p_bytes, grads=_local_bytes(grads), optimizer=optimizer,
-                         saved=saved, activations=split["activations"],
+                         saved=saved,
                          # from the second step on the AdamW state is there throughout
                          peak=p_bytes + max(optimizer + mem.peak, mem.now + step.peak),
                          flops=flops.total, sent=dict(comm.sent),

@@ -84,6 +84,40 @@ def test_the_cost_model_prices_what_the_runtime_holds(layout: Layout) -> None:
     assert (rows["sent"]["rehearsed"] > 0) == (layout.world_size > 1)
 
 
+# Qwen3-30B-A3B's widths (k = 8 of 128 experts, 768 wide) with 2 layers and 16 experts
+MOE = dataclasses.replace(MODELS["qwen3-30b-a3b"], layers=2, n_experts=16)
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=4, ep=2, zero=3),
+                                    Layout(dp=2, ep=2, tp=2, zero=3)],
+                         ids=["one", "ep2-of-dp4", "ep2-tp2"])
+def test_the_cost_model_prices_what_an_moe_runtime_holds(layout: Layout) -> None:
+    """An MoE model, routed evenly (`rehearsal.routing`: fake tensors have no data to route
+    by): experts split over EP ranks and left out of ZeRO, their gradients summed over the
+    two owners of each (ep 2 within dp 4), the rows' all-to-alls, expert tensor parallelism.
+    The same tolerances as the drift gate (measured: peak 0.96-1.00, FLOPs 1.00, collective
+    bytes 1.00-1.01)."""
+    rows = compare_training(MOE, layout, 2, 256, 768)
+    for kind in ("params", "grads", "optimizer"):
+        assert rows[kind]["ratio"] == pytest.approx(1, abs=0.01), kind
+    assert rows["peak"]["ratio"] == pytest.approx(1, abs=0.10)
+    assert rows["flops"]["ratio"] == pytest.approx(1, abs=0.05)
+    assert rows["sent"]["ratio"] == pytest.approx(1, abs=0.05)
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=4, ep=4, zero=3)], ids=["one", "ep4"])
+def test_an_moe_layer_keeps_what_is_counted_for_it(layout: Layout) -> None:
+    """A second MoE layer adds, per token, the dense terms of `layer_activation_bytes` with
+    the experts' k x moe_ffn SwiGLU width, 4 s k d + 14 d for the routed rows (s the
+    stream's bytes) and, under EP, autocast's bf16 copy of the layer's local experts (FSDP
+    leaves them out)."""
+    one, two = (_layers(MOE, n, 1024, layout) for n in (1, 2))
+    model = 1024 * mem.layer_activation_bytes(MOE, layout) + (
+        mem.working_weight_bytes(dataclasses.replace(MOE, layers=2), layout)
+        - mem.working_weight_bytes(dataclasses.replace(MOE, layers=1), layout))
+    assert model == pytest.approx(two.saved - one.saved, rel=0.01)
+
+
 @pytest.mark.parametrize("layout", [Layout(activation_checkpointing=True), Layout(dp=2, zero=2)],
                          ids=["one-ckpt", "zero2"])
 def test_lora_is_priced_as_it_trains(layout: Layout) -> None:

@@ -132,7 +132,12 @@ def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:
     device, pipeline stages), autocast's copy of every weight, each kept for backward."""
     p = params_per_device(shape, layout)
     if mixed(layout) and layout.zero == 3:
-        return zero3_gathered_bytes(shape, layout)
+        # FSDP leaves routed experts under EP out: autocast's copies of every layer's stay
+        # for backward (checkpointed, each layer's recompute casts them again)
+        layers = shape.layers / layout.pp
+        kept = 0.0 if layout.activation_checkpointing else 1 - 2 / layers
+        return zero3_gathered_bytes(shape, layout) + PARAM_B * expert_params_per_device(
+            shape, layout) * kept
     if layout.pp > 1 and layout.dp > 1 and layout.zero == 3:  # fp32 gathers, then autocast's
         return PARAM_B * p + 2 * 4 * layer_params(shape, layout)
     return PARAM_B * p
@@ -160,7 +165,15 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     wide = 4 * shape.q_width + 4 * shape.kv_width + 8 * f + 4 * shape.heads
     # TP's sequence-parallel norms keep their share of the sequence; the matmul inputs they
     # feed are gathered whole
-    return (2 * (4 + stream) / layout.tp + 4) * shape.hidden + wide / layout.tp
+    dense = (2 * (4 + stream) / layout.tp + 4) * shape.hidden + wide / layout.tp
+    if not shape.moe:
+        return dense
+    # `models.moe.run_experts` on every routed copy of a token (k of them, whole on every TP
+    # rank, each EP rank receiving its share): 4 stream-dtype tensors of d (the expert's
+    # input as its matmuls read it, its output, the combined rows and their weighted
+    # product), and per token 14 d of the router's and the combine's buffers (rehearsed:
+    # 4 s k d + 13.6 d at k = 4 and 8, s = 2 and 4)
+    return dense + (4 * stream * shape.experts_per_token + 14) * shape.hidden
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
