@@ -132,6 +132,7 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
 
     from rlloom.perf.model.shapes import model_shape
     from rlloom.rehearsal.compare import compare_training, parse_layout, render
+    from rlloom.rehearsal.train import rehearsed_rank
     layout = parse_layout(args.layout)
     try:
         shape = model_shape(args.model)
@@ -140,15 +141,17 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     rows = compare_training(shape, layout, args.rows, args.prompt_len,
                             args.response_len, args.lora)
     tokens = args.rows * (args.prompt_len + args.response_len)
-    print(render(rows, f"{args.model}, rank 0 of {layout.world_size}: training micro-batch of "
-                       f"{args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} "
+    rank = rehearsed_rank(layout)
+    print(render(rows, f"{args.model}, rank {rank} of {layout.world_size}: training micro-batch "
+                       f"of {args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} "
                        f"tokens, {args.layout or 'one device'}"
                        f"{f', LoRA rank {args.lora}' if args.lora else ''}"))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "layout": layout.model_dump(),
                                                "rows": args.rows, "prompt": args.prompt_len,
                                                "response": args.response_len,
-                                               "lora": args.lora, "rank0": rows},
+                                               "lora": args.lora, "rank": rank,
+                                               "kinds": rows},
                                               indent=2))
         print(f"wrote {args.json}")
 

@@ -12,6 +12,7 @@ import json
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from rlloom.models.activations import ACT_FNS
 from rlloom.models.cache import KVCache
@@ -110,7 +111,11 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         gqa = self.n_heads != self.n_kv
-        if mask is not None and gqa and s > 1:
+        if mask is None and k.shape[2] > s:
+            # the queries are the last of the keys (a context-parallel shard): causal aligned
+            # to the last key, still without a mask tensor
+            mask = causal_lower_right(s, k.shape[2])
+        if mask is not None and not isinstance(mask, CausalBias) and gqa and s > 1:
             # A GPU's fused kernels take a mask or grouped KV heads, not both, and SDPA's
             # fallback would keep [heads, s, s] scores per layer: expand the KV heads, as
             # transformers does. One decoded token's scores are small either way.

@@ -1,36 +1,40 @@
 """Context parallelism: the sequence dimension sharded over the ranks of a cp group.
 
-Rank r holds the contiguous positions [r * s / cp, (r + 1) * s / cp) of every row. Everything
-but attention is position-wise and runs on the shard as is. Attention all-gathers keys and
-values along the sequence: each rank's queries attend to the whole gathered sequence under a
-causal mask offset by the shard's start, and rotary embeddings use the tokens' global positions
-(rotated before the gather, so the gathered keys are already correct). The gather's backward is
-a reduce-scatter (done as an all-to-all plus a sum, which gloo supports), so key/value gradients
-from every rank's queries return to the rank that owns those positions.
+Rows are packed first (`packed_order`: each row's real tokens first, its padding after), and
+rank r holds the contiguous positions [r * s / cp, (r + 1) * s / cp) of every packed row.
+Everything but attention is position-wise and runs on the shard as is. Attention all-gathers
+keys and values along the sequence and each rank's queries attend to the keys up to their
+own: causal aligned to the last key, which fused kernels run without a mask tensor. Rotary embeddings use the tokens' packed positions
+(rotated before the gather, so the gathered keys are already correct). The gather's
+backward is a reduce-scatter (done as an all-to-all plus a sum, which gloo supports), so
+key/value gradients from every rank's queries return to the rank that owns those
+positions. `on_shards` gathers the outputs and puts them back in the rows' token order.
 
-Why all-gather and not ring attention: ring attention passes K/V blocks between neighbours while
-computing, keeping K/V memory per rank at s / cp and overlapping communication, but it needs
-blockwise attention with log-sum-exp merging and a hand-written backward. The all-gather is the
-simplest scheme that is exactly the single-process computation: its cost is full-length K/V per
-rank per layer (kept for backward), and with gloo on CPU there is no overlap to gain. Contiguous
-shards also leave the causal work unbalanced (the last rank's queries see the most keys); a
-zig-zag assignment would balance it.
+Why all-gather and not ring attention: ring attention passes K/V blocks between neighbours
+while computing, keeping K/V memory per rank at s / cp and overlapping communication, but it
+needs blockwise attention with log-sum-exp merging and a hand-written backward. The
+all-gather is the simplest scheme that is exactly the single-process computation: its cost is
+full-length K/V per rank per layer (kept for backward), and with gloo on CPU there is no
+overlap to gain. Contiguous shards also leave the causal work unbalanced (the last rank's
+queries see the most keys); a zig-zag assignment would balance it.
 
 The model code is not touched: `apply_context_parallel` swaps the backbone for a wrapper that
-computes global positions and masks, and hands each layer a key/value gatherer in the slot that
-attention uses for its KV cache (`cache.update(layer, k, v)` returns the keys and values to
-attend to). Parameter gradients are each rank's partial sums: all-reduce (sum) them over the cp
-group, as data parallelism does over dp, with a loss normalised over the whole sequence.
+packs, computes positions and masks, and hands each layer a key/value gatherer in the slot
+that attention uses for its KV cache (`cache.update(layer, k, v)` returns the keys and values
+to attend to). Parameter gradients are each rank's partial sums: all-reduce (sum) them over
+the cp group, as data parallelism does over dp, with a loss normalised over the whole
+sequence.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.models.transformer import layer_masks, rotary_cos_sin
+from rlloom.models.transformer import packed_order, packed_positions, rotary_cos_sin
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -72,28 +76,54 @@ def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim:
 
 
 class KVGather:
-    """Stands in for the KV cache: attention's keys and values become the whole sequence's."""
+    """Stands in for the KV cache: attention's keys and values become the whole sequence's,
+    or its first `keys` (all a causal shard's queries can see)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, keys: int | None = None) -> None:
+        self.group, self.keys = group, keys
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v  # [batch, kv_heads, local_seq, head_dim] -> [batch, kv_heads, seq, head_dim]
-        return gather_sequence(k, 2, self.group), gather_sequence(v, 2, self.group)
+        # k, v  # [batch, kv_heads, local_seq, head_dim] -> [batch, kv_heads, keys, head_dim]
+        return (gather_sequence(k, 2, self.group)[:, :, :self.keys],
+                gather_sequence(v, 2, self.group)[:, :, :self.keys])
 
 
-def shard_positions_and_mask(full_mask: torch.Tensor, start: int, length: int
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary positions [batch, length] and attention mask [batch, 1, length, seq] of the
-    queries at [start, start + length), by the same rule as `positions_and_mask`: keys up to
-    the query that are not padding, and always the query itself."""
-    seq = full_mask.shape[1]
-    positions = (full_mask.cumsum(1) - 1)[:, start:start + length].clamp(min=0)
-    q = torch.arange(start, start + length, device=full_mask.device)[:, None]
-    k = torch.arange(seq, device=full_mask.device)[None, :]
-    mask = ((k <= q) & full_mask.bool()[:, None, :]) | (k == q)
-    return positions, mask[:, None]
+@dataclass(frozen=True)
+class PackedShard:
+    """Positions [start, start + length) of rows packed by `packed_order` (real tokens
+    first), as one cp rank runs them: the rotary positions, and each layer's attention over
+    the keys [0, start + length) it can see: None (causal aligned to the last key:
+    `Attention`) on full-attention layers, the causal band of `sliding_window` keys on
+    sliding-window ones."""
+    order: torch.Tensor      # [batch, seq]: `packed_order` of the whole rows
+    positions: torch.Tensor  # [batch, length]
+    masks: list[Any]
+    keys: int
+    longest: int | None      # the longest real row, for length-dependent (dynamic) rope
+
+    @classmethod
+    def of(cls, cfg: Any, attention_mask: torch.Tensor, start: int, length: int
+           ) -> "PackedShard":
+        order = packed_order(attention_mask)
+        positions = packed_positions(attention_mask, order)[:, start:start + length]
+        keys, dev = start + length, attention_mask.device
+        masks: list[Any] = [None] * cfg.num_layers
+        if cfg.sliding_window is not None:
+            q = torch.arange(start, keys, device=dev)[:, None]
+            k = torch.arange(keys, device=dev)[None, :]
+            band = ((k <= q) & (q - k < cfg.sliding_window))[None, None]
+            masks = [band if cfg.layer_window(i) else m for i, m in enumerate(masks)]
+        # a device sync, so only where the rope needs it
+        longest = (int(attention_mask.sum(1).max())
+                   if cfg.rope_scaling.get("rope_type") == "dynamic" else None)
+        return cls(order, positions, masks, keys, longest)
+
+
+def unpack_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Outputs [batch, seq, ...] of rows packed by `order` back in the rows' token order."""
+    back = order.argsort(dim=1)
+    return x.gather(1, back.view(*back.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
 class ContextParallelBackbone(nn.Module):
@@ -109,26 +139,26 @@ class ContextParallelBackbone(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: Any = None) -> torch.Tensor:
-        """input_ids, attention_mask  # [batch, seq / cp] shards -> hidden [batch, seq / cp, d]"""
+        """input_ids, attention_mask  # [batch, seq / cp] shards of rows -> hidden
+        [batch, seq / cp, d]: this rank's shard of the rows packed (`packed_order` of the
+        whole rows: real tokens first, padding after), which `on_shards` gathers and puts
+        back in token order. Packed, causal attention needs no mask, and each shard's
+        queries read only the keys up to their own."""
         if cache is not None:
             raise ValueError("context parallelism shards teacher-forced passes; generation "
                              "with a KV cache runs without it")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        length = input_ids.shape[1]
-        parts = [torch.empty_like(attention_mask) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, attention_mask.contiguous(), group=self.group)
-        full = torch.cat(parts, 1)
-        positions, mask = shard_positions_and_mask(full, dist.get_rank(self.group) * length,
-                                                   length)
-        masks = layer_masks(self.config, mask, dist.get_rank(self.group) * length)
-        x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config, x.dtype,
-                                  longest=int(full.sum(1).max()))
-        kv = KVGather(self.group)
+        length, rank = input_ids.shape[1], dist.get_rank(self.group)
+        # the rows' ids and mask are small: each rank gathers them whole to pack its shard
+        ids, mask = (gather_sequence(t, 1, self.group) for t in (input_ids, attention_mask))
+        shard = PackedShard.of(self.config, mask, rank * length, length)
+        x = self.embed_tokens(ids.gather(1, shard.order)[:, rank * length:(rank + 1) * length])
+        cos, sin = rotary_cos_sin(shard.positions, self.config, x.dtype, shard.longest)
+        kv = KVGather(self.group, shard.keys)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, masks[i], kv, i)
-        return self.unpack(self.norm(x), None)  # in token order: no packing here
+            x = layer(x, cos, sin, shard.masks[i], kv, i)
+        return self.unpack(self.norm(x), None)  # packed: `on_shards` unpacks the whole
 
 
 def context_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -149,11 +179,13 @@ def on_shards(model: nn.Module, forward: Any, input_ids: torch.Tensor,
         return forward(input_ids, attention_mask)
     seq, cp = input_ids.shape[1], dist.get_world_size(group)
     pad = (0, -seq % cp)
+    mask = nn.functional.pad(attention_mask, pad)
     out = forward(shard_sequence(nn.functional.pad(input_ids, pad), group),
-                  shard_sequence(nn.functional.pad(attention_mask, pad), group))
+                  shard_sequence(mask, group))
+    order = packed_order(mask)
 
     def whole(x: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(x.contiguous(), 1, group)[:, :seq]
+        return unpack_rows(gather_sequence(x.contiguous(), 1, group), order)[:, :seq]
     return tuple(whole(x) for x in out) if isinstance(out, tuple) else whole(out)
 
 

@@ -51,14 +51,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import (
     CausalLM,
-    layer_masks,
     packed_order,
     packed_positions,
     rotary_cos_sin,
     unpack,
     window_masks,
 )
-from rlloom.parallel.context_parallel import KVGather, gather_sequence, shard_positions_and_mask
+from rlloom.parallel.context_parallel import KVGather, PackedShard, gather_sequence, unpack_rows
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
 from rlloom.parallel.grads import scale_grads, squared_norm
@@ -115,16 +114,18 @@ class StageModule(nn.Module):
         """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
         stage logits [mb, seq, vocab] (values [mb, seq] of a value model, both as
         [mb, seq, vocab + 1] of a shared actor-critic)."""
-        cache, start, longest, order = None, 0, None, None
+        # packed rows, as `Backbone` runs a pass without a cache: causal, no mask; under CP
+        # this rank's shard of them (`context_parallel.PackedShard`), unpacked once gathered
+        cache, longest, order, shard = None, None, None, None
         if self.cp_group is not None:
             length = attention_mask.shape[1] // dist.get_world_size(self.cp_group)
             start = dist.get_rank(self.cp_group) * length
-            positions, mask = shard_positions_and_mask(attention_mask, start, length)
-            cache, longest = KVGather(self.cp_group), int(attention_mask.sum(1).max())
-            masks = layer_masks(self.config, mask, start)
+            shard = PackedShard.of(self.config, attention_mask, start, length)
+            positions, masks, longest = shard.positions, shard.masks, shard.longest
+            cache = KVGather(self.cp_group, shard.keys)
             if self.is_first:
-                x = x[:, start:start + length]
-        else:  # packed rows, as `Backbone` runs a pass without a cache: causal, no mask
+                x = x.gather(1, shard.order)[:, start:start + length]
+        else:
             order = packed_order(attention_mask)
             positions = packed_positions(attention_mask, order)
             masks = window_masks(self.config, attention_mask.shape[1], attention_mask.device)
@@ -149,8 +150,9 @@ class StageModule(nn.Module):
                 x = torch.cat([logits, self.score(x).to(logits.dtype)], -1)
             else:
                 x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
-            if self.cp_group is not None:
-                x = gather_sequence(x.contiguous(), 1, self.cp_group)[:, :self.seq]
+            if shard is not None:
+                x = unpack_rows(gather_sequence(x.contiguous(), 1, self.cp_group),
+                                shard.order)[:, :self.seq]
         return x
 
 

@@ -11,11 +11,13 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 # op name -> (kind, index of the argument holding the full buffer, index of its group)
 _C10D = {
     "allreduce_": ("all_reduce", 0, 1),
     "_allgather_base_": ("all_gather", 0, 2),
+    "allgather_": ("all_gather", 0, 2),  # into a list of tensors (lists of them, per input)
     "_reduce_scatter_base_": ("reduce_scatter", 1, 2),
     "alltoall_base_": ("all_to_all", 1, 2),
     "broadcast_": ("broadcast", 0, 1),
@@ -60,9 +62,9 @@ class Collectives(TorchDispatchMode):
         return float(sum(self.sent.values()))
 
 
-def _bytes(x: torch.Tensor | list[torch.Tensor]) -> int:
-    tensors = x if isinstance(x, (list, tuple)) else [x]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _bytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(x)[0]
+               if isinstance(t, torch.Tensor))
 
 
 def _group_size(group: Any) -> int:

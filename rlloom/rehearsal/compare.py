@@ -24,7 +24,8 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     the bytes it sends in that step's collectives (`cost.training_collectives`)."""
     wl = Workload(prompts=rows * layout.dp, samples=1, prompt_len=prompt,
                   response=Lengths("fixed", response), micro_batch=rows, lora_rank=lora_rank)
-    stage = cost.training(shape, layout, wl, hardware("h100"), "actor")
+    hw = hardware("h100")
+    stage = cost.training(shape, layout, wl, hw, "actor")
     param, grad, optim = mem.TRAINED_STATE
     parts = {kind: mem.model_state_bytes(shape, layout, True, only, lora_rank)
              for kind, only in (
@@ -32,7 +33,7 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     # the stage's transient is net of the gradients (`memory.training_transient_bytes`)
     parts["transient"] = stage.transient_bytes + parts["grads"]
     parts["peak"] = parts["params"] + parts["optimizer"] + parts["transient"]
-    parts["flops"] = stage.flops / (layout.dp * layout.tp * layout.pp * layout.cp)
+    parts["flops"] = stage.compute_s * hw.flops(wl.dtype)  # the busiest device's
     step = cost.training_collectives(shape, layout, wl, "actor")
     parts["sent"] = comm.sent(step["model"] + step["dp"])
     return parts
@@ -40,7 +41,8 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
 
 def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                      response: int, lora_rank: int = 0) -> dict[str, dict[str, float]]:
-    """{kind: {model, rehearsed, ratio}} for rank 0 (ratio = model / rehearsed)."""
+    """{kind: {model, rehearsed, ratio}} for `train.rehearsed_rank` (ratio = model /
+    rehearsed)."""
     model = predicted_training(shape, layout, rows, prompt, response, lora_rank)
     r = rehearse_training(shape, layout, rows, prompt, response, lora_rank)
     measured = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,

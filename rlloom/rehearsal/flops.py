@@ -11,8 +11,8 @@ from torch.utils.flop_counter import flop_registry
 
 class Flops(TorchDispatchMode):
     """The FLOPs of the matmul and attention kernels run inside (`total`), as
-    `torch.utils.flop_counter.FlopCounterMode` counts them, with causal flash attention's
-    halved: torch counts every query-key pair, the kernel skips the blocks above the diagonal.
+    `torch.utils.flop_counter.FlopCounterMode` counts them, less the query-key pairs causal
+    flash attention skips (half of a square): torch counts every pair.
 
     Unlike `FlopCounterMode` it tracks no modules: the hooks it puts on every module's
     outputs keep checkpointed layers' recomputed tensors alive through backward (measured:
@@ -31,8 +31,12 @@ class Flops(TorchDispatchMode):
             # a DTensor op reaches the mode whole: this rank computes on its local shards
             local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
             n = formula(*local_args, **local_kwargs, out_val=local_out)
-            # rlloom runs flash attention on causal packed rows only (`_gpu_attention`)
-            self.total += n / 2 if "flash_attention" in func.__name__ else n
+            if "flash_attention" in func.__name__:
+                # rlloom runs flash attention causally only (`_gpu_attention`): L queries
+                # aligned to the last of S keys skip L^2 / 2 of the L x S pairs
+                q, k = local_args[1:3] if "backward" in func.__name__ else local_args[:2]
+                n *= 1 - q.shape[-2] / (2 * k.shape[-2])
+            self.total += n
         return out
 
 

@@ -75,8 +75,8 @@ def plan_checker(n: int, shape: ModelShape, hw: Hardware,
             done.append(rehearse_plan(p, shape))
             advance()
         usable = hw.mem_gib * mem.USABLE
-        lines = [f"rehearsed the first {len(done)} plans (actor training, rank 0; GiB per "
-                 f"device, {usable:.1f} usable):",
+        lines = [f"rehearsed the first {len(done)} plans (actor training, the busiest rank; GiB "
+                 f"per device, {usable:.1f} usable):",
                  f"{'model':>8} {'rehearsed':>9} {'group peak':>10}  plan"]
         notes: dict[int, str] = {}
         for r in done:

@@ -23,6 +23,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from rlloom.models import transformer
 from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
@@ -76,15 +77,17 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                    enable_gqa: bool = False) -> torch.Tensor:
     """What SDPA runs on a GPU for rlloom's attention: flash attention for causal packed rows
-    (grouped KV heads as they are), and for a masked layer (a sliding window) the
+    and context-parallel shards (grouped KV heads as they are), and for a masked layer (a
+    sliding window) the
     memory-efficient kernel, which takes the mask as an additive bias in the compute dtype,
     made per call as SDPA converts a boolean mask. Both keep the output and its log-sum-exp
     for backward and have fake-tensor rules for both passes, which the CPU's kernels lack.
     Autocast casts SDPA's inputs; these aten ops are not on its list, so the cast is here."""
     if torch.is_autocast_enabled("cpu"):
         q, k, v = (x.to(torch.get_autocast_dtype("cpu")) for x in (q, k, v))
-    if attn_mask is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal)[0]
+    if attn_mask is None or isinstance(attn_mask, CausalBias):  # a CausalBias: lower-right
+        causal = is_causal or attn_mask is not None
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0]
     bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
     b, h, s, _ = q.shape
     if enable_gqa:
@@ -108,9 +111,24 @@ def _real_meshes() -> Iterator[None]:
         yield
 
 
+def _real_causal_bias(queries: int, keys: int) -> CausalBias:
+    """A `CausalBias` holds no data but is a tensor subclass, which a dispatch mode (fake
+    tensors, the counters) cannot make."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
+def rehearsed_rank(layout: Layout) -> int:
+    """The rank a rehearsal runs: the first of every mesh dimension (`parallel.mesh`: pp, dp,
+    cp, tp) but context parallelism's last, whose queries see every key (the most
+    attention); at ZeRO-1 the first dp rank owns the largest parameter."""
+    return (layout.cp - 1) * layout.tp
+
+
 @contextlib.contextmanager
-def fake_world(size: int) -> Iterator[None]:
-    """A process group of `size` ranks (this process is rank 0) whose collectives do
+def fake_world(size: int, rank: int = 0) -> Iterator[None]:
+    """A process group of `size` ranks (this process is `rank`) whose collectives do
     nothing: torch's fake backend, for running a layout's code without its peers."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if size == 1:
@@ -119,7 +137,7 @@ def fake_world(size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("rehearsal needs its own fake world; a process group is already "
                            "initialised in this process")
-    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
     try:
         yield
     finally:
@@ -142,7 +160,7 @@ def _local_bytes(tensors: list[torch.Tensor]) -> int:
 
 def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                       response: int, lora_rank: int = 0) -> Rehearsed:
-    """Rank 0 of `layout` trains one micro-batch of `rows` sequences of `prompt` +
+    """`rehearsed_rank` of `layout` trains one micro-batch of `rows` sequences of `prompt` +
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
     loss, backward, and an AdamW step; with `lora_rank`, LoRA adapters on every projection
     (`model.lora`'s default targets) train and the base stays frozen."""
@@ -151,8 +169,9 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
 
 def rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                      response: int) -> int:
-    """The peak bytes of rank 0 of `layout` scoring one micro-batch with a model that does not
-    train (the reference's log-probs): its weights and the forward's buffers."""
+    """The peak bytes of `rehearsed_rank` of `layout` scoring one micro-batch with a model
+    that does not train (the reference's log-probs): its weights and the forward's
+    buffers."""
     return _in_child(_rehearse_scoring, shape, layout, rows, prompt, response)
 
 
@@ -167,16 +186,18 @@ def _in_child(fn: Callable[..., T], shape: ModelShape, layout: Layout, *sizes: i
 
 
 @contextlib.contextmanager
-def _rank_zero(layout: Layout) -> Iterator[RankGroup]:
-    """Rank 0 of the layout's world, its mesh and expert groups made (with real tensors)
+def _rehearsed(layout: Layout) -> Iterator[RankGroup]:
+    """The layout's `rehearsed_rank`, its mesh and expert groups made (with real tensors)
     before the fake mode that the model is built and run under is entered; MoE routing even
     (`routing.even_routing`)."""
-    with fake_world(layout.world_size):
-        ranks = RankGroup(0, layout.world_size)
+    rank = rehearsed_rank(layout)
+    with fake_world(layout.world_size, rank):
+        ranks = RankGroup(rank, layout.world_size)
         ranks.mesh(layout)
         if layout.ep > 1:
             ranks.experts(layout)  # its groups are read off the mesh's real tensor
         with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), even_routing(), \
+                mock.patch.object(transformer, "causal_lower_right", _real_causal_bias), \
                 mock.patch.object(transformer.F, "scaled_dot_product_attention",
                                   _gpu_attention):
             yield ranks
@@ -184,7 +205,7 @@ def _rank_zero(layout: Layout) -> Iterator[RankGroup]:
 
 def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                        response: int, lora_rank: int) -> Rehearsed:
-    with _rank_zero(layout) as ranks:
+    with _rehearsed(layout) as ranks:
         plain = CausalLM(model_config(shape))
         if lora_rank:
             apply_lora(plain, lora_rank, 2.0 * lora_rank, 0.0, PROJECTIONS, seed=0)
@@ -220,7 +241,7 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
 
 def _rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                       response: int) -> int:
-    with _rank_zero(layout) as ranks:
+    with _rehearsed(layout) as ranks:
         # held in the compute dtype, as `runtime.device.frozen_dtype` holds it on a GPU (made
         # in it: converting fake parameters after the fact is refused)
         default = torch.get_default_dtype()

@@ -9,13 +9,14 @@ import torch.distributed as dist
 from harness import full, loss_of, spawn
 
 from rlloom.models.config import ModelConfig
-from rlloom.models.transformer import CausalLM, positions_and_mask
+from rlloom.models.transformer import CausalLM, packed_order
 from rlloom.parallel.apply import parallelize
 from rlloom.parallel.context_parallel import (
+    PackedShard,
     apply_context_parallel,
     on_shards,
-    shard_positions_and_mask,
     shard_sequence,
+    unpack_rows,
 )
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.mesh import build_mesh
@@ -50,13 +51,22 @@ def batch():
 
 
 
-def test_shard_mask_rows_equal_full_mask_rows():
+def test_a_shard_of_packed_rows_sees_the_keys_up_to_its_own_queries():
+    """Rank 1 of 3 (positions 4-7 of rows packed real tokens first): rotary positions count
+    real tokens and repeat the last on padding; full layers attend causally to keys 0-7
+    (lower-right aligned, no mask tensor), the window layer to the 3 keys behind each
+    query; every row's outputs come back to token order."""
     _, mask, _ = batch()
-    pos, full = positions_and_mask(mask, None)
-    for start in (0, 4, 8):
-        p, m = shard_positions_and_mask(mask, start, 4)
-        assert torch.equal(p, pos[:, start:start + 4])
-        assert torch.equal(m, full[:, :, start:start + 4])
+    cfg = tiny_model().config
+    shard = PackedShard.of(cfg, mask, 4, 4)
+    assert shard.keys == 8 and shard.longest == 12
+    assert shard.positions.tolist() == [[4, 5, 6, 7], [4, 5, 6, 7], [3, 3, 3, 3]]
+    dense = torch.ones(4, 8, dtype=torch.bool).tril(4)
+    assert shard.masks[0] is None  # `Attention` aligns causal attention to the last key
+    band = dense & (torch.arange(4, 8)[:, None] - torch.arange(8)[None, :] < 3)
+    assert torch.equal(shard.masks[1][0, 0], band)
+    x = torch.arange(36.).view(3, 12)
+    assert torch.equal(unpack_rows(x.gather(1, shard.order), shard.order), x)
 
 
 def _reference():
@@ -76,10 +86,16 @@ def _cp_body():
 
     model = apply_context_parallel(tiny_model())
     assert set(model.state_dict()) == set(ref.state_dict())
+    # the backbone returns this rank's shard of the packed rows (real tokens first)
+    order = packed_order(mask)
     logits = model(shard_sequence(ids), shard_sequence(mask))
-    real = shard_sequence(mask).bool()  # padding's outputs are no one's: left unchecked
-    torch.testing.assert_close(logits[real], shard_sequence(ref_logits.detach())[real], **TOL)
-    loss = loss_of(logits, shard_sequence(labels), n_tokens)
+    def packed(t):
+        index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
+        return shard_sequence(t.gather(1, index))
+    real, ref_shard, labels_shard = (packed(t) for t in (mask, ref_logits.detach(), labels))
+    real = real.bool()  # padding's outputs are no one's: left unchecked
+    torch.testing.assert_close(logits[real], ref_shard[real], **TOL)
+    loss = loss_of(logits, labels_shard, n_tokens)
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)

@@ -109,15 +109,33 @@ def pp(layout: Layout, shape: ModelShape, tokens: float, passes: int) -> list[Co
     return [Collective("p2p", 2, span, calls * nbytes, calls)]
 
 
-def cp(layout: Layout, shape: ModelShape, tokens: float, passes: int) -> list[Collective]:
-    """Ring exchange of K/V blocks: cp - 1 hops per layer per pass."""
+def cp(layout: Layout, shape: ModelShape, tokens: float, forwards: int,
+       backward: bool) -> list[Collective]:
+    """`parallel.context_parallel` over `tokens` (the whole rows): each of `forwards` passes
+    (2 when checkpointing recomputes them) all-gathers every layer's keys (the stream's
+    dtype: rotary runs in it) and values (bf16), a TP rank its own KV heads; backward
+    returns their gradients by all-to-all. The hidden states are gathered whole at the end
+    (and their gradient returned)."""
     if layout.cp == 1:
         return []
-    span = layout.tp * layout.cp
-    block = (tokens / layout.cp * 2 * shape.kv_width * mem.PARAM_B
-             / min(layout.tp, shape.kv_heads))  # bf16 K and V
-    calls = passes * (layout.cp - 1) * shape.layers / layout.pp
-    return [Collective("p2p", 2, span, calls * block, calls)]
+    span, layers = layout.tp * layout.cp, shape.layers / layout.pp
+    kv = (tokens * shape.kv_width * (mem.stream_bytes(layout) + mem.PARAM_B)
+          / min(layout.tp, shape.kv_heads))
+    hidden = tokens * shape.hidden * mem.stream_bytes(layout)
+    out = [Collective("all_gather", layout.cp, span, forwards * layers * kv + hidden,
+                      forwards * layers + 1)]
+    if backward:
+        out.append(Collective("all_to_all", layout.cp, span, layers * kv + hidden, layers + 1))
+    return out
+
+
+def cp_grads(shape: ModelShape, layout: Layout, lora_rank: int = 0) -> list[Collective]:
+    """Each cp rank's gradients are partial sums (`ranks.Share.reduce`): all-reduced over the
+    cp group once a step, fp32, as ZeRO leaves them sharded."""
+    if layout.cp == 1:
+        return []
+    grads = mem.model_state_bytes(shape, layout, True, (0, mem.GRAD_B, 0), lora_rank)
+    return [Collective("all_reduce", layout.cp, layout.tp * layout.cp, grads)]
 
 
 def dp(shape: ModelShape, layout: Layout, micro_batches: int,

@@ -377,13 +377,17 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     mb_tokens, context = tokens / m, tokens / seqs
     flops = tokens * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
-    compute_s = flops / shards / hw.flops(wl.dtype)
+    # as in `training`: the head whole on every CP rank, the last one's attention the most
+    busiest = flops + (layout.cp - 1) * tokens * (
+        (shape.head_flops if logits else 0.0)
+        + shape.attention_flops(context) / layout.cp)
+    compute_s = busiest / shards / hw.flops(wl.dtype)
     # each of a micro-batch's pp pipeline micro-batches reads the stage's weights
     pieces = layout.pp
     memory_s = m * pieces * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
     # per-device layers (L / pp) already: each stage exchanges for its own layers
     comm_s = m * comm.seconds(hw, comm.tp(layout, shape, mb_tokens / layout.cp, 2, 1)
-                              + comm.cp(layout, shape, mb_tokens, 1)
+                              + comm.cp(layout, shape, mb_tokens, 1, False)
                               + comm.ep(layout, shape, mb_tokens / layout.cp, 2))
     comm_s += comm.seconds(hw, comm.pp(layout, shape, mb_tokens / pieces, m * pieces))
     host_s = (m * pieces * hw.stage_launch_s("assessment") * _ops(FORWARD_OPS, shape, layout)
@@ -433,13 +437,14 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
                        # matmul, so the recompute runs through it
                        + ckpt * (shape.layer_matmul_flops()
                                  - (0 if lora else shape.down_proj_flops()))
-                       + (3.5 + ckpt) * shape.attention_flops(context)
                        + (0 if logits else passes * 2 * shape.hidden))
+    attention = tokens * (3.5 + ckpt) * shape.attention_flops(context)
     head = head_tokens * ((2 if lora else 3) + recompute_head) * shape.head_flops
     shards = layout.tp * layout.pp * layout.cp
-    # the head is whole on every TP rank: each computes all of it
-    device_flops = wl.ppo_epochs * (layers + head * layout.tp) / shards
-    flops = device_flops * shards
+    # the head is whole on every TP and CP rank: each computes all of it; the last CP rank's
+    # queries see every key, 2 - 1/cp of an even share of attention, and it sets the pace
+    flops = wl.ppo_epochs * (layers + attention + head * layout.tp * layout.cp)
+    device_flops = (flops + wl.ppo_epochs * attention * (1 - 1 / layout.cp)) / shards
     compute_s = device_flops / hw.flops(wl.dtype)
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
     memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
@@ -447,6 +452,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     comm_s = steps * comm.seconds(hw, training_collectives(shape, layout, wl, role,
                                                           prompts_once)["model"])
     dp_s = steps * (comm.dp_comm(shape, layout, hw, m, lora)
+                    + comm.seconds(hw, comm.cp_grads(shape, layout, lora))
                     + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
     # TP shards and FSDP2's wrappers leave DTensor parameters for clipping and AdamW
     dtensors = layout.tp > 1 or layout.dp > 1
@@ -488,16 +494,16 @@ def training_collectives(shape: ModelShape, layout: Layout, wl: Workload, role: 
     lora = wl.lora_rank if role == "actor" else 0
     _, tokens, m = _minibatch(layout, wl, prompts_once)
     mb_tokens, pieces = tokens / m, layout.pp
-    passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
     # Under TP an MoE block's backward also sums the gradient its experts' feature slices
     # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
     tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
     per_mb = (comm.tp(layout, shape, mb_tokens / layout.cp, tp_per_layer, 2)
-              + comm.cp(layout, shape, mb_tokens, passes)
+              + comm.cp(layout, shape, mb_tokens, 1 + ckpt, True)
               + comm.ep(layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4))
     model = [replace(c, nbytes=m * c.nbytes, calls=m * c.calls) for c in per_mb]
     model += comm.pp(layout, shape, mb_tokens / pieces, 2 * m * pieces)
-    return {"model": model, "dp": comm.dp(shape, layout, m, lora)}
+    return {"model": model,
+            "dp": comm.dp(shape, layout, m, lora) + comm.cp_grads(shape, layout, lora)}
 
 
 def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:
