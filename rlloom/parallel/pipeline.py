@@ -1,10 +1,13 @@
 """Pipeline parallelism: the decoder layers of a CausalLM (or of a ValueModel, a critic) in
 contiguous stages, one per rank of a pipeline group, run with `torch.distributed.pipelining`.
 
-Stage 0 holds the token embedding, the last stage the final norm and the output head (the
-lm_head's logits [mb, seq, vocab], a value model's score head: values [mb, seq], or both of
-a shared actor-critic: logits with the value appended, [mb, seq, vocab + 1], one tensor so
-the schedule sends and slices one output). Training
+Stage 0 holds the token embedding, the last stage the final norm and the output head. An
+actor's last stage hands over its final hidden states [mb, seq, d] in the matmuls' dtype, and
+the loss (or the scorer) runs the lm_head on them a chunk of tokens at a time
+(`models.logprobs.token_logprobs`), so no [seq, vocab] logits exist at once; a value
+model's stage gives its values [mb, seq]; a shared actor-critic's the hidden states with the
+value appended, [mb, seq, d + 1], one tensor so the schedule sends and slices one output.
+Training
 runs the 1F1B schedule (at most `n_stages` microbatches of activations alive per stage);
 scoring runs a forward-only schedule (GPipe with no loss: without a backward pass 1F1B and
 GPipe issue the same forwards, and 1F1B's own `eval` path insists on a loss and a target).
@@ -51,6 +54,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.transformer import (
     CausalLM,
+    matmul_input,
     packed_order,
     packed_positions,
     rotary_cos_sin,
@@ -111,9 +115,9 @@ class StageModule(nn.Module):
                 shard_layer(layer, tp_mesh)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, or on the last
-        stage logits [mb, seq, vocab] (values [mb, seq] of a value model, both as
-        [mb, seq, vocab + 1] of a shared actor-critic)."""
+        """input_ids [mb, seq] (first stage) or hidden [mb, seq, d] -> hidden, on the last
+        stage the final hidden states in the matmuls' dtype (values [mb, seq] of a value
+        model, both as [mb, seq, d + 1] of a shared actor-critic)."""
         # packed rows, as `Backbone` runs a pass without a cache: causal, no mask; under CP
         # this rank's shard of them (`context_parallel.PackedShard`), unpacked once gathered
         cache, longest, order, shard = None, None, None, None
@@ -145,23 +149,16 @@ class StageModule(nn.Module):
             x = self.model.norm(x)
             if order is not None:
                 x = unpack(x, order)
-            if self.both:
-                logits = self.lm_head(x)
-                x = torch.cat([logits, self.score(x).to(logits.dtype)], -1)
+            if self.values:
+                x = self.score(x).squeeze(-1)
             else:
-                x = self.score(x).squeeze(-1) if self.values else self.lm_head(x)
+                x = matmul_input(x)
+                if self.both:
+                    x = torch.cat([x, self.score(x).to(x.dtype)], -1)
             if shard is not None:
                 x = unpack_rows(gather_sequence(x.contiguous(), 1, self.cp_group),
                                 shard.order)[:, :self.seq]
         return x
-
-
-def next_token_loss(normaliser: float) -> LossFn:
-    """Cross-entropy summed over a microbatch's labels [mb, seq] (-100 = ignored) / normaliser."""
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                               reduction="sum") / normaliser
-    return loss_fn
 
 
 class PipelinedModel:
@@ -267,9 +264,10 @@ class PipelinedModel:
                              device="meta", requires_grad=train)
         inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if self.module.is_first \
             else hidden
-        head = () if self.module.values else (cfg.vocab_size + self.module.both,)
-        # under autocast the head's matmul yields the autocast dtype; the residual stream
-        # between stages keeps the parameters' (it adds to the fp32 embedding)
+        head = () if self.module.values else (cfg.hidden_size + self.module.both,)
+        # under autocast the last stage's outputs are in the autocast dtype (the head's
+        # input, or the score head's output); the residual stream between stages keeps the
+        # parameters' (it adds to the fp32 embedding)
         kind = self.device.type
         out_dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
                      else self.dtype)

@@ -14,7 +14,7 @@ from rlloom.models.transformer import CausalLM
 from rlloom.parallel.apply import load_sharded, parallelize_pipeline, save_sharded
 from rlloom.parallel.expert_parallel import ExpertGroups
 from rlloom.parallel.mesh import build_mesh
-from rlloom.parallel.pipeline import PipelinedModel, next_token_loss, stage_layers
+from rlloom.parallel.pipeline import PipelinedModel, stage_layers
 from rlloom.plan import Layout
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -41,6 +41,15 @@ def batch(rows: int = 8, seq: int = 8):
     return ids, mask, labels
 
 
+def next_token_loss(pipe, normaliser):
+    """Cross-entropy of the last stage's hidden states through its head, summed over a
+    microbatch's labels [mb, seq] (-100 = ignored) / normaliser."""
+    def loss_fn(hidden, labels):
+        return F.cross_entropy(pipe.module.lm_head(hidden).flatten(0, 1), labels.flatten(),
+                               ignore_index=-100, reduction="sum") / normaliser
+    return loss_fn
+
+
 def reference(ids, mask, labels, tied=False):
     model = tiny_model(tied=tied)
     logits = model(ids, mask)
@@ -65,7 +74,7 @@ def _pp_body():
     model = tiny_model()
     pipe = PipelinedModel(model, n_microbatches=4)
     n_tokens = (labels != -100).sum().item()
-    loss = pipe.train_step(ids, mask, labels, next_token_loss(n_tokens))
+    loss = pipe.train_step(ids, mask, labels, next_token_loss(pipe, n_tokens))
     torch.testing.assert_close(loss, ref_loss, **TOL)          # broadcast to every stage
     check_grads(pipe.module, ref_model)
 
@@ -74,19 +83,20 @@ def _pp_body():
     for params in (ref_model.parameters(), pipe.module.parameters()):
         torch.optim.AdamW(params, lr=1e-2).step()
     ids2, mask2, labels2 = batch(rows=4, seq=6)
-    logits = pipe.score(ids2, mask2)
+    hidden = pipe.score(ids2, mask2)  # the last stage's final hidden states
     if pipe.is_last:
         with torch.no_grad():
-            torch.testing.assert_close(logits, ref_model(ids2, mask2), rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(pipe.module.lm_head(hidden), ref_model(ids2, mask2),
+                                       rtol=1e-9, atol=1e-9)
     else:
-        assert logits is None
+        assert hidden is None
     for m in (ref_model, model):
         m.zero_grad()
     n2 = (labels2 != -100).sum()
     ref_loss2 = F.cross_entropy(ref_model(ids2, mask2).flatten(0, 1), labels2.flatten(),
                                 ignore_index=-100, reduction="sum") / n2
     ref_loss2.backward()
-    loss2 = pipe.train_step(ids2, mask2, labels2, next_token_loss(n2.item()))
+    loss2 = pipe.train_step(ids2, mask2, labels2, next_token_loss(pipe, n2.item()))
     torch.testing.assert_close(loss2, ref_loss2.detach(), rtol=1e-9, atol=1e-9)
     check_grads(pipe.module, ref_model, rtol=1e-9, atol=1e-9)
 
@@ -111,7 +121,7 @@ def _dp_pp_body():
     n_tokens = (labels != -100).sum().item()                  # normaliser of the global batch
     rows = slice(4 * dp_i, 4 * dp_i + 4)
     pipe = PipelinedModel(tiny_model(), pp_groups[dp_i], n_microbatches=2)
-    loss = pipe.train_step(ids[rows], mask[rows], labels[rows], next_token_loss(n_tokens))
+    loss = pipe.train_step(ids[rows], mask[rows], labels[rows], next_token_loss(pipe, n_tokens))
     dist.all_reduce(loss, group=dp_groups[pp_i])
     torch.testing.assert_close(loss, ref_loss, **TOL)
     for p in pipe.module.parameters():
@@ -155,7 +165,7 @@ def _pp_ep_body():
     rows = slice(4 * dp_i, 4 * dp_i + 4)
     # dp averages the replicas' gradients: each replica's loss is dp times its share
     loss = pipe.train_step(ids[rows], mask[rows], labels[rows],
-                           next_token_loss(n_tokens.item() / layout.dp))
+                           next_token_loss(pipe, n_tokens.item() / layout.dp))
     dist.all_reduce(loss, group=mesh["dp"].get_group())
     torch.testing.assert_close(loss / layout.dp, ref_loss.detach(), **TOL)
     check_grads(pipe.module, ref_model)
@@ -174,7 +184,7 @@ def test_pp2_x_dp2_with_ep2_matches_single_process():
 def _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels):
     """One pipelined training step of a tied model: its loss and gradients, and its clipped
     norm (the tied embedding counted once), equal the one process's."""
-    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
+    loss = pipe.train_step(ids, mask, labels, next_token_loss(pipe, (labels != -100).sum().item()))
     torch.testing.assert_close(loss, ref_loss, **TOL)
     pipe.sync_tied_grads()
     check_grads(pipe.module, ref_model)
@@ -193,10 +203,10 @@ def _pp_tp_body():
     attn = next(iter(pipe.module.model.layers.values())).self_attn
     assert attn.n_heads == 2 and attn.q_proj.weight.to_local().shape[0] == 16  # half the heads
     _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels)
-    logits = pipe.score(ids, mask)
+    hidden = pipe.score(ids, mask)
     if pipe.is_last:
         with torch.no_grad():
-            torch.testing.assert_close(logits, ref_model(ids, mask), **TOL)
+            torch.testing.assert_close(pipe.module.lm_head(hidden), ref_model(ids, mask), **TOL)
 
 
 def test_pp2_x_tp2_matches_single_process():
@@ -212,17 +222,18 @@ def _pp_cp_body():
     mesh = build_mesh(Layout(pp=2, cp=2))
     pipe = PipelinedModel(tiny_model(), mesh["pp"].get_group(), n_microbatches=4,
                           cp_group=mesh["cp"].get_group())
-    loss = pipe.train_step(ids, mask, labels, next_token_loss((labels != -100).sum().item()))
+    loss = pipe.train_step(ids, mask, labels, next_token_loss(pipe, (labels != -100).sum().item()))
     torch.testing.assert_close(loss, ref_loss, **TOL)
     for p in pipe.module.parameters():
         dist.all_reduce(p.grad, group=mesh["cp"].get_group())
         p.grad /= 2
     check_grads(pipe.module, ref_model)
-    logits = pipe.score(ids, mask)
+    hidden = pipe.score(ids, mask)
     if pipe.is_last:
         with torch.no_grad():
-            real = mask.bool()  # sequence shards keep padding in place; one process packs it
-            torch.testing.assert_close(logits[real], ref_model(ids, mask)[real], **TOL)
+            real = mask.bool()  # padding's outputs are no one's: left unchecked
+            torch.testing.assert_close(pipe.module.lm_head(hidden)[real],
+                                       ref_model(ids, mask)[real], **TOL)
 
 
 def test_pp2_x_cp2_matches_single_process():
@@ -230,15 +241,16 @@ def test_pp2_x_cp2_matches_single_process():
 
 
 def _actor_critic_body():
-    """A shared actor-critic over 2 stages: the last stage appends the value to the logits;
+    """A shared actor-critic over 2 stages: the last stage appends the value to its hidden
+    states;
     a loss on both (next-token cross-entropy + squared value error) and its gradients, the
     value head's too, equal one process's."""
     ids, mask, labels = batch()
     goal = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     n = (labels != -100).sum().item()
 
-    def loss_fn(out, target):
-        logits, values, labels = out[..., :-1], out[..., -1], target[..., 0].long()
+    def loss_of(logits, values, target):
+        labels = target[..., 0].long()
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                              reduction="sum")
         return (ce + ((values - target[..., 1]) ** 2).sum()) / n
@@ -251,10 +263,11 @@ def _actor_critic_body():
     hidden = ref.hidden(ids, mask)  # the heads after it, as batch.response_logprobs
     logits, values = ref.lm_head(hidden), ref.score(hidden).squeeze(-1)
     target = torch.stack([labels.double(), goal], -1)
-    ref_loss = loss_fn(torch.cat([logits, values[..., None]], -1), target)
+    ref_loss = loss_of(logits, values, target)
     ref_loss.backward()
     pipe = PipelinedModel(model(), n_microbatches=4)
-    loss = pipe.train_step(ids, mask, target, loss_fn)
+    loss = pipe.train_step(ids, mask, target, lambda out, target: loss_of(
+        pipe.module.lm_head(out[..., :-1]), out[..., -1], target))
     torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     check_grads(pipe.module, ref)
     assert pipe.is_last == ("score.weight" in dict(pipe.module.named_parameters()))
@@ -289,16 +302,16 @@ def _pp_checkpoint_body(path):
     AdamW state (hyperparameters included) apart, and a run resumed from it steps exactly as
     the uninterrupted one."""
     ids, mask, labels = batch()
-    loss_fn = next_token_loss((labels != -100).sum().item())
     pipes = [PipelinedModel(tiny_model(), n_microbatches=2) for _ in range(2)]
     optims = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in pipes]
-    pipes[0].train_step(ids, mask, labels, loss_fn)
+    n = (labels != -100).sum().item()
+    pipes[0].train_step(ids, mask, labels, next_token_loss(pipes[0], n))
     optims[0].step()
     save_sharded(pipes[0].module, optims[0], path)
     load_sharded(pipes[1].module, optims[1], path)
     for pipe, optim in zip(pipes, optims):
         optim.zero_grad()
-        pipe.train_step(ids, mask, labels, loss_fn)
+        pipe.train_step(ids, mask, labels, next_token_loss(pipe, n))
         optim.step()
     for a, b in zip(pipes[0].parameters(), pipes[1].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

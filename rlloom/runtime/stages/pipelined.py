@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rlloom.algos.aggregation import AGGREGATIONS, LossNorm
 from rlloom.algos.value import value_loss
 from rlloom.config import AlgoSection, RunConfig
-from rlloom.models.logprobs import logprobs_from_logits
+from rlloom.models.logprobs import token_logprobs
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.stages.batch import joined
@@ -35,8 +35,8 @@ FIELDS = ("token", "old_logp", "advantage", "mask", "ref_logp", "old_value", "re
 
 
 def _split(pipe: PipelinedModel, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The last stage's logits and, for a shared actor-critic, its values (the channel the
-    stage appends to the logits)."""
+    """The last stage's final hidden states and, for a shared actor-critic, its values (the
+    channel the stage appends to them)."""
     if pipe.module.both:
         return out[..., :-1], out[..., -1]
     return out, None
@@ -53,11 +53,12 @@ def _rows_for(pipe: PipelinedModel, n: int) -> int:
     return -(-n // m) * m
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `tokens` and entropies, as `batch.response_logprobs` computes them (from
-    the last stage's whole logits: a pipeline's head runs inside its schedule)."""
-    return logprobs_from_logits(logits, tokens, temperature, with_entropy=True)
+def _logprobs(pipe: PipelinedModel, hidden: torch.Tensor, tokens: torch.Tensor,
+              temperature: float, with_entropy: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `tokens` (and entropies) from the last stage's hidden states, as
+    `batch.response_logprobs` computes them: the head a chunk of tokens at a time."""
+    return token_logprobs(pipe.module.lm_head, hidden, tokens, temperature, with_entropy)
 
 
 def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
@@ -90,8 +91,9 @@ def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
                     dtypes: list[torch.dtype] = dtypes) -> torch.Tensor:
             token, old, adv, keep, ref, *value_terms = (target[..., i].to(d)
                                                         for i, d in enumerate(dtypes))
-            logits, values = _split(pipe, out)
-            logp, entropy = _logprobs(logits[:, span], token, cfg.rollout.temperature)
+            hidden, values = _split(pipe, out)
+            logp, entropy = _logprobs(pipe, hidden[:, span], token, cfg.rollout.temperature,
+                                      with_entropy=True)
             loss = objective(logp, entropy, old, adv, keep,
                              ref if exp.ref_logp is not None else None, sums)
             if values is None:
@@ -155,7 +157,7 @@ def _scored(pipe: PipelinedModel, r: Rollout,
 def pipelined_logprobs(pipe: PipelinedModel, r: Rollout, temperature: float) -> torch.Tensor:
     """Response log-probs [n, T] of a pipelined actor (forward only), on every rank."""
     return _scored(pipe, r, lambda out, span: _logprobs(
-        _split(pipe, out)[0][:, span], r.response_ids, temperature)[0], torch.float32)
+        pipe, _split(pipe, out)[0][:, span], r.response_ids, temperature)[0], torch.float32)
 
 
 def pipelined_values(pipe: PipelinedModel, r: Rollout) -> torch.Tensor:
