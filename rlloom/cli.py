@@ -132,7 +132,7 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
 
     from rlloom.perf.model.shapes import model_shape
     from rlloom.rehearsal.compare import compare_training, parse_layout, render
-    from rlloom.rehearsal.train import rehearsed_rank
+    from rlloom.rehearsal.train import rehearsed_ranks
     layout = parse_layout(args.layout)
     try:
         shape = model_shape(args.model)
@@ -141,7 +141,9 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     rows = compare_training(shape, layout, args.rows, args.prompt_len,
                             args.response_len, args.lora)
     tokens = args.rows * (args.prompt_len + args.response_len)
-    rank = rehearsed_rank(layout)
+    ranks = rehearsed_ranks(layout)
+    rank = " and ".join(map(str, ranks)) + (" (pipeline stages: the busier)" if len(ranks) > 1
+                                             else "")
     print(render(rows, f"{args.model}, rank {rank} of {layout.world_size}: training micro-batch "
                        f"of {args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} "
                        f"tokens, {args.layout or 'one device'}"
@@ -150,7 +152,7 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps({"model": args.model, "layout": layout.model_dump(),
                                                "rows": args.rows, "prompt": args.prompt_len,
                                                "response": args.response_len,
-                                               "lora": args.lora, "rank": rank,
+                                               "lora": args.lora, "ranks": ranks,
                                                "kinds": rows},
                                               indent=2))
         print(f"wrote {args.json}")

@@ -103,17 +103,17 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
 def parallelize_pipeline(model: nn.Module, layout: Layout, mesh: DeviceMesh, *,
                          experts: ExpertGroups | None = None, trains: bool = True
                          ) -> PipelinedModel:
-    """This rank's pipeline stage of the plain `model` at `layout` (pp > 1): EP ->
-    checkpointing -> the stage (TP and CP inside it) -> DP over the stage's dp replicas. A
+    """This rank's pipeline stage of the plain `model` at `layout` (pp > 1): EP -> the stage
+    (TP and CP inside it) -> checkpointing -> DP over the stage's dp replicas. A
     model that does not train (`trains=False`) is wrapped by DP only at ZeRO-3, to shard it;
     whole copies need no wrapper."""
     validate_layout(layout, backbone_of(model).config, mesh.size())
     if layout.ep > 1:
         apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
-    if layout.activation_checkpointing:
-        apply_activation_checkpointing(model)
     pipe = PipelinedModel(model, mesh["pp"].get_group(), tied_group=first_and_last_stages(mesh),
                           tp_mesh=tp_ranks(mesh), cp_group=cp_ranks(mesh))
+    if layout.activation_checkpointing:  # after the stage's TP, which names the layers' parts
+        apply_activation_checkpointing(pipe.module, pipe.module.model.layers)
     expert_params = _expert_grads(pipe.module, layout)
     if layout.dp > 1 and (trains or layout.zero == 3):
         apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,

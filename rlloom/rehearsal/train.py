@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import multiprocessing
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -23,13 +25,17 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import schedules
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from rlloom.models import transformer
 from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
+from rlloom.models.logprobs import token_logprobs
 from rlloom.models.lora import PROJECTIONS, apply_lora
 from rlloom.models.transformer import CausalLM
+from rlloom.parallel import apply
 from rlloom.parallel.data_parallel import before_backward, local_tensor
+from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.rehearsal.comm import Collectives
 from rlloom.rehearsal.flops import Flops
@@ -39,13 +45,15 @@ from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.ranks import RankGroup
 from rlloom.runtime.stages.batch import response_logprobs
+from rlloom.runtime.stages.pipelined import pipelined_logprobs
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Rehearsed:
-    """One rank's measured bytes and FLOPs of one training micro-batch."""
+    """One rank's measured bytes and FLOPs of one training micro-batch (of several, each
+    kind's most)."""
     params: int        # this rank's parameters (shards under ZeRO / TP)
     grads: int         # gradients after backward
     optimizer: int     # AdamW state after the step
@@ -119,11 +127,13 @@ def _real_causal_bias(queries: int, keys: int) -> CausalBias:
         return causal_lower_right(queries, keys)
 
 
-def rehearsed_rank(layout: Layout) -> int:
-    """The rank a rehearsal runs: the first of every mesh dimension (`parallel.mesh`: pp, dp,
+def rehearsed_ranks(layout: Layout) -> list[int]:
+    """The ranks a rehearsal runs: the first of every mesh dimension (`parallel.mesh`: pp, dp,
     cp, tp) but context parallelism's last, whose queries see every key (the most
-    attention); at ZeRO-1 the first dp rank owns the largest parameter."""
-    return (layout.cp - 1) * layout.tp
+    attention), on the first pipeline stage (the most micro-batches in flight) and the last
+    (the head); at ZeRO-1 the first dp rank owns the largest parameter."""
+    stage = layout.dp * layout.cp * layout.tp
+    return sorted({s * stage + (layout.cp - 1) * layout.tp for s in (0, layout.pp - 1)})
 
 
 @contextlib.contextmanager
@@ -164,7 +174,13 @@ def rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
     `response` tokens: log-probs and entropies (`response_logprobs`), a policy-gradient
     loss, backward, and an AdamW step; with `lora_rank`, LoRA adapters on every projection
     (`model.lora`'s default targets) train and the base stays frozen."""
-    return _in_child(_rehearse_training, shape, layout, rows, prompt, response, lora_rank)
+    runs = [_in_child(_rehearse_training, shape, layout, rank, rows, prompt, response,
+                      lora_rank) for rank in rehearsed_ranks(layout)]
+    # the busiest of them in each kind (a pipeline's first stage holds the most
+    # activations, its last the head)
+    return Rehearsed(**{f.name: max(getattr(r, f.name) for r in runs)
+                        for f in dataclasses.fields(Rehearsed) if f.name != "sent"},
+                     sent=max((r.sent for r in runs), key=lambda s: sum(s.values())))
 
 
 def rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
@@ -172,25 +188,35 @@ def rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
     """The peak bytes of `rehearsed_rank` of `layout` scoring one micro-batch with a model
     that does not train (the reference's log-probs): its weights and the forward's
     buffers."""
-    return _in_child(_rehearse_scoring, shape, layout, rows, prompt, response)
+    return max(_in_child(_rehearse_scoring, shape, layout, rank, rows, prompt, response)
+               for rank in rehearsed_ranks(layout))
 
 
-def _in_child(fn: Callable[..., T], shape: ModelShape, layout: Layout, *sizes: int) -> T:
+def _in_child(fn: Callable[..., T], shape: ModelShape, layout: Layout, *args: int) -> T:
     """A layout of several ranks runs in a child process: its fake world and FSDP's hooks
     leave state behind that changed later rehearsals in the same process."""
     if layout.world_size == 1:
-        return fn(shape, layout, *sizes)
+        return fn(shape, layout, *args)
     with concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, shape, layout, *sizes).result()
+        return pool.submit(_readable, fn, shape, layout, *args).result()
+
+
+def _readable(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a child, whose errors (some hold what pickling refuses) come back as
+    their traceback's text."""
+    try:
+        return fn(*args)
+    except Exception:
+        raise RuntimeError(traceback.format_exc()) from None
 
 
 @contextlib.contextmanager
-def _rehearsed(layout: Layout) -> Iterator[RankGroup]:
-    """The layout's `rehearsed_rank`, its mesh and expert groups made (with real tensors)
-    before the fake mode that the model is built and run under is entered; MoE routing even
-    (`routing.even_routing`)."""
-    rank = rehearsed_rank(layout)
+def _rehearsed(layout: Layout, rank: int) -> Iterator[RankGroup]:
+    """`rank` of the layout, its mesh and expert groups made (with real tensors) before the
+    fake mode that the model is built and run under is entered; MoE routing even
+    (`routing.even_routing`); a pipeline's schedule told its shapes are static (its warm-up
+    reads a value its peers send)."""
     with fake_world(layout.world_size, rank):
         ranks = RankGroup(rank, layout.world_size)
         ranks.mesh(layout)
@@ -199,13 +225,31 @@ def _rehearsed(layout: Layout) -> Iterator[RankGroup]:
         with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), even_routing(), \
                 mock.patch.object(transformer, "causal_lower_right", _real_causal_bias), \
                 mock.patch.object(transformer.F, "scaled_dot_product_attention",
-                                  _gpu_attention):
+                                  _gpu_attention), \
+                mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", _static_stages), \
+                mock.patch.object(apply, "first_and_last_stages",
+                                  _real_tensors(apply.first_and_last_stages)):
             yield ranks
 
 
-def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+def _real_tensors(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` run outside fake mode: it reads ranks off a device mesh's (real) tensor."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def run(*args: object) -> T:
+        with unset_fake_temporarily():
+            return fn(*args)
+    return run
+
+
+def _static_stages(schedule: object, stages: list, has_backward: bool, p2p_done: bool) -> None:
+    for stage in stages:
+        stage._inference_mode = schedules.InferenceMode.STATIC
+
+
+def _rehearse_training(shape: ModelShape, layout: Layout, rank: int, rows: int, prompt: int,
                        response: int, lora_rank: int) -> Rehearsed:
-    with _rehearsed(layout) as ranks:
+    with _rehearsed(layout, rank) as ranks:
         plain = CausalLM(model_config(shape))
         if lora_rank:
             apply_lora(plain, lora_rank, 2.0 * lora_rank, 0.0, PROJECTIONS, seed=0)
@@ -215,12 +259,17 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
         params = list(model.parameters())
         r = _rollout(rows, prompt, response, shape.vocab)
         with Collectives() as comm, Flops() as flops, PeakMemory() as mem:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
-                loss = -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
-            saved = mem.now
-            before_backward(model, last=True)
-            loss.backward()
+            if isinstance(model, PipelinedModel):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    _pipelined_step(model, r)
+                saved = mem.now  # the schedule interleaves forwards and backwards
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logp, entropy, _ = response_logprobs(model, r, 1.0, with_entropy=True)
+                    loss = _loss(logp, entropy)
+                saved = mem.now
+                before_backward(model, last=True)
+                loss.backward()
             grads = [p.grad for p in params if p.grad is not None]
         with comm, PeakMemory() as step:
             # as the training stage finishes a step (`stages.online`), less the gradient
@@ -239,9 +288,27 @@ def _rehearse_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
                          collectives=sum(comm.count.values()))
 
 
-def _rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
+def _loss(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """A policy-gradient loss with an entropy bonus: what backward reads of the log-probs."""
+    return -(logp * torch.randn_like(logp)).mean() - 1e-3 * entropy.mean()
+
+
+def _pipelined_step(pipe: PipelinedModel, r: Rollout) -> None:
+    """The micro-batch through the pipeline's 1F1B schedule, as `stages.pipelined` runs it:
+    rows repeated up to a multiple of its micro-batches, the head in the loss."""
+    ids = torch.cat([r.prompt_ids, r.response_ids], 1)
+    prompt, rows = r.prompt_ids.shape[1], -(-len(ids) // pipe.n_microbatches) * pipe.n_microbatches
+    ids = ids[torch.arange(rows) % len(ids)]
+    span = slice(prompt - 1, ids.shape[1] - 1)
+
+    def loss_fn(hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return _loss(*token_logprobs(pipe.module.lm_head, hidden[:, span], tokens, 1.0, True))
+    pipe.train_step(ids, torch.ones_like(ids), ids[:, prompt:], loss_fn)
+
+
+def _rehearse_scoring(shape: ModelShape, layout: Layout, rank: int, rows: int, prompt: int,
                       response: int) -> int:
-    with _rehearsed(layout) as ranks:
+    with _rehearsed(layout, rank) as ranks:
         # held in the compute dtype, as `runtime.device.frozen_dtype` holds it on a GPU (made
         # in it: converting fake parameters after the fact is refused)
         default = torch.get_default_dtype()
@@ -255,5 +322,8 @@ def _rehearse_scoring(shape: ModelShape, layout: Layout, rows: int, prompt: int,
         r = _rollout(rows, prompt, response, shape.vocab)
         with PeakMemory() as mem, torch.no_grad(), \
                 torch.autocast("cpu", dtype=torch.bfloat16):
-            response_logprobs(model, r, 1.0)
+            if isinstance(model, PipelinedModel):
+                pipelined_logprobs(model, r, 1.0)
+            else:
+                response_logprobs(model, r, 1.0)
         return held + mem.peak

@@ -46,14 +46,14 @@ def _at(micro_batch: int, hw_name: str, devices: int) -> list:
 
 def test_search_picks_the_micro_batch_memory_allows():
     """On 64 A100-40GB with 16k-token tails the micro-batch size matters: the search ranks the
-    fastest plan over every size (the best at one row per micro-batch is 4% slower),
-    and at 16 rows, with more activations, fewer plans fit: only those that split each
-    sequence over the actor's cp x tp ranks."""
+    fastest plan over every size (priced on 2026-12-07: best at 2 rows per micro-batch, the
+    best at 16 rows 18% slower), and at 16 rows, with more activations, fewer plans fit:
+    only those that split each sequence over the actor's cp x tp ranks."""
     res = search(Q7, "grpo", LONG, hardware("a100-40gb"), 64)
     best = res.ranked[0]
     at = {mb: _at(mb, "a100-40gb", 64) for mb in MICRO_BATCHES}
     assert best.step_s == min(p.step_s for mb in MICRO_BATCHES for p in at[mb])
-    assert min(p.step_s for p in at[1]) > 1.03 * best.step_s
+    assert min(p.step_s for p in at[16]) > 1.10 * best.step_s
     assert 0 < len(at[16]) < len(at[8])
     assert all(p.plan.layout("actor").cp * p.plan.layout("actor").tp > 1 for p in at[16])
 

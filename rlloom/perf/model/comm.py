@@ -98,14 +98,16 @@ def ep(layout: Layout, shape: ModelShape, tokens: float, per_layer: int) -> list
     return [Collective("all_to_all", layout.ep, span, calls * nbytes, calls)]
 
 
-def pp(layout: Layout, shape: ModelShape, tokens: float, passes: int) -> list[Collective]:
-    """Each of `passes` sends a stage's [tokens, d] boundary activations to the next stage,
-    pp - 1 times along the pipeline."""
+def pp(layout: Layout, shape: ModelShape, tokens: float, pieces: float,
+       backward: bool) -> list[Collective]:
+    """A stage sends each of `pieces` pipeline micro-batches' [tokens, d] boundary
+    activations to the next stage, and in backward their gradients to the previous: a
+    middle stage both, an end stage one of them (with 2 stages, each is an end)."""
     if layout.pp == 1:
         return []
     span = layout.tp * layout.cp * layout.pp
     nbytes = tokens * shape.hidden * mem.stream_bytes(layout) / (layout.tp * layout.cp)
-    calls = passes * (layout.pp - 1)
+    calls = pieces * (2 if backward and layout.pp > 2 else 1)
     return [Collective("p2p", 2, span, calls * nbytes, calls)]
 
 

@@ -269,7 +269,7 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
                 pp * (comm.seconds(hw, comm.tp(layout, shape, live, 2, 1)
                                    + comm.ep(layout, shape, live, 2))
                       + _activation_s(shape, layout, wl, hw, live))
-                + comm.seconds(hw, comm.pp(layout, shape, live, 1)))
+                + comm.seconds(hw, comm.pp(layout, shape, live, 1, False)))
         f_proj, b_proj, c = per_live[simulated]
         # keys each row attends to, mean over the segment: vLLM's paged attention reads each
         # rollout's own context; rlloom's engine reads every row up to the widest one
@@ -298,7 +298,7 @@ def _forwards(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, flo
     c = pp * (_activation_s(shape, layout, wl, hw, tokens)
               + comm.seconds(hw, comm.tp(layout, shape, tokens, 2, 1)
                              + comm.ep(layout, shape, tokens, 2))) \
-        + comm.seconds(hw, comm.pp(layout, shape, tokens, 1))
+        + comm.seconds(hw, comm.pp(layout, shape, tokens, 1, False))
     seconds = _with_dispatch(max(flops / flops_s, b / bw) + c, dispatch, hw)
     return flops, b, flops / flops_s, b / bw, c, seconds, dispatch
 
@@ -377,11 +377,12 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     mb_tokens, context = tokens / m, tokens / seqs
     flops = tokens * shape.forward_flops(context, logits)
     shards = layout.tp * layout.pp * layout.cp
-    # as in `training`: the head whole on every CP rank, the last one's attention the most
-    busiest = flops + (layout.cp - 1) * tokens * (
-        (shape.head_flops if logits else 0.0)
-        + shape.attention_flops(context) / layout.cp)
-    compute_s = busiest / shards / hw.flops(wl.dtype)
+    # as in `training`: the head whole on every TP and CP rank and the last stage, the last
+    # CP rank's attention the most
+    head = tokens * (shape.head_flops if logits else 2 * shape.hidden)
+    busiest = ((flops - head + (layout.cp - 1) / layout.cp * tokens
+                * shape.attention_flops(context)) / shards + head)
+    compute_s = busiest / hw.flops(wl.dtype)
     # each of a micro-batch's pp pipeline micro-batches reads the stage's weights
     pieces = layout.pp
     memory_s = m * pieces * _weight_bytes(shape, layout, wl) / (hw.mem_bw * hw.mem_eff)
@@ -389,7 +390,7 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
     comm_s = m * comm.seconds(hw, comm.tp(layout, shape, mb_tokens / layout.cp, 2, 1)
                               + comm.cp(layout, shape, mb_tokens, 1, False)
                               + comm.ep(layout, shape, mb_tokens / layout.cp, 2))
-    comm_s += comm.seconds(hw, comm.pp(layout, shape, mb_tokens / pieces, m * pieces))
+    comm_s += comm.seconds(hw, comm.pp(layout, shape, mb_tokens / pieces, m * pieces, False))
     host_s = (m * pieces * hw.stage_launch_s("assessment") * _ops(FORWARD_OPS, shape, layout)
               + m * _wrapper_s(hw, shape, layout, trained))
     act_s = _activation_s(shape, layout, wl, hw, tokens / layout.cp)
@@ -429,7 +430,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     context = tokens / mb_rows
     prompt_tokens = (wl.distinct_prompts(mb_rows) if prompts_once else mb_rows) * wl.prompt_len
     head_tokens = max(tokens - prompt_tokens, 0.0) if logits else 0.0
-    recompute_head = head_tokens / m > mem.LOGIT_CHUNK
+    recompute_head = head_tokens / (m * layout.pp) > mem.LOGIT_CHUNK  # per pipeline piece
     tokens, head_tokens = tokens * wl.minibatches, head_tokens * wl.minibatches
     passes = (3 if lora else 4) if ckpt else (2 if lora else 3)
     layers = tokens * ((2 if lora else 3) * shape.layer_matmul_flops()
@@ -441,10 +442,12 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     attention = tokens * (3.5 + ckpt) * shape.attention_flops(context)
     head = head_tokens * ((2 if lora else 3) + recompute_head) * shape.head_flops
     shards = layout.tp * layout.pp * layout.cp
-    # the head is whole on every TP and CP rank: each computes all of it; the last CP rank's
-    # queries see every key, 2 - 1/cp of an even share of attention, and it sets the pace
+    # the head is whole on every TP and CP rank (and on the last pipeline stage): each
+    # computes all of it; the last CP rank's queries see every key, 2 - 1/cp of an even
+    # share of attention, and it sets the pace
     flops = wl.ppo_epochs * (layers + attention + head * layout.tp * layout.cp)
-    device_flops = (flops + wl.ppo_epochs * attention * (1 - 1 / layout.cp)) / shards
+    # the last pipeline stage, which holds all of the head, is the busiest
+    device_flops = wl.ppo_epochs * ((layers + attention * (2 - 1 / layout.cp)) / shards + head)
     compute_s = device_flops / hw.flops(wl.dtype)
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
     memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
@@ -501,7 +504,7 @@ def training_collectives(shape: ModelShape, layout: Layout, wl: Workload, role: 
               + comm.cp(layout, shape, mb_tokens, 1 + ckpt, True)
               + comm.ep(layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4))
     model = [replace(c, nbytes=m * c.nbytes, calls=m * c.calls) for c in per_mb]
-    model += comm.pp(layout, shape, mb_tokens / pieces, 2 * m * pieces)
+    model += comm.pp(layout, shape, mb_tokens / pieces, m * pieces, True)
     return {"model": model,
             "dp": comm.dp(shape, layout, m, lora) + comm.cp_grads(shape, layout, lora)}
 

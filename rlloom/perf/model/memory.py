@@ -28,12 +28,14 @@ USABLE = 0.9  # fraction of device memory usable: CUDA context, allocator fragme
 
 
 def params_per_device(shape: ModelShape, layout: Layout) -> float:
-    """Parameters a device holds before ZeRO sharding: PP splits the layers, TP the layers'
-    projections (norms, the router, embeddings and the head stay whole on every TP rank, as
-    `parallel.tensor_parallel` leaves them), EP the routed experts."""
-    p = (shape.layers * layer_params(shape, Layout(tp=layout.tp))
-         + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden)
-    p /= layout.pp
+    """Parameters a device holds before ZeRO sharding: PP splits the layers, and its end
+    stages, the busiest, hold the embedding or the head (a tied model's both ends a copy
+    each); TP splits the layers' projections (norms, the router, embeddings and the head
+    stay whole on every TP rank, as `parallel.tensor_parallel` leaves them), EP the routed
+    experts."""
+    ends = 1 if shape.tied_embeddings or layout.pp > 1 else 2
+    p = (shape.layers * layer_params(shape, Layout(tp=layout.tp)) / layout.pp
+         + shape.vocab * shape.hidden * ends + shape.hidden)
     if shape.moe and layout.ep > 1:
         p -= expert_params_per_device(shape, layout) * (layout.ep - 1)
     return p
@@ -180,9 +182,10 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: b
                      lora: bool = False) -> float:
     """Training activations per device for one micro-batch of `tokens` (before CP split).
     With checkpointing each layer keeps only its input (the stream's dtype); during a
-    layer's backward its recompute and the gradients of those tensors exist. Under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e.
-    all L layers' worth."""
-    t = tokens / layout.cp
+    layer's backward its recompute and the gradients of those tensors exist. A pipeline
+    splits the micro-batch into pp pieces, and under 1F1B its first stage holds all pp of
+    them for its L/pp layers: L layers' worth of one piece."""
+    t = tokens / layout.cp / layout.pp
     full_layer = t * layer_activation_bytes(shape, layout)
     head = _logit_bytes(shape, t, LOGIT_TRAIN_B) if logits else 0.0
     if not layout.activation_checkpointing:  # the head's backward comes first, all layers held
@@ -198,8 +201,10 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: b
 
 
 def checkpointed_input_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
-    """Every checkpointed layer's input: the stream, split over the sequence by TP and CP."""
-    return tokens / layout.cp * stream_bytes(layout) * shape.hidden / layout.tp * shape.layers
+    """Every checkpointed layer's input: the stream, split over the sequence by TP and CP
+    (and a pipeline's first stage holding L/pp layers of each of its pp pieces)."""
+    return (tokens / layout.cp / layout.pp * stream_bytes(layout) * shape.hidden / layout.tp
+            * shape.layers)
 
 
 def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
@@ -207,23 +212,33 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
     """What one training micro-batch adds to the resident state at its peak: activations and
     working weight copies, less the gradients the resident state counts whole. Backward frees
     activations as it fills gradients, so the peak holds the larger of the two, not their
-    sum (rehearsed: within 0.1% at every ZeRO stage on Qwen2.5-7B)."""
+    sum (rehearsed: within 0.1% at every ZeRO stage on Qwen2.5-7B). A pipeline's first
+    stage fills its gradients in the first piece's backward, the other pp - 1 pieces'
+    activations still held (1F1B)."""
     acts = activation_bytes(shape, layout, tokens, logits, bool(lora_rank))
     working = working_weight_bytes(shape, layout)
     grads = model_state_bytes(shape, layout, True, (0, GRAD_B, 0), lora_rank)
+    waiting = (layout.pp - 1) / layout.pp  # of the pieces, when the gradients appear
+    # then, on the first stage, the embedding's dense fp32 gradient and its copy into the
+    # gradient held (rehearsed: Qwen2.5-7B pp 4, 2 x 2 GiB at that moment)
+    if layout.pp > 1 and not lora_rank:
+        grads_held = grads + 2 * GRAD_B * shape.vocab * shape.hidden
+    else:
+        grads_held = grads
     if not layout.activation_checkpointing:
-        return max(acts + working - grads, 0.0)
+        return max(acts, grads_held + waiting * acts) + working - grads
     # checkpointed, only the layers' inputs are freed as gradients fill; a layer's
     # backward (`rest`) is the same at every layer
     inputs = checkpointed_input_bytes(shape, layout, tokens)
     rest = acts - inputs
     if mixed(layout):  # the gathered weights are there in both
-        return max(inputs - grads, 0.0) + rest + working
+        return max(inputs, grads_held + waiting * inputs) - grads + rest + working
     # autocast over fp32 weights: its cache holds a bf16 copy of every trained weight to the
     # end of forward (frozen LoRA bases are cast per use), and backward recasts one layer's
     cached = 0.0 if lora_rank else working
     recast = PARAM_B * layer_params(shape, layout)
-    return max(inputs + cached, inputs + rest + recast, grads + rest + recast) - grads
+    return max(inputs + cached, inputs + rest + recast,
+               grads_held + waiting * inputs + rest + recast) - grads
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
