@@ -24,23 +24,14 @@ class Rehearsal:
     `rows` x (`prompt` + `response`) tokens."""
     priced: Priced
     model_gib: float
-    rehearsed_gib: float | None   # None: the layout is not rehearsed yet (`why`)
+    rehearsed_gib: float
     group_gib: float
-    rows: int = 0
-    prompt: int = 0
-    response: int = 0
-    why: str = ""
+    rows: int
+    prompt: int
+    response: int
 
     def fits(self, hw: Hardware) -> bool:
         return self.group_gib <= hw.mem_gib * mem.USABLE
-
-
-def unrehearsable(p: Priced) -> str:
-    """Why the plan's actor training cannot be rehearsed yet ('' when it can)."""
-    x = p.plan.layout("actor")
-    if x.pp > 1 or x.cp > 1:
-        return "pipeline and context parallel layouts are not rehearsed yet"
-    return ""
 
 
 def rehearse_plan(p: Priced, shape: ModelShape) -> Rehearsal:
@@ -52,9 +43,6 @@ def rehearse_plan(p: Priced, shape: ModelShape) -> Rehearsal:
     # what the group holds while the actor trains (generation's KV cache takes what is left
     # by design, so the group's overall peak is not the one to raise)
     training = p.resident_gib[group] + stage.transient_bytes / GIB
-    why = unrehearsable(p)
-    if why:
-        return Rehearsal(p, float("nan"), None, training, why=why)
     response = math.ceil(wl.max_context - wl.prompt_len)
     args = (shape, x, p.micro_batch, wl.prompt_len, response, wl.lora_rank)
     model = predicted_training(*args)["peak"]
@@ -80,11 +68,10 @@ def plan_checker(n: int, shape: ModelShape, hw: Hardware,
                  f"{'model':>8} {'rehearsed':>9} {'group peak':>10}  plan"]
         notes: dict[int, str] = {}
         for r in done:
-            seen = f"{r.rehearsed_gib:9.2f}" if r.rehearsed_gib is not None else f"{'-':>9}"
             verdict = "" if r.fits(hw) else "  DROPPED: does not fit"
-            lines.append(f"{r.model_gib:8.2f} {seen} {r.group_gib:10.2f}  "
-                         f"{_brief(r.priced)}{verdict}{'  (' + r.why + ')' if r.why else ''}")
-            if r.rehearsed_gib is not None and r.fits(hw):
+            lines.append(f"{r.model_gib:8.2f} {r.rehearsed_gib:9.2f} {r.group_gib:10.2f}  "
+                         f"{_brief(r.priced)}{verdict}")
+            if r.fits(hw):
                 notes[id(r.priced)] = (f"rehearsed: actor training peak {r.rehearsed_gib:.2f} "
                                        f"GiB per device (priced {r.model_gib:.2f}) for "
                                        f"{r.rows} rows of {r.prompt} + {r.response} tokens, "

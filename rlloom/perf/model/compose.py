@@ -207,12 +207,28 @@ def _sync_seconds(p: _Placement, wl: Workload, hw: Hardware) -> float:
     actor, seconds = p.active["actor"], 0.0
     if p.apart:  # a LoRA actor's copy receives the adapters alone
         synced = actor.lora_params(wl.lora_rank) if wl.lora_rank else actor.params
-        seconds = comm.broadcast_between_groups(hw, mem.PARAM_B * synced)
+        seconds = (_whole_on_rank0_s(actor, p.layout(p.train_g, "actor"), hw, synced)
+                   + comm.broadcast_between_groups(hw, mem.PARAM_B * synced))
     elif p.hybrid:
         seconds = reshard_seconds(actor, p.train, p.gen, hw)
     if "critic" in p.active and p.ass_g != p.train_g:  # the assessment group's critic copy
-        seconds += comm.broadcast_between_groups(hw, mem.PARAM_B * p.active["critic"].params)
+        critic = p.active["critic"]
+        seconds += (_whole_on_rank0_s(critic, p.layout(p.train_g, "critic"), hw, critic.params)
+                    + comm.broadcast_between_groups(hw, mem.PARAM_B * critic.params))
     return seconds
+
+
+def _whole_on_rank0_s(shape: ModelShape, train: Layout, hw: Hardware, synced: float) -> float:
+    """Before a broadcast the trainer's rank 0 gathers the whole fp32 model
+    (`RankGroup.full_state`): FSDP's shards over dp (ZeRO 2-3), TP's over tp, into host
+    memory, and the channel copies the `synced` weights back to the device in the copies'
+    bf16 (`hosts.copy_dtype`)."""
+    whole = 4 * shape.params
+    gathers = [comm.Collective("all_gather", train.dp, train.world_size, whole / train.tp)
+               ] if train.zero >= 2 else []
+    gathers.append(comm.Collective("all_gather", train.tp, train.tp, whole))
+    host = (whole + mem.PARAM_B * synced) / hw.host_link_bw if hw.host_link_bw > 0 else 0.0
+    return comm.seconds(hw, gathers) + host
 
 
 def _step_seconds(p: _Placement, g_s: float, a_by: dict[str, float], t_by: dict[str, float],

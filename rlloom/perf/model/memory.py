@@ -132,14 +132,15 @@ def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:
     final norm: FSDP keeps the root gathered) and two layers' (one computing, one
     prefetched); at ZeRO 0-2 every weight (the unsharded copy stays). Without it (one
     device, pipeline stages), autocast's copy of every weight, each kept for backward."""
-    p = params_per_device(shape, layout)
-    if mixed(layout) and layout.zero == 3:
-        # FSDP leaves routed experts under EP out: autocast's copies of every layer's stay
-        # for backward (checkpointed, each layer's recompute casts them again)
+    p, experts = params_per_device(shape, layout), expert_params_per_device(shape, layout)
+    # FSDP leaves routed experts under EP out: autocast's copies of every layer's stay for
+    # backward (checkpointed, each layer's recompute casts them again)
+    kept = 0.0 if layout.activation_checkpointing else 1.0
+    if mixed(layout) and layout.zero == 3:  # two layers' experts among the gathered
         layers = shape.layers / layout.pp
-        kept = 0.0 if layout.activation_checkpointing else 1 - 2 / layers
-        return zero3_gathered_bytes(shape, layout) + PARAM_B * expert_params_per_device(
-            shape, layout) * kept
+        return zero3_gathered_bytes(shape, layout) + PARAM_B * experts * kept * (1 - 2 / layers)
+    if mixed(layout):  # FSDP's unsharded bf16 copy of the rest
+        return PARAM_B * (p - experts * (1 - kept))
     if layout.pp > 1 and layout.dp > 1 and layout.zero == 3:  # fp32 gathers, then autocast's
         return PARAM_B * p + 2 * 4 * layer_params(shape, layout)
     return PARAM_B * p

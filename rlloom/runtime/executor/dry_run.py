@@ -89,8 +89,6 @@ def _rehearsed(priced: Priced, shape: ModelShape, hw: Hardware) -> str:
     wl = priced.workload
     rows = max(1, wl.micro_batch_tokens // math.ceil(wl.max_context))
     r = rehearse_plan(replace(priced, workload=replace(wl, micro_batch=rows)), shape)
-    if r.rehearsed_gib is None:
-        return f"rehearsal: skipped ({r.why})"
     said = (f"rehearsal: actor training {r.rehearsed_gib:.2f} GiB per device (priced "
             f"{r.model_gib:.2f}) for {r.rows} rows of {r.prompt} + {r.response} tokens; "
             f"training group {r.group_gib:.2f} GiB")

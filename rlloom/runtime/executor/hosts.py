@@ -68,6 +68,13 @@ class Batch:
 
 # -- the stages a rank hosts ---------------------------------------------------------------
 
+def copy_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    """The dtype of every model copy that does not train (reference, generation and critic
+    copies) and of the weights weight sync sends them: the compute dtype (`frozen_dtype`),
+    so sender and receivers agree and the channel carries half an fp32 model's bytes."""
+    return frozen_dtype(cfg.train.compute_dtype, DTYPES[cfg.model.dtype], device)
+
+
 def _in_compute_dtype(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run a stage under `train.compute_dtype` (autocast is per thread: each call sets it)."""
     @functools.wraps(method)
@@ -123,7 +130,7 @@ class TrainingHost:
                 generates and needs_generation_copy(self.layout, gen))):  # the priced rule
             # in the dtype the trainer's data parallelism gathers its weights in, so both
             # compute with the same weights
-            held = frozen_dtype(cfg.train.compute_dtype, DTYPES[cfg.model.dtype], ranks.device)
+            held = copy_dtype(cfg, ranks.device)
             self.generator = ranks.generating(copy.deepcopy(self.policy).to(held), gen)
         compute = compute_dtype(cfg.train.compute_dtype, ranks.device)
         # with pp > 1 the policy that trains is this rank's pipeline stage
@@ -225,8 +232,10 @@ class GenerationHost:
         self.cfg, self.spans, self.ranks = cfg, spans, ranks
         self.tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
         layout = generation_layout(cfg.plan)
+        held = copy_dtype(cfg, ranks.device)
         self.weights: LiveModel | ShadowModel = LiveModel(training) if training else _shadow(
-            lambda: ranks.generating(build_policy(cfg, model_path).to(ranks.device), layout), ranks)
+            lambda: ranks.generating(build_policy(cfg, model_path).to(ranks.device, held),
+                                     layout), ranks)
         self.rewarder = Rewarder.build(cfg, self.tokenizer, pool, ranks.device)
         self.stream = PromptStream(load_prompt_sets(cfg.data, cfg.seed).train, cfg.seed)
         self.share = ranks.share(layout)
@@ -283,7 +292,7 @@ class AssessmentHost:
                  group: DeviceGroup, training: TrainingHost | None) -> None:
         self.cfg, self.spans, self.ranks = cfg, spans, ranks
         a, plan = cfg.algo, cfg.plan
-        dtype = frozen_dtype(cfg.train.compute_dtype, DTYPES[cfg.model.dtype], ranks.device)
+        dtype = copy_dtype(cfg, ranks.device)
         ref_layout = model_layout(plan, group, "reference")
         self.ref_share = ranks.share(ref_layout)
         self.reference: nn.Module | None = None
@@ -310,9 +319,10 @@ class AssessmentHost:
                     policy = build_policy(cfg, model_path)
                     critic = (policy if isinstance(policy, ActorCritic)
                               else build_critic(cfg.model, model_path, policy))
+                    critic = critic.to(ranks.device, dtype)
                     whole.update({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
                                   for k, v in synced_state(critic).items()})
-                    return ranks.frozen(critic.to(ranks.device), layout)
+                    return ranks.frozen(critic, layout)
                 self.critic = _shadow(build, ranks, whole)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         # step -> chunk -> (batch, ref_logp, values) of a fused schedule's assessed chunks

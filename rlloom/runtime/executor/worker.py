@@ -47,6 +47,7 @@ from rlloom.runtime.executor.hosts import (
     GenerationHost,
     PreferenceHost,
     TrainingHost,
+    copy_dtype,
 )
 from rlloom.runtime.executor.ray.files import localise
 from rlloom.runtime.executor.weight_channel import WeightChannel
@@ -211,6 +212,8 @@ class GroupWorker:
         state = self.ranks.full_state(model)
         if has_lora(model):  # a copy's base weights never change
             state = trained_state(state)
+        held = copy_dtype(self.cfg, self.device)  # as the copies hold them
+        state = {k: v.to(held) if v.is_floating_point() else v for k, v in state.items()}
         return self.channels[what].send(state) if self.rank == 0 else 0
 
     @property
