@@ -21,7 +21,7 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     """What the cost model charges one rank for this micro-batch, by kind: the resident
     state (`memory.model_state_bytes`, split into its parts at the model's precision),
     `cost.training`'s transient bytes and FLOPs for a step of exactly this micro-batch, and
-    the bytes it sends in that step's collectives (`cost.training_collectives`)."""
+    the bytes it sends in that step's collectives (`comm.training`)."""
     wl = Workload(prompts=rows * layout.dp, samples=1, prompt_len=prompt,
                   response=Lengths("fixed", response), micro_batch=rows, lora_rank=lora_rank)
     hw = hardware("h100")
@@ -34,7 +34,7 @@ def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int
     parts["transient"] = stage.transient_bytes + parts["grads"]
     parts["peak"] = parts["params"] + parts["optimizer"] + parts["transient"]
     parts["flops"] = stage.compute_s * hw.flops(wl.dtype)  # the busiest device's
-    step = cost.training_collectives(shape, layout, wl, "actor")
+    step = comm.training(shape, layout, wl, "actor")
     parts["sent"] = comm.sent(step["model"] + step["dp"])
     return parts
 

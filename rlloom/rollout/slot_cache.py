@@ -8,7 +8,7 @@ from rlloom.models.transformer import CausalLM, kv_dtype
 
 def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
     """Bytes of keys and values one slot holds for `max_len` positions (a capacity step
-    briefly holds the old and the new cache together)."""
+    holds one layer's old and new buffers together beside the rest: `SlotKVCache.ensure`)."""
     c = model.config
     elem = torch.empty((), dtype=kv_dtype(model)).element_size()
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * max_len * elem
@@ -40,14 +40,20 @@ class SlotKVCache:
             return
         cap = min(self.max_len, -(-width // self.chunk) * self.chunk)
         shape = (self.slots, self.kv_heads, cap, self.head_dim)
-        fresh = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                 for _ in range(2 * self.layers)]
-        for j, new in enumerate(fresh):
-            if self.cap:
-                new[:, :, :self.cap] = (self.k + self.v)[j]
-            # zeros, not garbage: a NaN in an unused position would leak through 0 * NaN in P @ V
-            new[:, :, self.cap:] = 0
-        self.k, self.v, self.cap = fresh[:self.layers], fresh[self.layers:], cap
+        # zeros, not garbage: a NaN in an unused position would leak through 0 * NaN in P @ V
+        if not self.cap:
+            self.k, self.v = ([torch.zeros(shape, dtype=self.dtype, device=self.device)
+                               for _ in range(self.layers)] for _ in range(2))
+        else:
+            # one buffer at a time, each old one freed as its copy replaces it: growing holds
+            # one layer's keys (or values) twice, not the whole cache (2x the KV budget)
+            for bufs in (self.k, self.v):
+                for i in range(self.layers):
+                    new = torch.empty(shape, dtype=self.dtype, device=self.device)
+                    new[:, :, :self.cap] = bufs[i]
+                    new[:, :, self.cap:] = 0
+                    bufs[i] = new
+        self.cap = cap
 
     def place(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Copy prefilled keys/values [n, kv_heads, width, hd] per layer into `slots` [n]."""

@@ -1,4 +1,7 @@
 """The generation engine against the reference `generate` and a teacher-forced forward."""
+import weakref
+from unittest import mock
+
 import pytest
 import torch
 
@@ -7,7 +10,7 @@ from rlloom.rollout.engine import Engine, EngineConfig, engine_generate
 from rlloom.rollout.engine_forward import prompt_groups
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms, uniforms
-from rlloom.rollout.slot_cache import kv_bytes_per_slot
+from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
@@ -180,6 +183,26 @@ def test_kv_budget_sets_the_slot_count(model):
     with pytest.raises(ValueError, match="kv_budget_bytes"):
         engine_generate(model, PROMPTS, params, 2, 0,
                         config=EngineConfig(kv_budget_bytes=per_slot - 1))
+
+
+def test_growing_the_kv_cache_holds_one_buffer_twice_not_the_cache(model):
+    """A capacity step replaces one layer's keys (or values) at a time: at its peak the new
+    cache and one old buffer exist, so a cache sized to `kv_budget_bytes` stays within it
+    but one buffer (it held the old and the new cache whole: up to twice the budget)."""
+    cache = SlotKVCache(model, slots=4, max_len=64, chunk=16)
+    held = [weakref.ref(t) for t in cache.k + cache.v]
+    old_bytes, peak, empty = sum(t().nbytes for t in held), [0], torch.empty
+
+    def counted(*args, **kwargs):  # every buffer alive when each new one is made
+        out = empty(*args, **kwargs)
+        held.append(weakref.ref(out))
+        peak[0] = max(peak[0], sum(t().nbytes for t in held if t() is not None))
+        return out
+    with mock.patch.object(torch, "empty", counted):
+        cache.ensure(40)
+    old_buffer = old_bytes // (2 * model.config.num_layers)
+    assert cache.cap == 48 and sum(t.nbytes for t in cache.k + cache.v) == 3 * old_bytes
+    assert peak[0] == 3 * old_bytes + old_buffer  # was 4 x: the old cache beside the new
 
 
 def test_uniforms_are_uniform_and_keyed_by_seed_sequence_and_step():

@@ -5,11 +5,12 @@ ones the runtime sends (`rehearsal.comm`)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.shapes import ModelShape
+from rlloom.perf.model.workload import Workload
 from rlloom.plan import Layout
 
 
@@ -176,6 +177,27 @@ def dp(shape: ModelShape, layout: Layout, micro_batches: int,
                            2 * micro_batches),
                 Collective("reduce_scatter", d, span, micro_batches * grads, micro_batches)]
     return [c for c in out if c.size > 1]
+
+
+def training(shape: ModelShape, layout: Layout, wl: Workload, role: str,
+             prompts_once: bool = False) -> dict[str, list[Collective]]:
+    """A device's collectives in one optimizer step: "model", those among the tp / cp / ep /
+    pp ranks of every micro-batch's passes, and "dp", the step's gradient collectives (`dp`,
+    `cp_grads`)."""
+    ckpt = layout.activation_checkpointing
+    lora = wl.lora_rank if role == "actor" else 0
+    _, tokens, m = wl.device_minibatch(layout.dp, prompts_once)
+    mb_tokens, pieces = tokens / m, layout.pp
+    # Under TP an MoE block's backward also sums the gradient its experts' feature slices
+    # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
+    tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
+    per_mb = (tp(layout, shape, mb_tokens / layout.cp, tp_per_layer, 2)
+              + cp(layout, shape, mb_tokens, 1 + ckpt, True)
+              + ep(layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4))
+    model = [replace(c, nbytes=m * c.nbytes, calls=m * c.calls) for c in per_mb]
+    model += pp(layout, shape, mb_tokens / pieces, m * pieces, True)
+    return {"model": model,
+            "dp": dp(shape, layout, m, lora) + cp_grads(shape, layout, lora)}
 
 
 def dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, micro_batches: int,

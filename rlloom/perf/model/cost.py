@@ -426,7 +426,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     ckpt = layout.activation_checkpointing
     lora = wl.lora_rank if role == "actor" else 0
     steps = wl.ppo_epochs * wl.minibatches
-    mb_rows, tokens, m = _minibatch(layout, wl, prompts_once)
+    mb_rows, tokens, m = wl.device_minibatch(layout.dp, prompts_once)
     context = tokens / mb_rows
     prompt_tokens = (wl.distinct_prompts(mb_rows) if prompts_once else mb_rows) * wl.prompt_len
     head_tokens = max(tokens - prompt_tokens, 0.0) if logits else 0.0
@@ -452,8 +452,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     pieces = layout.pp  # pipeline micro-batches per micro-batch (see `_bubble`)
     memory_s = (steps * m * pieces * passes * _weight_bytes(shape, layout, wl)
                 / (hw.mem_bw * hw.mem_eff))
-    comm_s = steps * comm.seconds(hw, training_collectives(shape, layout, wl, role,
-                                                          prompts_once)["model"])
+    comm_s = steps * comm.seconds(hw, comm.training(shape, layout, wl, role,
+                                                    prompts_once)["model"])
     dp_s = steps * (comm.dp_comm(shape, layout, hw, m, lora)
                     + comm.seconds(hw, comm.cp_grads(shape, layout, lora))
                     + offload_copy_s(shape, layout, hw, m, trained=True, lora_rank=lora))
@@ -480,33 +480,6 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
     return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      depth, compute_s, memory_s, comm_s, seconds, transient, dispatch_s=host_s)
-
-
-def _minibatch(layout: Layout, wl: Workload, prompts_once: bool) -> tuple[int, float, int]:
-    """(rows, teacher-forced tokens, micro-batches) of one device's mini-batch."""
-    mb_rows = math.ceil(math.ceil(wl.rollouts / layout.dp) / wl.minibatches)
-    tokens, m = wl.teacher_forced(mb_rows, prompts_once)
-    return mb_rows, tokens, m
-
-
-def training_collectives(shape: ModelShape, layout: Layout, wl: Workload, role: str,
-                         prompts_once: bool = False) -> dict[str, list[comm.Collective]]:
-    """A device's collectives in one optimizer step: "model", those among the tp / cp / ep /
-    pp ranks of every micro-batch's passes, and "dp", the data-parallel ones (`comm.dp`)."""
-    ckpt = layout.activation_checkpointing
-    lora = wl.lora_rank if role == "actor" else 0
-    _, tokens, m = _minibatch(layout, wl, prompts_once)
-    mb_tokens, pieces = tokens / m, layout.pp
-    # Under TP an MoE block's backward also sums the gradient its experts' feature slices
-    # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.
-    tp_per_layer = (6 if ckpt else 4) + (1 if shape.moe else 0)
-    per_mb = (comm.tp(layout, shape, mb_tokens / layout.cp, tp_per_layer, 2)
-              + comm.cp(layout, shape, mb_tokens, 1 + ckpt, True)
-              + comm.ep(layout, shape, mb_tokens / layout.cp, 6 if ckpt else 4))
-    model = [replace(c, nbytes=m * c.nbytes, calls=m * c.calls) for c in per_mb]
-    model += comm.pp(layout, shape, mb_tokens / pieces, m * pieces, True)
-    return {"model": model,
-            "dp": comm.dp(shape, layout, m, lora) + comm.cp_grads(shape, layout, lora)}
 
 
 def _exposed_dp(dp_s: float, work: float, layers: float, hw: Hardware) -> float:

@@ -152,6 +152,13 @@ class Workload:
         longest response)."""
         return 0 < self.partial_tokens < self.response.max
 
+    def device_minibatch(self, dp: int, prompts_once: bool = False) -> tuple[int, float, int]:
+        """(rows, teacher-forced tokens, micro-batches) of one data-parallel rank's
+        mini-batch."""
+        rows = math.ceil(math.ceil(self.rollouts / dp) / self.minibatches)
+        tokens, m = self.teacher_forced(rows, prompts_once)
+        return rows, tokens, m
+
     @lru_cache(maxsize=4096)  # the same workloads are priced on many hardwares
     def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
         """(tokens computed, forward passes) of one forward over `rows` rollouts.
