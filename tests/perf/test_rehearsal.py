@@ -93,17 +93,17 @@ def test_the_cost_model_prices_what_the_runtime_holds(layout: Layout) -> None:
     assert (rows["sent"]["rehearsed"] > 0) == (layout.world_size > 1)
 
 
-@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(pp=2, tp=2, activation_checkpointing=True)],
-                         ids=["pp2", "pp2-tp2-ckpt"])
-def test_a_pipeline_is_rehearsed_on_its_first_and_last_stage(layout: Layout) -> None:
-    """Both ends of the pipeline run its 1F1B schedule (the first holds the most pieces in
-    flight, the last the head, run on hidden states a chunk at a time): the busiest stage's
-    weights, gradients and AdamW state exact (the embedding or the head beside L/pp
-    layers), FLOPs (the last stage's head whole) and the bytes a stage sends within 5%.
+def test_a_pipeline_is_rehearsed_on_its_first_and_last_stage() -> None:
+    """Both ends of a pipeline (with TP and checkpointing inside its stages) run its 1F1B
+    schedule (the first holds the most pieces in flight, the last the head, run on hidden
+    states a chunk at a time): the busiest stage's weights, gradients and AdamW state exact
+    (the embedding or the head beside L/pp layers), FLOPs within 5% (the last stage's head
+    whole), the bytes a stage sends within 10%.
     Peak memory is not gated here: the model prices the first stage's gradients at 0.86-1.32
     of what it holds (FSDP under the schedule keeps unsharded gradients across pieces)."""
-    _held(compare_training(SMALL, layout, 2, 256, 768), peak=False,
-          sent=0.10 if layout.tp > 1 else 0.05)
+    layout = Layout(pp=2, tp=2, activation_checkpointing=True)
+    # sent: 0.92-1.00 (a stage's TP ends are priced as the whole backbone's)
+    _held(compare_training(SMALL, layout, 2, 256, 768), peak=False, sent=0.10)
 
 
 # Qwen3-30B-A3B's widths (k = 8 of 128 experts, 768 wide) with 2 layers and 16 experts

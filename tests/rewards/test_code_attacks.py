@@ -67,6 +67,9 @@ TASKS = {
 
 HERE = os.path.abspath(__file__)
 ANSWER_PORT_FILE = "/tmp/rlloom-attack-answer-server"  # where the answer server's address is
+# named per process: test workers each serve their own (one name made the second worker's
+# setup fail, "Address already in use")
+ABSTRACT_NAME = f"rlloom-attack-answers-{os.getpid()}"
 
 # An answer server stands in for anything on the host a program should not reach: it hands
 # the add task's answers to whoever connects (TCP on localhost, a Unix socket file, an
@@ -322,14 +325,14 @@ def connect():
 def add(a, b):
     return ask(connect).get(f"{{a}},{{b}}", a - b)
 """),
-    "abstract_unix_socket": ("add", ASK + """
+    "abstract_unix_socket": ("add", ASK + f"""
 import socket
 def connect():
     s = socket.socket(socket.AF_UNIX)
-    s.connect("\\0rlloom-attack-answers")
+    s.connect("\\0" + {ABSTRACT_NAME!r})
     return s.recv(1000)
 def add(a, b):
-    return ask(connect).get(f"{a},{b}", a - b)
+    return ask(connect).get(f"{{a}},{{b}}", a - b)
 """),
 }
 
@@ -345,7 +348,7 @@ def answer_server(tmp_path_factory):
     servers[1].bind(path)
     os.chmod(path, 0o777)
     os.chmod(os.path.dirname(path), 0o777)
-    servers[2].bind("\0rlloom-attack-answers")
+    servers[2].bind("\0" + ABSTRACT_NAME)
     stolen = []
 
     def serve(server: socket.socket) -> None:
