@@ -66,9 +66,10 @@ TASKS = {
 }
 
 HERE = os.path.abspath(__file__)
-ANSWER_PORT_FILE = "/tmp/rlloom-attack-answer-server"  # where the answer server's address is
-# named per process: test workers each serve their own (one name made the second worker's
-# setup fail, "Address already in use")
+# where the answer server's address is, and its abstract socket: per process, since test
+# workers each serve their own (one name made the second worker's setup fail, "Address
+# already in use", and one file its teardown, removed by the other)
+ANSWER_PORT_FILE = f"/tmp/rlloom-attack-answer-server-{os.getpid()}"
 ABSTRACT_NAME = f"rlloom-attack-answers-{os.getpid()}"
 
 # An answer server stands in for anything on the host a program should not reach: it hands
