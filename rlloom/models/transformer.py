@@ -243,8 +243,9 @@ class Unpack(nn.Module):
 
 
 def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Packed rows [batch, seq, hidden] back in the token order `packed_order` took them from."""
-    return x.gather(1, order.argsort(dim=1)[..., None].expand_as(x))
+    """Packed rows [batch, seq, ...] back in the token order `packed_order` took them from."""
+    back = order.argsort(dim=1)
+    return x.gather(1, back.view(*back.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
 def window_masks(cfg: ModelConfig, seq: int, device: torch.device

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.models.transformer import packed_order, packed_positions, rotary_cos_sin
+from rlloom.models.transformer import packed_order, packed_positions, rotary_cos_sin, unpack
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -120,12 +120,6 @@ class PackedShard:
         return cls(order, positions, masks, keys, longest)
 
 
-def unpack_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Outputs [batch, seq, ...] of rows packed by `order` back in the rows' token order."""
-    back = order.argsort(dim=1)
-    return x.gather(1, back.view(*back.shape, *[1] * (x.dim() - 2)).expand_as(x))
-
-
 class ContextParallelBackbone(nn.Module):
     """A `Backbone` on one sequence shard. Holds the backbone's own modules under the same
     names, so state dicts are unchanged."""
@@ -185,7 +179,7 @@ def on_shards(model: nn.Module, forward: Any, input_ids: torch.Tensor,
     order = packed_order(mask)
 
     def whole(x: torch.Tensor) -> torch.Tensor:
-        return unpack_rows(gather_sequence(x.contiguous(), 1, group), order)[:, :seq]
+        return unpack(gather_sequence(x.contiguous(), 1, group), order)[:, :seq]
     return tuple(whole(x) for x in out) if isinstance(out, tuple) else whole(out)
 
 

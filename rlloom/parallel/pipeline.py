@@ -61,7 +61,7 @@ from rlloom.models.transformer import (
     unpack,
     window_masks,
 )
-from rlloom.parallel.context_parallel import KVGather, PackedShard, gather_sequence, unpack_rows
+from rlloom.parallel.context_parallel import KVGather, PackedShard, gather_sequence
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.expert_parallel import all_experts, is_expert_parameter
 from rlloom.parallel.grads import scale_grads, squared_norm
@@ -156,8 +156,8 @@ class StageModule(nn.Module):
                 if self.both:
                     x = torch.cat([x, self.score(x).to(x.dtype)], -1)
             if shard is not None:
-                x = unpack_rows(gather_sequence(x.contiguous(), 1, self.cp_group),
-                                shard.order)[:, :self.seq]
+                x = unpack(gather_sequence(x.contiguous(), 1, self.cp_group),
+                           shard.order)[:, :self.seq]
         return x
 
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import schedules
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import CausalBias
 
 from rlloom.models import transformer
 from rlloom.models.config import FAMILY_TO_ARCH, ModelConfig
@@ -44,8 +45,8 @@ from rlloom.rehearsal.routing import even_routing
 from rlloom.plan import Layout
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.ranks import RankGroup
-from rlloom.runtime.stages.batch import response_logprobs
-from rlloom.runtime.stages.pipelined import pipelined_logprobs
+from rlloom.runtime.stages.batch import joined, response_logprobs
+from rlloom.runtime.stages.pipelined import padded_rows, pipeline_rows, pipelined_logprobs
 
 T = TypeVar("T")
 
@@ -102,29 +103,6 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias.expand(b, h, s, k.shape[2]), True)[0]
-
-
-@contextlib.contextmanager
-def _real_meshes() -> Iterator[None]:
-    """Device meshes made with real tensors: FSDP over TP joins the two meshes while the
-    model's fake mode is on, and a mesh computes its ranks' coordinates from its tensor."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-    made = DeviceMesh._concatenate
-
-    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
-        with unset_fake_temporarily():
-            return made(meshes)
-    with mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate)):
-        yield
-
-
-def _real_causal_bias(queries: int, keys: int) -> CausalBias:
-    """A `CausalBias` holds no data but is a tensor subclass, which a dispatch mode (fake
-    tensors, the counters) cannot make."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    with _disable_current_modes():
-        return causal_lower_right(queries, keys)
 
 
 def rehearsed_ranks(layout: Layout) -> list[int]:
@@ -222,22 +200,28 @@ def _rehearsed(layout: Layout, rank: int) -> Iterator[RankGroup]:
         ranks.mesh(layout)
         if layout.ep > 1:
             ranks.experts(layout)  # its groups are read off the mesh's real tensor
-        with FakeTensorMode(allow_non_fake_inputs=True), _real_meshes(), even_routing(), \
-                mock.patch.object(transformer, "causal_lower_right", _real_causal_bias), \
+        # FSDP over TP joins meshes, and a pipeline finds its end stages, off mesh tensors
+        with FakeTensorMode(allow_non_fake_inputs=True), even_routing(), \
+                mock.patch.object(DeviceMesh, "_concatenate",
+                                  staticmethod(_real(DeviceMesh._concatenate))), \
+                mock.patch.object(apply, "first_and_last_stages",
+                                  _real(apply.first_and_last_stages)), \
+                mock.patch.object(transformer, "causal_lower_right",
+                                  _real(transformer.causal_lower_right)), \
                 mock.patch.object(transformer.F, "scaled_dot_product_attention",
                                   _gpu_attention), \
-                mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", _static_stages), \
-                mock.patch.object(apply, "first_and_last_stages",
-                                  _real_tensors(apply.first_and_last_stages)):
+                mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", _static_stages):
             yield ranks
 
 
-def _real_tensors(fn: Callable[..., T]) -> Callable[..., T]:
-    """`fn` run outside fake mode: it reads ranks off a device mesh's (real) tensor."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+def _real(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` run outside the rehearsal's dispatch modes: it reads ranks off a device mesh's
+    (real) tensor, or makes a `CausalBias`, a tensor subclass holding no data, which no
+    mode can make."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
     def run(*args: object) -> T:
-        with unset_fake_temporarily():
+        with _disable_current_modes():
             return fn(*args)
     return run
 
@@ -296,14 +280,13 @@ def _loss(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
 def _pipelined_step(pipe: PipelinedModel, r: Rollout) -> None:
     """The micro-batch through the pipeline's 1F1B schedule, as `stages.pipelined` runs it:
     rows repeated up to a multiple of its micro-batches, the head in the loss."""
-    ids = torch.cat([r.prompt_ids, r.response_ids], 1)
-    prompt, rows = r.prompt_ids.shape[1], -(-len(ids) // pipe.n_microbatches) * pipe.n_microbatches
-    ids = ids[torch.arange(rows) % len(ids)]
-    span = slice(prompt - 1, ids.shape[1] - 1)
+    ids, mask, span = joined(r)
+    rows = pipeline_rows(pipe, len(ids))
+    ids, mask, tokens = (padded_rows(x, rows) for x in (ids, mask, r.response_ids))
 
     def loss_fn(hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return _loss(*token_logprobs(pipe.module.lm_head, hidden[:, span], tokens, 1.0, True))
-    pipe.train_step(ids, torch.ones_like(ids), ids[:, prompt:], loss_fn)
+    pipe.train_step(ids, mask, tokens, loss_fn)
 
 
 def _rehearse_scoring(shape: ModelShape, layout: Layout, rank: int, rows: int, prompt: int,

@@ -9,14 +9,13 @@ import torch.distributed as dist
 from harness import full, loss_of, spawn
 
 from rlloom.models.config import ModelConfig
-from rlloom.models.transformer import CausalLM, packed_order
+from rlloom.models.transformer import CausalLM, packed_order, unpack
 from rlloom.parallel.apply import parallelize
 from rlloom.parallel.context_parallel import (
     PackedShard,
     apply_context_parallel,
     on_shards,
     shard_sequence,
-    unpack_rows,
 )
 from rlloom.parallel.data_parallel import local_tensor
 from rlloom.parallel.mesh import build_mesh
@@ -66,7 +65,7 @@ def test_a_shard_of_packed_rows_sees_the_keys_up_to_its_own_queries():
     band = dense & (torch.arange(4, 8)[:, None] - torch.arange(8)[None, :] < 3)
     assert torch.equal(shard.masks[1][0, 0], band)
     x = torch.arange(36.).view(3, 12)
-    assert torch.equal(unpack_rows(x.gather(1, shard.order), shard.order), x)
+    assert torch.equal(unpack(x.gather(1, shard.order), shard.order), x)
 
 
 def _reference():

@@ -42,13 +42,14 @@ def _split(pipe: PipelinedModel, out: torch.Tensor) -> tuple[torch.Tensor, torch
     return out, None
 
 
-def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x with copies of its first row appended up to `rows` rows."""
     extra = rows - x.shape[0]
     return torch.cat([x, x[:1].expand(extra, *x.shape[1:])]) if extra else x
 
 
-def _rows_for(pipe: PipelinedModel, n: int) -> int:
+def pipeline_rows(pipe: PipelinedModel, n: int) -> int:
+    """`n` rows rounded up to a multiple of the pipeline's micro-batches."""
     m = pipe.n_microbatches
     return -(-n // m) * m
 
@@ -83,8 +84,8 @@ def pipelined_backward(pipe: PipelinedModel, exp: Experience, idx: torch.Tensor,
             parts += (exp.old_values[rows, :t], exp.returns[rows, :t])
         dtypes = [p.dtype for p in parts]
         target = torch.stack([p.double() for p in parts], -1)   # [rows, T, fields]
-        n, padded = len(rows), _rows_for(pipe, len(rows))
-        ids, mask, target = (_padded(x, padded) for x in (ids, mask, target))
+        n, padded = len(rows), pipeline_rows(pipe, len(rows))
+        ids, mask, target = (padded_rows(x, padded) for x in (ids, mask, target))
         target[n:, :, FIELDS.index("mask")] = 0.0
 
         def loss_fn(out: torch.Tensor, target: torch.Tensor, span: slice = span,
@@ -124,8 +125,8 @@ def pipelined_critic_backward(pipe: PipelinedModel, exp: Experience, idx: torch.
         parts = (exp.old_values[rows, :t], exp.returns[rows, :t], exp.loss_mask[rows, :t])
         dtypes = [p.dtype for p in parts]
         target = torch.stack([p.double() for p in parts], -1)   # [rows, T, 3]
-        n, padded = len(rows), _rows_for(pipe, len(rows))
-        ids, mask, target = (_padded(x, padded) for x in (ids, mask, target))
+        n, padded = len(rows), pipeline_rows(pipe, len(rows))
+        ids, mask, target = (padded_rows(x, padded) for x in (ids, mask, target))
         target[n:, :, 2] = 0.0
 
         def loss_fn(values: torch.Tensor, target: torch.Tensor, span: slice = span,
@@ -145,8 +146,8 @@ def _scored(pipe: PipelinedModel, r: Rollout,
     broadcast from the last stage to every rank of the pipeline."""
     ids, mask, span = joined(r)
     n = len(ids)
-    padded = _rows_for(pipe, n)
-    outputs = pipe.score(_padded(ids, padded), _padded(mask, padded))
+    padded = pipeline_rows(pipe, n)
+    outputs = pipe.score(padded_rows(ids, padded), padded_rows(mask, padded))
     out = torch.zeros(r.response_ids.shape, dtype=dtype, device=pipe.device)
     if pipe.is_last:
         out = head(outputs[:n], span).to(dtype).contiguous()
