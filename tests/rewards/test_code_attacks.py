@@ -375,6 +375,9 @@ def answer_server(tmp_path_factory):
     decoy.kill()
     decoy.wait()
     for server in servers:
+        # close alone leaves a name bound while a thread waits in accept, so the fixture's
+        # second setup in this worker (xdist may return to the module) finds it in use
+        server.shutdown(socket.SHUT_RDWR)
         server.close()
     os.remove(ANSWER_PORT_FILE)
 
