@@ -131,25 +131,41 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     import json
 
     from rlloom.perf.model.shapes import model_shape
-    from rlloom.rehearsal.compare import compare_training, parse_layout, render
+    from rlloom.rehearsal.compare import (
+        compare_generation,
+        compare_training,
+        parse_layout,
+        render,
+    )
     from rlloom.rehearsal.train import rehearsed_ranks
     layout = parse_layout(args.layout)
     try:
         shape = model_shape(args.model)
     except KeyError as e:
         raise ConfigError(e.args[0]) from None
-    rows = compare_training(shape, layout, args.rows, args.prompt_len,
-                            args.response_len, args.lora)
-    tokens = args.rows * (args.prompt_len + args.response_len)
-    ranks = rehearsed_ranks(layout)
-    rank = " and ".join(map(str, ranks)) + (" (pipeline stages: the busier)" if len(ranks) > 1
-                                             else "")
-    print(render(rows, f"{args.model}, rank {rank} of {layout.world_size}: training micro-batch "
-                       f"of {args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} "
-                       f"tokens, {args.layout or 'one device'}"
-                       f"{f', LoRA rank {args.lora}' if args.lora else ''}"))
+    where = args.layout or "one device"
+    if args.stage == "generation":
+        rollouts = args.rollouts or args.rows
+        rows = compare_generation(shape, layout.tp, args.rows, rollouts, args.prompt_len,
+                                  args.response_len, args.samples)
+        ranks = [0]
+        title = (f"{args.model}, rank 0 of a generation replica of {layout.tp}: {rollouts} "
+                 f"rollouts, {args.rows} at once, of {args.prompt_len} + {args.response_len} "
+                 f"tokens, {args.samples} per prompt")
+    else:
+        rows = compare_training(shape, layout, args.rows, args.prompt_len,
+                                args.response_len, args.lora)
+        tokens = args.rows * (args.prompt_len + args.response_len)
+        ranks = rehearsed_ranks(layout)
+        rank = " and ".join(map(str, ranks)) + (" (pipeline stages: the busier)"
+                                                 if len(ranks) > 1 else "")
+        title = (f"{args.model}, rank {rank} of {layout.world_size}: training micro-batch of "
+                 f"{args.rows} x ({args.prompt_len} + {args.response_len}) = {tokens} tokens, "
+                 f"{where}{f', LoRA rank {args.lora}' if args.lora else ''}")
+    print(render(rows, title))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "layout": layout.model_dump(),
+        Path(args.json).write_text(json.dumps({"model": args.model, "stage": args.stage,
+                                               "layout": layout.model_dump(),
                                                "rows": args.rows, "prompt": args.prompt_len,
                                                "response": args.response_len,
                                                "lora": args.lora, "ranks": ranks,
@@ -407,12 +423,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
     p.add_argument("--out", default="simulation", help="directory for trace.json, gantt.png")
     p.set_defaults(fn=cmd_simulate)
-    p = sub.add_parser("rehearse", help="run one rank's training micro-batch at real shapes on "
-                       "fake tensors and print its memory and FLOPs beside the cost model's")
+    p = sub.add_parser("rehearse", help="run one rank's training micro-batch or generation at "
+                       "real shapes on fake tensors and print its memory (and FLOPs, bytes "
+                       "sent) beside the cost model's")
     _model_arg(p)
     p.add_argument("--layout", default="", help="the role's layout as key=value pairs, e.g. "
                    "dp=16,zero=3 or tp=2,dp=8,zero=3,activation_checkpointing=true")
-    p.add_argument("--rows", type=_positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--stage", choices=["training", "generation"], default="training",
+                   help="training: one micro-batch, forward + backward + AdamW; generation: "
+                   "the engine's KV slots at the longest context, a prefill and a decode step "
+                   "(the layout's tp shards the replica)")
+    p.add_argument("--rows", type=_positive, default=1, help="sequences per micro-batch, or "
+                   "rollouts generated at once (KV slots)")
+    p.add_argument("--rollouts", type=_positive, default=0, help="generation: rollouts per "
+                   "replica (default: --rows)")
+    p.add_argument("--samples", type=_positive, default=1, help="generation: rollouts per "
+                   "prompt, which share its prefill")
     p.add_argument("--prompt-len", type=_positive, default=1024, help="prompt tokens")
     p.add_argument("--response-len", type=_positive, default=7168, help="response tokens")
     p.add_argument("--lora", type=_positive, default=0, metavar="RANK", help="train LoRA adapters "

@@ -14,8 +14,10 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+                 device: torch.device | str = "cpu", kv_heads: int = 0) -> None:
+        """`kv_heads`: the heads this rank stores (under tensor parallelism its share); 0:
+        the config's."""
+        shape = (batch, kv_heads or cfg.num_kv_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)

@@ -166,6 +166,13 @@ def matmul_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def local_kv_heads(model: nn.Module) -> int:
+    """The key/value heads this rank computes and caches: under tensor parallelism its share
+    (`parallel.tensor_parallel` localises each attention's head counts), else all."""
+    layers = model.model.layers
+    return layers[0].self_attn.n_kv if len(layers) else model.config.num_kv_heads
+
+
 def kv_dtype(model: nn.Module) -> torch.dtype:
     """The dtype a KV cache stores: the one keys and values come out of their projections
     in, autocast's when it is on (a cache in fp32 weights' dtype would store bf16 values in
@@ -305,8 +312,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids, attention_mask, cache))
+                cache: KVCache | None = None, last: bool = False) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; with `last`, of the last position only [batch, 1,
+        vocab] (what sampling reads: a prefill's at every prompt position would be [batch,
+        prompt, vocab]). Through the module, so a data-parallel wrapper's hooks run."""
+        h = self.model(input_ids, attention_mask, cache)
+        return self.lm_head(h[:, -1:] if last else h)
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [batch, seq, hidden], for heads applied to chosen

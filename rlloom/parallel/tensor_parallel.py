@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
@@ -77,7 +76,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     parallelize_module(backbone, tp_mesh, {"unpack": PrepareModuleInput(
         input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
         use_local_output=True)})
-    backbone.register_forward_pre_hook(_shard_kv_cache, with_kwargs=True)
     return model
 
 
@@ -142,20 +140,3 @@ def _localise_heads(attn: Attention, tp: int) -> None:
     # this rank's share of the heads.
     attn.n_heads //= tp
     attn.n_kv //= tp
-
-
-def _shard_kv_cache(backbone: Backbone, args: tuple, kwargs: dict) -> None:
-    """Give a fresh KV cache buffers for this rank's kv heads only.
-
-    `KVCache` is sized from the config's (global) kv-head count; under TP a rank stores
-    `num_kv_heads / tp` heads per layer, so the buffers are reallocated before first use.
-    """
-    cache = kwargs.get("cache", args[2] if len(args) > 2 else None)
-    if cache is None or cache.length:
-        return
-    local_kv = backbone.layers[0].self_attn.n_kv if len(backbone.layers) else 0
-    for bufs in (cache.k, cache.v):
-        for i, buf in enumerate(bufs):
-            if buf.shape[1] != local_kv:
-                shape = (buf.shape[0], local_kv, *buf.shape[2:])
-                bufs[i] = torch.zeros(shape, dtype=buf.dtype, device=buf.device)

@@ -1,4 +1,5 @@
-"""The cost model's prediction for one rank's training micro-batch beside its rehearsal."""
+"""The cost model's prediction for one rank's training micro-batch, or its generation, beside
+its rehearsal."""
 from __future__ import annotations
 
 import yaml
@@ -11,10 +12,8 @@ from rlloom.perf.model.hardware import hardware
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.perf.model.workload import Lengths, Workload
 from rlloom.plan import Layout
+from rlloom.rehearsal.generation import rehearse_generation
 from rlloom.rehearsal.train import rehearse_training
-
-KINDS = ("params", "grads", "optimizer", "transient", "peak", "flops", "sent")
-
 
 def predicted_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                        response: int, lora_rank: int = 0) -> dict[str, float]:
@@ -49,10 +48,39 @@ def compare_training(shape: ModelShape, layout: Layout, rows: int, prompt: int,
                 # what the step adds to weights and AdamW state at its peak, as the model's
                 "transient": r.peak - r.params - r.optimizer, "peak": r.peak, "flops": r.flops,
                 "sent": sum(r.sent.values())}
+    return _side_by_side(model, measured)
+
+
+def predicted_generation(shape: ModelShape, tp: int, slots: int, rollouts: int, prompt: int,
+                         response: int, samples: int) -> dict[str, float]:
+    """What the cost model charges one generation rank: bf16 weights, `slots` rollouts' KV
+    cache at the longest context, and the engine's working memory (`cost.generation`'s
+    own terms)."""
+    layout = Layout(tp=tp)
+    plain = cost.plain_loop(layout, Workload())
+    parts = {"weights": mem.PARAM_B * mem.params_per_device(shape, layout),
+             "kv": slots * mem.kv_bytes_per_rollout(shape, layout, prompt + response),
+             "transient": mem.generation_transient_bytes(shape, tp, slots, prompt, samples,
+                                                         plain, rollouts, response)}
+    return {**parts, "peak": sum(parts.values())}
+
+
+def compare_generation(shape: ModelShape, tp: int, slots: int, rollouts: int, prompt: int,
+                       response: int, samples: int) -> dict[str, dict[str, float]]:
+    """{kind: {model, rehearsed, ratio}} for one generation rank (`rehearse_generation`)."""
+    args = (shape, tp, slots, rollouts, prompt, response, samples)
+    r = rehearse_generation(*args)
+    measured = {"weights": r.weights, "kv": r.kv, "transient": r.peak - r.weights - r.kv,
+                "peak": r.peak}
+    return _side_by_side(predicted_generation(*args), measured)
+
+
+def _side_by_side(model: dict[str, float], measured: dict[str, float]
+                  ) -> dict[str, dict[str, float]]:
     return {k: {"model": model[k], "rehearsed": measured[k],
                 "ratio": model[k] / measured[k] if measured[k]
                 else 1.0 if not model[k] else float("inf")}
-            for k in KINDS}
+            for k in measured}
 
 
 def parse_layout(text: str) -> Layout:
@@ -80,6 +108,9 @@ def render(rows: dict[str, dict[str, float]], title: str) -> str:
         unit = 1e12 if kind == "flops" else 2**30
         lines.append(f"{kind:<10} {r['model'] / unit:>10.2f} {r['rehearsed'] / unit:>10.2f} "
                      f"{r['ratio']:>16.2f}")
-    lines.append("(bytes in GiB per rank, FLOPs in TFLOP per rank and micro-batch; sent: "
-                 "bytes the rank sends in the step's collectives)")
+    if "flops" in rows:
+        lines.append("(bytes in GiB per rank, FLOPs in TFLOP per rank and micro-batch; sent: "
+                     "bytes the rank sends in the step's collectives)")
+    else:
+        lines.append("(bytes in GiB per rank)")
     return "\n".join(lines)

@@ -28,18 +28,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlloom.models.transformer import CausalLM, layer_masks, rotary_cos_sin
+from rlloom.perf.model.memory import PREFILL_TOKENS
 from rlloom.rollout.engine_forward import (
-    Capture,
     Forwarded,
     FusedWeights,
     Prefilled,
     SlotWrite,
-    decode_bias,
-    decode_layer,
+    decode_forward,
     is_plain,
+    prefill_forward,
     prompt_groups,
 )
-from rlloom.rollout.generate import Rollout, generate, left_pad
+from rlloom.rollout.generate import Rollout, cat_rollouts, generate, left_pad
 from rlloom.rollout.multi_turn import Dialogue
 from rlloom.rollout.sampling import (
     Decode,
@@ -49,7 +49,7 @@ from rlloom.rollout.sampling import (
     seen_tokens,
     uniforms,
 )
-from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
+from rlloom.rollout.slot_cache import SlotKVCache, agreed, kv_slots
 from rlloom.rollout.tools import Pending
 
 
@@ -59,7 +59,7 @@ class EngineConfig:
     kv_budget_bytes: int = 0       # fewer slots if their KV cache would exceed this; 0 = no cap
     prefix_sharing: bool = True    # prefill each distinct prompt once for all its samples
     continuous: bool = True        # refill a finished slot at once; False = static waves
-    prefill_tokens: int = 16384    # padded prompt tokens per prefill forward (activation cap)
+    prefill_tokens: int = PREFILL_TOKENS  # padded prompt tokens per prefill forward
     n_samples: int = 0             # samples per prompt; 0 = detect equal consecutive prompts
     kv_chunk: int = 16             # KV capacity grows by this many positions at a time
 
@@ -94,10 +94,17 @@ class Engine:
             raise ValueError("stop strings need a `decode` callback (token ids -> text)")
         if not is_plain(self.model):
             # A parallel layout (TP / FSDP / replicate) runs inside the modules' own forwards,
-            # which the fast path bypasses: the reference drives those forwards instead.
+            # which the fast path bypasses: the reference drives those forwards instead, in
+            # waves of as many rows as the KV budget holds (`perf.model` prices them as such)
             def turn(rows: list[list[int]], room: int) -> Rollout:
-                return generate(self.model, rows, replace(params, max_new_tokens=room), eos_id,
-                                pad_id, generator, decode=decode)
+                prompt = max(map(len, rows))
+                cfg = self.config
+                wave = agreed(self.model, kv_slots(self.model, len(rows), prompt, prompt + room,
+                                                   cfg.max_batch, cfg.kv_budget_bytes, True))
+                return cat_rollouts([generate(self.model, rows[i:i + wave],
+                                              replace(params, max_new_tokens=room), eos_id,
+                                              pad_id, generator, decode=decode)
+                                     for i in range(0, len(rows), wave)], pad_id)
             if dialogue is not None:
                 return dialogue.converse(turn, prompts, pad_id)
             return turn(prompts, params.max_new_tokens)
@@ -146,22 +153,16 @@ class _Run:
 
         # A sequence feeds back at most prompt + t - 1 tokens; a finished one keeps length
         # prompt + t - 1, whose rotary row an idle slot still looks up.
-        max_len = max(len(q) for q in prompts) + t
-        slots = min(n, cfg.max_batch or n)
-        if cfg.kv_budget_bytes:
-            per_slot = kv_bytes_per_slot(model, max_len)
-            if per_slot > cfg.kv_budget_bytes:
-                raise ValueError(f"one sequence of {max_len} positions needs {per_slot} bytes "
-                                 f"of KV cache; kv_budget_bytes={cfg.kv_budget_bytes}")
-            slots = min(slots, cfg.kv_budget_bytes // per_slot)
-        self.slots = slots
+        prompt = max(len(q) for q in prompts)
+        max_len = prompt + t
+        slots = self.slots = kv_slots(model, n, prompt, max_len, cfg.max_batch,
+                                      cfg.kv_budget_bytes, False, cfg.prefill_tokens)
         self.cache = SlotKVCache(model, slots, max_len, cfg.kv_chunk)
         self.fused = [FusedWeights.of(layer) for layer in model.model.layers]
         c = model.config
         cos, sin = rotary_cos_sin(torch.arange(max_len, device=dev)[None], c, p.dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]                   # [max_len, head_dim]
         self.key_pos = torch.arange(max_len, device=dev)
-        self.kv_row = torch.arange(slots * c.num_kv_heads, device=dev)
 
         # One seed per call; each (sequence, step) hashes it into its own uniform, so what a
         # sequence samples does not depend on its slot or on what shares its batch.
@@ -232,8 +233,7 @@ class _Run:
             for batch, b_slots, rows, b_seqs in by_batch.values():
                 rows_t = torch.tensor(rows, device=self.device)
                 slots_t = torch.tensor(b_slots, device=self.device)
-                self.cache.place(slots_t, [k[rows_t] for k in batch.k],
-                                 [v[rows_t] for v in batch.v])
+                self.cache.place(slots_t, batch.k, batch.v, rows_t)
                 logits.append(batch.logits[rows_t])
                 order_slots += b_slots
                 order_seqs += b_seqs
@@ -270,58 +270,22 @@ class _Run:
         ids = torch.full((b, width), self.pad, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
         plen = torch.tensor([len(p) for p in prompts], device=self.device)
-        # right padding: real keys come first, a padded query still sees key 0
-        keys = self.key_pos[:width][None] < plen[:, None]                 # [b, width]
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        masks = layer_masks(self.model.config, (causal[None] & keys[:, None, :])[:, None], 0)
-        cos = self.cos[:width].view(1, 1, width, -1)
-        sin = self.sin[:width].view(1, 1, width, -1)
-        backbone = self.model.model
-        capture = Capture()
-        x = backbone.embed_tokens(ids)
-        for i, layer in enumerate(backbone.layers):
-            x = layer(x, cos, sin, masks[i], capture, i)
-        last = x[torch.arange(b, device=self.device), plen - 1]
-        logits = self.model.lm_head(backbone.norm(last))
-        batch = Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv], logits)
+        batch = prefill_forward(self.model, ids.to(self.device), plen, self.cos, self.sin)
         self.forwarded.prefill += int(plen.sum())
         for row, g in enumerate(groups):
             self.prefilled[g] = (batch, row)
 
     def _decode_step(self) -> None:
-        rows, width = self.rows, self.width
-        self.cache.ensure(width)
-        cap = self.cache.cap
-        lens = self.lens[:rows]
-        backbone = self.model.model
-        x = backbone.embed_tokens(self.next_tok[:rows])                   # [rows, hidden]
-        cos, sin = self.cos[lens][:, None], self.sin[lens][:, None]      # [rows, 1, hd]
-        # computed once per step for every layer: the additive mask over the key positions
-        # the step reads (up to the widest held context, not the cache's whole capacity: a
-        # long rollout that has ended costs the others nothing) and the new key's index
-        kv, c = self.cache.kv_heads, self.model.config
-        hidden = self.key_pos[:width] > lens[:, None]                   # [rows, width]
-        biases = [decode_bias(hidden, kv, self.cache.dtype)] * c.num_layers
-        if c.sliding_window is not None:  # the new token is at index lens
-            window = decode_bias(hidden | (self.key_pos[:width] <= lens[:, None]
-                                           - c.sliding_window), kv, self.cache.dtype)
-            biases = [window if c.layer_window(i) else b for i, b in enumerate(biases)]
-        # row (slot, kv head) of the flattened cache, times its capacity, plus the position;
-        # a free slot (decoded along, output ignored) writes at its own position 0, since its
-        # stale length may equal the capacity and would spill into the next slot; a parked
-        # one at its length, which its extend overwrites
-        act = self.active[:rows]
-        index = self.kv_row[:rows * kv] * cap + (lens * self.held[:rows]).repeat_interleave(kv)
-        for i, (layer, fused) in enumerate(zip(backbone.layers, self.fused)):
-            x = decode_layer(layer, fused, x, cos, sin, biases[i], index, self.cache.k[i][:rows],
-                             self.cache.v[i][:rows])
-        logits = self.model.lm_head(backbone.norm(x))
-        self.lens[:rows] += act
+        rows = self.rows
+        self.cache.ensure(self.width)
+        logits = decode_forward(self.model, self.fused, self.cache, self.next_tok[:rows],
+                                self.lens[:rows], self.held[:rows], self.width, self.cos,
+                                self.sin)
+        self.lens[:rows] += self.active[:rows]
         self.width += 1
         self.forwarded.decode += self.live
-        self._commit(slice(0, rows), None, logits, act)
+        self._commit(slice(0, rows), None, logits, self.active[:rows])
         self._reshape()
 
     def _commit(self, idx: torch.Tensor | slice, slots: list[int] | None,

@@ -12,13 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlloom.models.lora import LoRALinear
-from rlloom.models.transformer import MLP, apply_rotary
-from rlloom.rollout.slot_cache import SlotKVCache
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without distributed support has no DTensor parameters
-    DTensor = ()
+from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks
+from rlloom.rollout.slot_cache import DTensor, SlotKVCache
 
 
 def is_plain(model: nn.Module) -> bool:
@@ -88,29 +83,49 @@ class SlotWrite:
         return kc[self.slot:self.slot + 1, :, :end], vc[self.slot:self.slot + 1, :, :end]
 
 
+Projection = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
+
+
 @dataclass
 class FusedWeights:
-    """One decoder layer's decode-time weights: q/k/v (and gate/up) stacked into one matmul
-    each. Built per call, since training changes the weights between calls."""
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
+    """One decoder layer's decode-time projections: on a CPU, q/k/v (and gate/up) stacked into
+    one matmul each (copies built per call, since training changes the weights between
+    calls: fewer operators to dispatch, which bound a CPU's decode); elsewhere the weights
+    themselves (a GPU launches the extra matmuls in microseconds, and the copies would take
+    two thirds of the weights' memory while generation needs it for KV)."""
+    qkv: tuple[Projection, ...]
     split: tuple[int, int, int]   # q, k, v output widths
-    gate_up_w: torch.Tensor | None  # None: call the layer's own MLP (e.g. an MoE block)
-    gate_up_b: torch.Tensor | None
+    gate_up: tuple[Projection, ...] | None  # None: call the layer's own MLP (e.g. an MoE block)
 
     @classmethod
     def of(cls, layer: nn.Module) -> "FusedWeights":
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
-        qkv_b = (torch.cat([p.bias for p in projs]) if a.q_proj.bias is not None else None)
         split = tuple(p.weight.shape[0] for p in projs)
-        gate_up_w = gate_up_b = None
+        gate_up = None
         if isinstance(layer.mlp, MLP):
-            m = layer.mlp
-            gate_up_w = torch.cat([merged_weight(m.gate_proj), merged_weight(m.up_proj)])
-            if m.gate_proj.bias is not None:
-                gate_up_b = torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        return cls(torch.cat([merged_weight(p) for p in projs]), qkv_b, split, gate_up_w, gate_up_b)
+            gate_up = _fused((layer.mlp.gate_proj, layer.mlp.up_proj))
+        return cls(_fused(projs), split, gate_up)
+
+
+def fuses(weight: torch.Tensor) -> bool:
+    """Whether decode stacks the projections of weights on `weight`'s device (see
+    `FusedWeights`)."""
+    return weight.device.type == "cpu"
+
+
+def _fused(projs: tuple[nn.Linear, ...]) -> tuple[Projection, ...]:
+    parts = tuple((merged_weight(p), p.bias) for p in projs)
+    if not fuses(parts[0][0]):
+        return parts
+    bias = torch.cat([b for _, b in parts]) if parts[0][1] is not None else None
+    return ((torch.cat([w for w, _ in parts]), bias),)
+
+
+def _project(x: torch.Tensor, parts: tuple[Projection, ...]) -> torch.Tensor:
+    if len(parts) == 1:
+        return F.linear(x, *parts[0])
+    return torch.cat([F.linear(x, w, b) for w, b in parts], -1)
 
 
 def merged_weight(proj: nn.Linear) -> torch.Tensor:
@@ -146,7 +161,7 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     rows, kv, cap, hd = kc.shape
     width = bias.shape[-1]
     attn = layer.self_attn
-    q, k, v = F.linear(layer.input_layernorm(x), w.qkv_w, w.qkv_b).split(w.split, -1)
+    q, k, v = _project(layer.input_layernorm(x), w.qkv).split(w.split, -1)
     heads = w.split[0] // hd
     q, k = q.view(rows, heads, hd), k.view(rows, kv, hd)
     if attn.qk_norm:
@@ -164,7 +179,62 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
     x = x + attn.o_proj(out)
     h = layer.post_attention_layernorm(x)
-    if w.gate_up_w is None:
+    if w.gate_up is None:
         return x + layer.mlp(h[:, None])[:, 0]
-    gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, -1)
+    gate, up = _project(h, w.gate_up).chunk(2, -1)
     return x + layer.mlp.down_proj(layer.mlp.act(gate) * up)
+
+
+def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> Prefilled:
+    """One prefill forward of right-padded prompts `ids` [b, width] of lengths `plen`, rotary
+    tables `cos`, `sin` [positions, head_dim]: each layer's keys and values and the last
+    real position's logits."""
+    b, width = ids.shape
+    # right padding: a real query's keys (itself and before) are all real, so causal
+    # attention needs no mask tensor (fused kernels, grouped KV heads as they are) but on
+    # sliding-window layers; a padded query's output is never read, and the decode steps
+    # hide its cached keys
+    masks: list[torch.Tensor | None] = [None] * model.config.num_layers
+    if model.config.sliding_window is not None:
+        pos = torch.arange(width, device=ids.device)
+        masks = layer_masks(model.config, (pos[None] <= pos[:, None])[None, None], 0)
+    cos, sin = cos[:width].view(1, 1, width, -1), sin[:width].view(1, 1, width, -1)
+    backbone, capture = model.model, Capture()
+    x = backbone.embed_tokens(ids)
+    for i, layer in enumerate(backbone.layers):
+        x = layer(x, cos, sin, masks[i], capture, i)
+    last = x[torch.arange(b, device=ids.device), plen - 1]
+    return Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv],
+                     model.lm_head(backbone.norm(last)))
+
+
+def decode_forward(model: CausalLM, fused: list[FusedWeights], cache: SlotKVCache,
+                   tokens: torch.Tensor, lens: torch.Tensor, held: torch.Tensor, width: int,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One decode step of the first `rows` slots (`tokens`, `lens`, `held`: [rows]), reading
+    `width` key positions; the new keys and values go into `cache`; logits [rows, V]."""
+    rows, cap = len(tokens), cache.cap
+    backbone, c, kv = model.model, model.config, cache.kv_heads
+    x = backbone.embed_tokens(tokens)                                     # [rows, hidden]
+    cos, sin = cos[lens][:, None], sin[lens][:, None]                     # [rows, 1, hd]
+    # computed once per step for every layer: the additive mask over the key positions the
+    # step reads (up to the widest held context, not the cache's whole capacity: a long
+    # rollout that has ended costs the others nothing) and the new key's index
+    pos = torch.arange(width, device=tokens.device)
+    hidden = pos > lens[:, None]                                          # [rows, width]
+    biases = [decode_bias(hidden, kv, cache.dtype)] * c.num_layers
+    if c.sliding_window is not None:  # the new token is at index lens
+        window = decode_bias(hidden | (pos <= lens[:, None] - c.sliding_window), kv,
+                             cache.dtype)
+        biases = [window if c.layer_window(i) else b for i, b in enumerate(biases)]
+    # row (slot, kv head) of the flattened cache, times its capacity, plus the position; a
+    # free slot (decoded along, output ignored) writes at its own position 0, since its stale
+    # length may equal the capacity and would spill into the next slot; a parked one at its
+    # length, which its extend overwrites
+    index = torch.arange(rows * kv, device=tokens.device) * cap \
+        + (lens * held).repeat_interleave(kv)
+    for i, (layer, w) in enumerate(zip(backbone.layers, fused)):
+        x = decode_layer(layer, w, x, cos, sin, biases[i], index, cache.k[i][:rows],
+                         cache.v[i][:rows])
+    return model.lm_head(backbone.norm(x))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from rlloom.models.cache import KVCache
-from rlloom.models.transformer import CausalLM, kv_dtype
+from rlloom.models.transformer import CausalLM, kv_dtype, local_kv_heads
 from rlloom.rollout.sampling import (
     Decode,
     SamplingParams,
@@ -113,11 +113,9 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     dev = p.device
     prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
     n, t_max = len(prompts), params.max_new_tokens
-    cache = (KVCache(model.config, n, prompt_ids.shape[1] + t_max, kv_dtype(model), dev)
-             if use_cache else None)
-    out_ids = torch.full((n, t_max), pad_id, dtype=torch.long, device=dev)
-    out_mask = torch.zeros(n, t_max, dtype=torch.long, device=dev)
-    out_lp = torch.zeros(n, t_max, device=dev)
+    cache = (KVCache(model.config, n, prompt_ids.shape[1] + t_max, kv_dtype(model), dev,
+                     local_kv_heads(model)) if use_cache else None)
+    out_ids, out_mask, out_lp = outputs(n, t_max, pad_id, dev)
     live = torch.ones(n, dtype=torch.bool, device=dev)
     step_ids, step_mask = prompt_ids, prompt_mask
     # [n, vocab]: the tokens each sequence holds, for a repetition penalty
@@ -125,11 +123,10 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
             if params.repetition_penalty != 1.0 else None)
     for t in range(t_max):
         if use_cache:
-            logits = model(step_ids, step_mask, cache)[:, -1]
+            logits = step_logits(model, step_ids, step_mask, cache)
         else:
-            full_ids = torch.cat([prompt_ids, out_ids[:, :t]], 1)
-            full_mask = torch.cat([prompt_mask, out_mask[:, :t]], 1)
-            logits = model(full_ids, full_mask)[:, -1]
+            logits = step_logits(model, torch.cat([prompt_ids, out_ids[:, :t]], 1),
+                                 torch.cat([prompt_mask, out_mask[:, :t]], 1))
         tokens, lp = _sample(logits, params, generator, seen)
         tokens = torch.where(live, tokens, pad_id)
         if seen is not None:
@@ -151,6 +148,20 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     used = int(out_mask.sum(0).nonzero().max()) + 1
     return Rollout(prompt_ids, prompt_mask, out_ids[:, :used], out_mask[:, :used],
                    out_lp[:, :used], ~live)
+
+
+def outputs(rows: int, t_max: int, pad_id: int, device: torch.device | str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain loop's outputs for `rows`: token ids, their mask and their log-probs."""
+    return (torch.full((rows, t_max), pad_id, dtype=torch.long, device=device),
+            torch.zeros(rows, t_max, dtype=torch.long, device=device),
+            torch.zeros(rows, t_max, device=device))
+
+
+def step_logits(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+    """The next token's logits [rows, V] after `ids`."""
+    return model(ids, mask, cache, last=True)[:, -1]
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

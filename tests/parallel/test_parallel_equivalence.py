@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -41,8 +42,13 @@ from rlloom.parallel.apply import (
 )
 from rlloom.parallel.mesh import build_mesh
 from rlloom.plan import Layout
+from rlloom.models.cache import KVCache
+from rlloom.perf.model.memory import DECODE_B, ROLLOUT_B, prefill_bytes_per_token
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.rollout.engine import Engine, EngineConfig
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams
+from rlloom.rollout.slot_cache import kv_bytes_per_slot
 
 TOL = {"loss": 1e-10, "grad": 1e-10, "param": 1e-10}
 
@@ -238,7 +244,31 @@ def tp_generation(family: str) -> dict[str, list[list[int]]]:
     layout = Layout(tp=2)
     model = parallelize(tiny_model(**GEN_MODEL, family=family), layout,
                         build_mesh(layout)).eval()
-    return {"cache": greedy(model, True), "no cache": greedy(model, False)}
+    return {"cache": greedy(model, True), "no cache": greedy(model, False),
+            "engine": engine_waves(model)}
+
+
+def engine_waves(model: torch.nn.Module) -> dict[str, Any]:
+    """The engine on a sharded model, its KV budget one row on rank 0 and two on rank 1: the
+    rows each plain-loop cache was made for, and what they generated."""
+    rows: list[tuple[int, int]] = []
+
+    class Recorded(KVCache):
+        def __init__(self, cfg, batch, max_len, dtype, device, kv_heads):
+            rows.append((batch, kv_heads))
+            super().__init__(cfg, batch, max_len, dtype, device, kv_heads)
+    prompt = max(map(len, PROMPTS))
+    per_row = kv_bytes_per_slot(model, prompt + 10)
+    shape = ModelShape.from_hf_config(model.config.to_hf())
+    # the plain loop's rule: every row's outputs, and per row of a wave its KV cache, decode
+    # logits and prefill buffers (`memory.generation_slots`)
+    row = per_row + DECODE_B * shape.vocab + prompt * prefill_bytes_per_token(shape, 2)
+    config = EngineConfig(kv_budget_bytes=int(ROLLOUT_B * len(PROMPTS) * 10
+                                              + row * (1 + dist.get_rank())) + 1)
+    with mock.patch("rlloom.rollout.generate.KVCache", Recorded):
+        out = Engine(model, config).generate(PROMPTS, SamplingParams(
+            max_new_tokens=10, temperature=0.0), eos_id=2, pad_id=0)
+    return {"ids": out.response_ids.tolist(), "rows": rows, "per row": per_row}
 
 
 def run_cases(cases: dict[str, dict], checkpoints: dict[str, str]) -> dict[str, Any]:
@@ -300,6 +330,11 @@ def test_tp_greedy_generation_matches_single_process(world2, family):
         got = res["generation"][family]
         assert got["cache"] == expected, f"rank {rank} with KV cache"
         assert got["no cache"] == expected, f"rank {rank} without KV cache"
+        # the engine's budget holds on a sharded model: one row at a time on both ranks (the
+        # smaller budget), each caching its rank's two of the four kv heads
+        assert got["engine"]["ids"] == expected, f"rank {rank}, engine"
+        assert got["engine"]["rows"] == [(1, 2)] * len(PROMPTS), got["engine"]
+        assert got["engine"]["per row"] == kv_bytes_per_slot(plain, 16) // 2
 
 
 def test_activation_checkpointing_single_process():

@@ -1,6 +1,8 @@
 """Generation is priced as the engine runs it: continuous batching over KV slots, prefills at
 admission (`perf.engine_schedule`), checked against the engine's own decode steps, and the
 long tail kept at any concurrency."""
+import math
+
 import pytest
 import torch
 
@@ -109,12 +111,22 @@ def test_generation_refills_slots_instead_of_waves():
     shape, hw = model_shape("qwen2.5-0.5b"), hardware("h100")
     wl = Workload(prompts=64, samples=8, prompt_len=256,
                   response=Lengths("lognormal", p50=500, p99=8000))
-    kv_one = cost.mem.kv_bytes_per_rollout(shape, Layout(), wl.max_context)
-    all_at_once = cost.generation(shape, Layout(), wl, hw, kv_one * 512).seconds
-    half = cost.generation(shape, Layout(), wl, hw, kv_one * 256)
+    m = cost.mem
+    kv_one = m.kv_bytes_per_rollout(shape, Layout(), wl.max_context)
+
+    def budget(slots: int, rollouts: int) -> float:
+        """What the engine's slot rule (`memory.generation_slots`) needs for `slots` at once:
+        their KV cache and decode logits, a 16384-token prefill and every rollout's outputs."""
+        return (m.ROLLOUT_B * rollouts * math.ceil(wl.response.max)
+                + 16384 * (m.prefill_bytes_per_token(shape, 1) + shape.kv_bytes_per_token())
+                + slots * (kv_one + m.DECODE_B * shape.vocab))
+    all_at_once = cost.generation(shape, Layout(), wl, hw, budget(512, 512)).seconds
+    half = cost.generation(shape, Layout(), wl, hw, budget(256, 512))
     assert "256 of 512 rollouts per replica at once" in half.note
+    assert "255 of 512" in cost.generation(shape, Layout(), wl, hw, budget(256, 512) - 1).note
     waves = 2 * cost.generation(shape, Layout(), Workload(
-        prompts=32, samples=8, prompt_len=256, response=wl.response), hw, kv_one * 256).seconds
+        prompts=32, samples=8, prompt_len=256, response=wl.response), hw,
+        budget(256, 256)).seconds
     assert all_at_once < half.seconds < waves
 
 
@@ -135,3 +147,19 @@ def test_decode_attention_reads_the_kv_cache_after_the_projections():
     # the projections alone are compute-bound here, so one roofline over both would hide it
     proj_flops = 99 * 512 * shape.decode_flops(0)
     assert proj_flops / (hw.flops("bf16") * hw.compute_eff) > full.memory_s
+
+
+def test_a_tensor_parallel_replica_is_priced_as_the_plain_loops_waves():
+    """rlloom's engine on a tensor-parallel model runs its plain loop (`Engine`, checked in
+    tests/parallel/test_parallel_equivalence.py): waves of as many rows as fit, in queue
+    order, each prefilled whole (no prefix sharing) and decoded, every row every step, until
+    its longest ends."""
+    s = engine_schedule.static_schedule((5, 1, 9, 3, 2), 2)
+    assert s.segments == ((4, 2, 2, 1), (8, 2, 2, 1), (1, 1, 1, 1))
+    assert s.prefills == (2, 2, 1)
+    assert (s.decode_steps, s.rollout_steps) == (13, 25)
+    shape, hw = model_shape("qwen2.5-7b"), hardware("h100")
+    wl = Workload(prompts=64, samples=8, prompt_len=256,
+                  response=Lengths("lognormal", p50=500, p99=8000))
+    assert "static waves" in cost.generation(shape, Layout(tp=2), wl, hw, 40 * 2**30).note
+    assert "continuous batching" in cost.generation(shape, Layout(), wl, hw, 40 * 2**30).note

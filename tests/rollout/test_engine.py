@@ -6,11 +6,15 @@ import pytest
 import torch
 
 from rlloom.models.heads import ActorCritic
+from rlloom.perf.model.memory import DECODE_B, ROLLOUT_B, prefill_bytes_per_token
+from rlloom.perf.model.shapes import ModelShape
+from rlloom.rehearsal.memory import PeakMemory
 from rlloom.rollout.engine import Engine, EngineConfig, engine_generate
+from rlloom.rollout import engine_forward
 from rlloom.rollout.engine_forward import prompt_groups
 from rlloom.rollout.generate import generate
 from rlloom.rollout.sampling import SamplingParams, sample, sample_with_uniforms, uniforms
-from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot
+from rlloom.rollout.slot_cache import SlotKVCache, kv_bytes_per_slot, kv_slots
 from rlloom.runtime.stages.batch import response_logprobs
 from rlloom.runtime.stages.shared_prompt import SharedPrompts
 
@@ -175,14 +179,44 @@ def test_eos_and_token_limit_at_the_first_token(model):
 
 
 def test_kv_budget_sets_the_slot_count(model):
-    per_slot = kv_bytes_per_slot(model, max(map(len, PROMPTS)) + 10)
-    eng = EngineConfig(kv_budget_bytes=3 * per_slot + 1)
+    prompt = max(map(len, PROMPTS))
+    per_slot = kv_bytes_per_slot(model, prompt + 10)
+    shape = ModelShape.from_hf_config(model.config.to_hf())
+    # three slots' KV cache and decode logits, one prefill of the 16384-token budget, and
+    # every sequence's outputs
+    reserve = (16384 // prompt) * prompt * (prefill_bytes_per_token(shape, 1)
+                                            + shape.kv_bytes_per_token()) \
+        + ROLLOUT_B * len(PROMPTS) * 10
+    budget = int(reserve + 3 * (per_slot + DECODE_B * shape.vocab)) + 1
+    assert kv_slots(model, len(PROMPTS), prompt, prompt + 10, 0, budget, False) == 3
+    assert kv_slots(model, len(PROMPTS), prompt, prompt + 10, 0, budget - 2, False) == 2
+    eng = EngineConfig(kv_budget_bytes=budget)
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
     assert torch.equal(engine_generate(model, PROMPTS, params, 2, 0, config=eng).response_ids,
                        generate(model, PROMPTS, params, 2, 0).response_ids)
-    with pytest.raises(ValueError, match="kv_budget_bytes"):
+    with pytest.raises(ValueError, match="one sequence of 19 positions needs .* GiB"):
         engine_generate(model, PROMPTS, params, 2, 0,
                         config=EngineConfig(kv_budget_bytes=per_slot - 1))
+
+
+def test_the_engine_stays_within_its_budget(model):
+    """bf16 weights and unfused decode projections, as on a GPU: everything generation
+    allocates (KV cache, prefill and decode buffers, sampling, outputs) stays within the
+    budget it sized its slots for, and the slots use most of it."""
+    model = model.to(torch.bfloat16)
+    prompt = max(map(len, PROMPTS))
+    shape = ModelShape.from_hf_config(model.config.to_hf())
+    per_slot = kv_bytes_per_slot(model, prompt + 10)
+    reserve = prompt * (prefill_bytes_per_token(shape, 1) + shape.kv_bytes_per_token()) \
+        + ROLLOUT_B * len(PROMPTS) * 10
+    budget = int(reserve + 5 * (per_slot + DECODE_B * shape.vocab)) + 1
+    with PeakMemory() as mem, mock.patch.object(engine_forward, "fuses", lambda w: False):
+        engine_generate(model, PROMPTS, SamplingParams(max_new_tokens=10), 2, 0,
+                        config=EngineConfig(kv_budget_bytes=budget, prefill_tokens=prompt))
+    # beyond the budget only the engine's per-position tables (rotary rows, key positions:
+    # about one slot-layer-head's keys and values, 3% of this tiny cache, 0.03% of a 7B
+    # model's at 64 slots)
+    assert 0.8 * budget < mem.peak <= 1.04 * budget, (mem.peak, budget)
 
 
 def test_growing_the_kv_cache_holds_one_buffer_twice_not_the_cache(model):

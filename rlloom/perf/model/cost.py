@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import functools
 import math
-import random
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rlloom.perf.model import comm
 from rlloom.perf.model import memory as mem
-from rlloom.perf.model.engine_schedule import EngineSchedule, Turn, engine_schedule, queue_lengths
+from rlloom.perf.model.engine_schedule import (
+    EngineSchedule,
+    engine_schedule,
+    queue_lengths,
+    static_schedule,
+    turn_plans,
+)
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.model_state import offload_copy_s, optimizer_s
 from rlloom.perf.model.partial_pool import pool_steps
@@ -24,7 +28,6 @@ from rlloom.plan import Layout
 
 ENGINE_POINTS = 2048  # rollouts simulated one by one per replica; beyond, each stands for several
 VLLM_MAX_SEQS = 256  # vLLM's default max_num_seqs (what rollout.engine=vllm starts it with)
-PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (rollout.engine.EngineConfig)
 # Operators dispatched by rlloom's runtime, per decoder layer and per call (counted with a
 # TorchDispatchMode on rlloom's own model; tests/perf/test_validate.py recounts them). They
 # price `Hardware.launch_s`, the host's time per operator (see `_with_dispatch`).
@@ -132,6 +135,7 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     per_replica = math.ceil(wl.rollouts / layout.dp)
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
     cap = wl.max_batch or per_replica
+    response = math.ceil(wl.response.max)
     if wl.engine == "vllm":
         # paged: a rollout holds the blocks it has filled, on average its mean context, and
         # the longest one must fit alone (vLLM preempts and recomputes the rest meanwhile;
@@ -140,17 +144,31 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
             return _infeasible("generation", role, kv_one)
         kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.mean_context)
         cap = min(cap, VLLM_MAX_SEQS)
-    concurrent = min(per_replica, int(max(kv_budget, 0) // kv_one), cap)
+        fit, working = int(max(kv_budget, 0) // kv_one), 0.0
+    else:  # the engine's own rule (`rollout.slot_cache.kv_slots`)
+        plain = plain_loop(layout, wl)
+        fit = mem.generation_slots(shape, layout.tp, kv_budget, kv_one, wl.prompt_len, plain,
+                                   per_replica, response)
+    concurrent = min(per_replica, fit, cap)
     if concurrent < 1:
         return _infeasible("generation", role, kv_one)
+    if wl.engine != "vllm":
+        working = mem.generation_transient_bytes(shape, layout.tp, concurrent, wl.prompt_len,
+                                                 wl.samples, plain, per_replica, response)
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
     # it reuses one simulation
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
            replace(wl, micro_batch=0), hw.key(), concurrent)
     if key not in _GEN_CACHE:
         _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role,
-                                    concurrent * kv_one)
+                                    concurrent * kv_one + working)
     return _GEN_CACHE[key]
+
+
+def plain_loop(layout: Layout, wl: Workload) -> bool:
+    """Whether generation runs the engine's plain loop (`rollout.engine.Engine` on a model
+    whose modules tensor parallelism drives) rather than its slots."""
+    return wl.engine == "rlloom" and layout.tp > 1
 
 
 _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generation many times
@@ -158,7 +176,8 @@ _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generatio
 
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
               per_replica: int, role: str, kv_bytes: float) -> StageCost:
-    """`kv_bytes`: what the `concurrent` rollouts' KV cache holds per device."""
+    """`kv_bytes`: what the `concurrent` rollouts' KV cache and the engine's working memory
+    hold per device."""
     wait = 0.0
     if wl.carries:
         totals, decode_steps, prefills = _partial_totals(shape, layout, wl, hw, concurrent)
@@ -169,14 +188,19 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
         weight = per_replica / points
         slots, samples = max(1, round(concurrent / weight)), max(1, round(wl.samples / weight))
         lengths = queue_lengths(wl, points)
-        sched = _single_turn_schedule(lengths, slots, samples)
+        if plain_loop(layout, wl):
+            # a multi-turn rollout's turns priced as one response (their tool waits left out)
+            sched = static_schedule(lengths, slots)
+            how = "static waves (a tensor-parallel model runs the plain loop)"
+        else:
+            sched = _single_turn_schedule(lengths, slots, samples)
+            how = "continuous batching"
         totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
-        how = "continuous batching"
-        if wl.turns > 1:
+        if wl.turns > 1 and not plain_loop(layout, wl):
             # the tools' latencies in decode steps at the single-turn schedule's pace
             step_s = totals[5] / max(sched.decode_steps, 1)
             sched = engine_schedule(lengths, slots, samples,
-                                    turns=_turn_plans(wl, lengths, step_s))
+                                    turns=turn_plans(wl, lengths, step_s))
             totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
             wait = sched.idle_steps * step_s
             totals[5] += wait
@@ -194,25 +218,6 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
 @functools.lru_cache(maxsize=4096)  # layouts of the same replica size share one simulation
 def _single_turn_schedule(lengths: tuple[int, ...], slots: int, samples: int) -> EngineSchedule:
     return engine_schedule(lengths, slots, samples)
-
-
-def _turn_plans(wl: Workload, lengths: Sequence[int], step_s: float) -> list[list[Turn]]:
-    """Each rollout of response `lengths` as `wl.turns` turns of equal sampled tokens, each
-    but the last followed by a result of `wl.tool_result_len` tokens (fewer where the
-    response is too short) and a tool latency drawn from `wl.tool_latency` (in a fixed
-    shuffled order), in steps of `step_s` seconds."""
-    t = wl.turns
-    latencies = list(wl.tool_latency.spread(len(lengths) * (t - 1)))
-    random.Random(1).shuffle(latencies)
-    plans = []
-    for i, length in enumerate(lengths):
-        result = max(0, min(wl.tool_result_len, (length - t) // (t - 1)))
-        sampled = length - (t - 1) * result
-        share = [sampled // t + (j < sampled % t) for j in range(t)]
-        waits = [math.ceil(x / step_s) if step_s > 0 else 0
-                 for x in latencies[i * (t - 1):(i + 1) * (t - 1)]]
-        plans.append([(share[j], result, waits[j]) for j in range(t - 1)] + [(share[-1], 0, 0)])
-    return plans
 
 
 def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, layout: Layout,
@@ -238,7 +243,7 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
             context = tokens / prompts
             f = prompts * (context * shape.forward_flops(context, logits=False) + logits)
             prefill[simulated] = _forwards(shape, layout, wl, hw, f, tokens,
-                                           math.ceil(tokens / PREFILL_TOKENS))
+                                           math.ceil(tokens / mem.PREFILL_TOKENS))
         for k, v in enumerate(prefill[simulated]):
             totals[k] += v
     kv_tok = shape.kv_bytes_per_token(wl.elem_bytes) / min(layout.tp, shape.kv_heads)
@@ -250,9 +255,10 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
         for k, v in enumerate(_forwards(shape, layout, wl, hw, f, m * weight, weight,
                                         weight * pos * kv_tok)):
             totals[k] += v
-    # rlloom's engine dispatches each operator of a decode step; vLLM replays CUDA graphs
-    dispatch = pp * hw.launch_s * _ops(DECODE_OPS, shape, layout) \
-        if wl.engine == "rlloom" else 0.0
+    # rlloom's engine dispatches each operator of a decode step (the plain loop: of a whole
+    # forward); vLLM replays CUDA graphs
+    dispatch = pp * hw.launch_s * _ops(FORWARD_OPS if plain_loop(layout, wl) else DECODE_OPS,
+                                       shape, layout) if wl.engine == "rlloom" else 0.0
     # the projections (weights read, rows x params of compute) and attention (each row's keys
     # and values read) are separate kernels, each bound by its own roofline: with many rows
     # the projections are compute-bound while attention stays memory-bound

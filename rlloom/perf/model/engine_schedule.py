@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,6 +139,16 @@ def engine_schedule(lengths: Sequence[int], slots: int, samples: int,
         step += steps
 
 
+def static_schedule(lengths: Sequence[int], slots: int) -> EngineSchedule:
+    """What the engine runs for a sharded model (`rollout.engine.Engine` over tensor
+    parallelism): the plain loop, on waves of `slots` rollouts in queue order, each one
+    prefill forward of its own prompts (no prefix sharing) and then decode steps over every
+    row of the wave until its longest ends."""
+    waves = [lengths[i:i + slots] for i in range(0, len(lengths), slots)]
+    return EngineSchedule(tuple((max(w) - 1, len(w), len(w), 1) for w in waves if max(w) > 1),
+                          tuple(len(w) for w in waves))
+
+
 def queue_lengths(wl: Workload, n: int) -> tuple[int, ...]:
     """The slowest replica's `n` response lengths, in a fixed shuffled queue order (lengths do
     not follow the order prompts arrive in): spread quantiles whose longest is the whole
@@ -154,3 +165,22 @@ def _queue(response: Lengths, rollouts: int, n: int) -> tuple[int, ...]:
     lengths[-1] = max(lengths[-1], round(top))
     random.Random(0).shuffle(lengths)
     return tuple(lengths)
+
+
+def turn_plans(wl: Workload, lengths: Sequence[int], step_s: float) -> list[list[Turn]]:
+    """Each rollout of response `lengths` as `wl.turns` turns of equal sampled tokens, each
+    but the last followed by a result of `wl.tool_result_len` tokens (fewer where the
+    response is too short) and a tool latency drawn from `wl.tool_latency` (in a fixed
+    shuffled order), in steps of `step_s` seconds."""
+    t = wl.turns
+    latencies = list(wl.tool_latency.spread(len(lengths) * (t - 1)))
+    random.Random(1).shuffle(latencies)
+    plans = []
+    for i, length in enumerate(lengths):
+        result = max(0, min(wl.tool_result_len, (length - t) // (t - 1)))
+        sampled = length - (t - 1) * result
+        share = [sampled // t + (j < sampled % t) for j in range(t)]
+        waits = [math.ceil(x / step_s) if step_s > 0 else 0
+                 for x in latencies[i * (t - 1):(i + 1) * (t - 1)]]
+        plans.append([(share[j], result, waits[j]) for j in range(t - 1)] + [(share[-1], 0, 0)])
+    return plans

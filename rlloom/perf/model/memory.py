@@ -19,6 +19,11 @@ from rlloom.plan import Layout
 PARAM_B = 2   # bf16 weights: frozen models, ZeRO gathers, generation copies, weight sync
 GRAD_B = 4    # fp32 gradients, as they are reduced
 TRAINED_STATE = (4, 4, 8)  # fp32 weights, fp32 gradients, two fp32 moments
+PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (rollout.engine.EngineConfig)
+DECODE_B = 14  # a decode step's bytes per slot and vocabulary entry: bf16 logits, their fp32
+#                copy, log-probs and probabilities (rehearsed: rlloom.rehearsal.generation)
+ROLLOUT_B = 20  # per rollout and response position, what the engine returns: the tokens
+#                 (int64), their log-probs (fp32) and the tool-output marks (int64)
 LOGIT_CHUNK = 1024  # tokens of logits alive at once (models.logprobs.LOGIT_CHUNK_TOKENS)
 # bytes per logit element of a chunk in training: bf16 logits, fp32 copy, log-softmax, exp,
 # the entropy's product and their gradients (tests/models/test_logprobs.py measures 21-22);
@@ -264,3 +269,50 @@ def kv_bytes_per_rollout(shape: ModelShape, layout: Layout, context: float) -> f
     """2 L kv_width bf16 elements per token; TP splits KV heads only up to their number."""
     shards = min(layout.tp, shape.kv_heads) * layout.pp
     return shape.kv_bytes_per_token() * context / shards
+
+
+def prefill_bytes_per_token(shape: ModelShape, tp: int) -> float:
+    """A generation prefill's buffers per token, no gradients (rehearsed: rlloom.rehearsal.
+    generation, within 3% on Qwen2.5-7B): its FFN's three f-wide bf16 tensors alive at once
+    (the activation, up and their product) and three hidden-size ones (the residual stream,
+    its norm and the attention's sum)."""
+    f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
+    return PARAM_B * (3 * f / tp + 3 * shape.hidden)
+
+
+def generation_transient_bytes(shape: ModelShape, tp: int, slots: int, prompt: int,
+                               samples: int, plain: bool, rollouts: int, response: int,
+                               prefill_tokens: int = PREFILL_TOKENS) -> float:
+    """What generation adds to its weights and KV cache at its peak: the outputs of its
+    `rollouts` of up to `response` tokens, and a prefill forward's buffers or a decode
+    step's logits over every slot, whichever is larger. The engine
+    prefills as many distinct prompts as `prefill_tokens` take (at most one per `samples`
+    slots) and keeps their keys and values until they are placed into slots; the plain loop
+    of a tensor-parallel model (`plain`) prefills its whole wave of `slots` rows at once,
+    into its cache."""
+    per_token = prefill_bytes_per_token(shape, tp)
+    if plain:
+        tokens = slots * prompt
+    else:
+        tokens = max(1, min(-(-slots // samples), prefill_tokens // prompt)) * prompt
+        per_token += shape.kv_bytes_per_token() / tp
+    outputs = ROLLOUT_B * rollouts * response
+    return outputs + max(tokens * per_token, DECODE_B * slots * shape.vocab)
+
+
+def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: float,
+                     prompt: int, plain: bool, rollouts: int, response: int,
+                     prefill_tokens: int = PREFILL_TOKENS) -> int:
+    """The most of `rollouts` one replica generates at once in `budget` bytes: each slot's
+    KV cache of `kv_per_slot` beside `generation_transient_bytes` (bounded for any number of
+    samples per prompt). The engine (`rollout.slot_cache.kv_slots`) and `cost.generation`
+    both size generation with it."""
+    per_slot = kv_per_slot + DECODE_B * shape.vocab
+    reserve = float(ROLLOUT_B * rollouts * response)
+    if plain:
+        per_slot += prompt * prefill_bytes_per_token(shape, tp)
+    else:
+        tokens = max(1, prefill_tokens // prompt) * prompt
+        reserve += tokens * (prefill_bytes_per_token(shape, tp)
+                             + shape.kv_bytes_per_token() / tp)
+    return max(0, min(rollouts, int((budget - reserve) // per_slot)))
