@@ -29,6 +29,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlloom.models.hf_io import save_checkpoint
 from rlloom.models.transformer import CausalLM
+from rlloom.perf.model.memory import vllm_kv_bytes
+from rlloom.perf.model.shapes import ModelShape
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.rollout.vllm_env import logprobs_mode
@@ -39,6 +41,24 @@ SERVER = Path(__file__).with_name("vllm_server.py")
 
 class VLLMError(RuntimeError):
     pass
+
+
+def gpu_memory_args(policy: CausalLM, budget: int, total: int, max_model_len: int
+                    ) -> dict[str, float]:
+    """vLLM's memory arguments for `budget` bytes of a `total`-byte GPU: the share it may use
+    (`gpu_memory_utilization`, which it checks is free when it starts: its default, 0.9,
+    is not, beside a trainer) and its KV cache in it (`kv_cache_memory_bytes`:
+    `perf.model.memory.vllm_kv_bytes`, as the cost model prices it)."""
+    shape = ModelShape.from_hf_config(policy.config.to_hf())
+    kv = int(vllm_kv_bytes(shape, 1, budget))
+    one = shape.kv_bytes_per_token() * max_model_len
+    if kv < one:
+        raise VLLMError(f"vLLM would have {kv / 2**30:.2f} GiB for its KV cache beside its "
+                        f"weights in the {budget / 2**30:.2f} GiB this GPU has left; one "
+                        f"sequence of {max_model_len} positions needs {one / 2**30:.2f}: shorten "
+                        "the model's max_position_embeddings or the responses, or generate on "
+                        "devices of their own (placement: disaggregated)")
+    return {"gpu_memory_utilization": budget / total, "kv_cache_memory_bytes": kv}
 
 
 def weights_version(model: torch.nn.Module) -> int:
@@ -60,7 +80,9 @@ class VLLMEngine:
 
     def __init__(self, policy: CausalLM, tokenizer: PreTrainedTokenizerBase, python: str,
                  temperature: float, max_model_len: int, max_num_seqs: int, seed: int,
-                 kv_gib: int = 1) -> None:
+                 kv_gib: int = 1, gpu_memory: dict[str, float] | None = None) -> None:
+        """`kv_gib`: a CPU server's KV cache; `gpu_memory`: a GPU server's memory arguments
+        (`gpu_memory_args`)."""
         self.policy, self.syncs = policy, 0
         self.last_sync: SyncRecord | None = None
         self._records: list[SyncRecord] = []
@@ -71,7 +93,8 @@ class VLLMEngine:
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         args = {"model": str(model_dir), "dtype": dtype, "seed": seed,
                 "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-                "kv_gib": kv_gib, "logprobs_mode": logprobs_mode(temperature)}
+                "kv_gib": kv_gib, "gpu_memory": gpu_memory or {},
+                "logprobs_mode": logprobs_mode(temperature)}
         try:
             self.proc = subprocess.Popen([python, str(SERVER), json.dumps(args)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -59,7 +59,8 @@ def main() -> None:
     llm = LLM(model=args["model"], dtype=args["dtype"], seed=args["seed"],
               max_model_len=args["max_model_len"], max_num_seqs=args["max_num_seqs"],
               enforce_eager=True, distributed_executor_backend="uni",
-              logprobs_mode=args["logprobs_mode"], enable_prefix_caching=True)
+              logprobs_mode=args["logprobs_mode"], enable_prefix_caching=True,
+              **args["gpu_memory"])
     worker = llm.llm_engine.model_executor.driver_worker.worker
     write_frame(replies, {"ready": True, "seconds": time.perf_counter() - t0})
     while True:

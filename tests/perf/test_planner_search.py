@@ -194,8 +194,12 @@ def test_vllm_generation_is_priced_paged_and_searched_on_whole_copies():
     slots = mem.generation_slots(Q7, 1, budget, slot, 512, False, 512, 16384)
     assert 0 < slots < int(budget // slot) < int(budget // paged) < 512
     assert cost.generation(Q7, x, wl, H100, budget).note.startswith(f"{slots} of 512 rollouts")
+    # vLLM: what is left of the budget beside its own weights and one batched forward
+    kv = budget - 2 * mem.params_per_device(Q7, x) - 16384 * mem.prefill_bytes_per_token(Q7, 1)
+    assert mem.vllm_kv_bytes(Q7, 1, budget) == kv
     assert cost.generation(Q7, x, on_vllm, H100, budget).note.startswith(
-        f"{min(cost.VLLM_MAX_SEQS, int(budget // paged))} of 512 rollouts")
+        f"{min(cost.VLLM_MAX_SEQS, int(kv // paged))} of 512 rollouts")
+    assert cost.generation(Q7, x, on_vllm, H100, budget).transient_bytes == budget
     assert cost.generation(Q7, x, on_vllm, H100, slot / 2).seconds == float("inf")
     found = search(Q7, "grpo", replace(LONG, engine="vllm"), H100, 8)
     assert all((p.gen_layout or p.plan.layout("actor")).tp == 1 for p in found.ranked)

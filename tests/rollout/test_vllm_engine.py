@@ -137,3 +137,22 @@ def test_grpo_trains_with_vllm_generation(tmp_path, tiny, vllm_python):
     # the first step generates with the weights the server started from; each later one
     # with the weights of the step before, reloaded once
     assert rows[0]["sync_bytes"] == 0 and all(r["sync_bytes"] > 0 for r in rows[1:])
+
+
+def test_a_gpu_server_is_given_the_budget_and_its_kv_cache_in_it():
+    """On a GPU rlloom hands vLLM what the device has left (its default 0.9 of the device is
+    not free beside a trainer) and the KV cache the cost model prices in it; too little for
+    one sequence is refused before vLLM starts, naming the fix."""
+    from rlloom.perf.model.memory import vllm_kv_bytes
+    from rlloom.perf.model.shapes import ModelShape
+    from rlloom.rollout.vllm_engine import VLLMError, gpu_memory_args
+    cfg = ModelConfig(family="qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64)
+    model = CausalLM(cfg)
+    shape = ModelShape.from_hf_config(cfg.to_hf())
+    args = gpu_memory_args(model, 2**30, 2**34, 4096)
+    assert args["gpu_memory_utilization"] == 2**-4
+    kv = 2**30 - 2 * cfg.num_params - 16384 * 2 * (3 * 512 + 3 * 256)
+    assert args["kv_cache_memory_bytes"] == int(kv) == int(vllm_kv_bytes(shape, 1, 2**30))
+    with pytest.raises(VLLMError, match="one sequence of 4096 positions needs"):
+        gpu_memory_args(model, int(2 * cfg.num_params + 16384 * 4608), 2**34, 4096)

@@ -140,11 +140,13 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
         # paged: a rollout holds the blocks it has filled, on average its mean context, and
         # the longest one must fit alone (vLLM preempts and recomputes the rest meanwhile;
         # not priced)
-        if kv_one > max(kv_budget, 0):
+        # vLLM is handed the whole budget and reserves its KV cache in it up front
+        kv = mem.vllm_kv_bytes(shape, layout.tp, kv_budget)
+        if kv_one > max(kv, 0):
             return _infeasible("generation", role, kv_one)
         kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.mean_context)
         cap = min(cap, VLLM_MAX_SEQS)
-        fit, working = int(max(kv_budget, 0) // kv_one), 0.0
+        fit = int(kv // kv_one)
     else:  # the engine's own rule (`rollout.slot_cache.kv_slots`)
         plain = plain_loop(layout, wl)
         fit = mem.generation_slots(shape, layout.tp, kv_budget, kv_one, wl.prompt_len, plain,
@@ -152,17 +154,16 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     concurrent = min(per_replica, fit, cap)
     if concurrent < 1:
         return _infeasible("generation", role, kv_one)
-    if wl.engine != "vllm":
-        working = mem.generation_transient_bytes(shape, layout.tp, concurrent, wl.prompt_len,
-                                                 wl.samples, plain, per_replica, response)
+    held = kv_budget if wl.engine == "vllm" else concurrent * kv_one + \
+        mem.generation_transient_bytes(shape, layout.tp, concurrent, wl.prompt_len,
+                                       wl.samples, plain, per_replica, response)
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
     # it reuses one simulation
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
            replace(wl, micro_batch=0), hw.key(), concurrent)
     if key not in _GEN_CACHE:
-        _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role,
-                                    concurrent * kv_one + working)
-    return _GEN_CACHE[key]
+        _GEN_CACHE[key] = _generate(shape, layout, wl, hw, concurrent, per_replica, role)
+    return replace(_GEN_CACHE[key], transient_bytes=held)
 
 
 def plain_loop(layout: Layout, wl: Workload) -> bool:
@@ -175,9 +176,8 @@ _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generatio
 
 
 def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, concurrent: int,
-              per_replica: int, role: str, kv_bytes: float) -> StageCost:
-    """`kv_bytes`: what the `concurrent` rollouts' KV cache and the engine's working memory
-    hold per device."""
+              per_replica: int, role: str) -> StageCost:
+    """The time of `concurrent` rollouts at once (its bytes held are the caller's)."""
     wait = 0.0
     if wl.carries:
         totals, decode_steps, prefills = _partial_totals(shape, layout, wl, hw, concurrent)
@@ -212,7 +212,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
     note = (f"{concurrent} of {per_replica} rollouts per replica at once, {how}: "
             f"{decode_steps:.0f} decode steps, {prefills:.0f} prefill forwards")
     return StageCost("generation", role, layout.dp * flops, nbytes, depth, compute_s,
-                     memory_s, comm_s, seconds, kv_bytes, note, wait, dispatch_s)
+                     memory_s, comm_s, seconds, 0.0, note, wait, dispatch_s)
 
 
 @functools.lru_cache(maxsize=4096)  # layouts of the same replica size share one simulation

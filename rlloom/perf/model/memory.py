@@ -24,6 +24,8 @@ DECODE_B = 14  # a decode step's bytes per slot and vocabulary entry: bf16 logit
 #                copy, log-probs and probabilities (rehearsed: rlloom.rehearsal.generation)
 ROLLOUT_B = 20  # per rollout and response position, what the engine returns: the tokens
 #                 (int64), their log-probs (fp32) and the tool-output marks (int64)
+VLLM_BATCHED_TOKENS = 16384  # tokens vLLM's LLM class runs per forward on an H100-class GPU
+#                             (its default max_num_batched_tokens there), and profiles
 LOGIT_CHUNK = 1024  # tokens of logits alive at once (models.logprobs.LOGIT_CHUNK_TOKENS)
 # bytes per logit element of a chunk in training: bf16 logits, fp32 copy, log-softmax, exp,
 # the entropy's product and their gradients (tests/models/test_logprobs.py measures 21-22);
@@ -316,3 +318,12 @@ def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: flo
         reserve += tokens * (prefill_bytes_per_token(shape, tp)
                              + shape.kv_bytes_per_token() / tp)
     return max(0, min(rollouts, int((budget - reserve) // per_slot)))
+
+
+def vllm_kv_bytes(shape: ModelShape, tp: int, budget: float) -> float:
+    """The KV cache a vLLM server gets from `budget` bytes of its device: what is left after
+    its own bf16 copy of the weights and the buffers of one forward of its batched tokens.
+    rlloom starts vLLM with exactly this (`rollout.vllm_engine.gpu_memory_args`) and the
+    cost model prices vLLM's concurrency from it."""
+    weights = PARAM_B * params_per_device(shape, Layout(tp=tp))
+    return budget - weights - VLLM_BATCHED_TOKENS * prefill_bytes_per_token(shape, tp)

@@ -32,7 +32,7 @@ from rlloom.rollout.partial import PartialPool
 from rlloom.rollout.partial_rule import partial_step
 from rlloom.rollout.sampling import SamplingParams, StopMatcher
 from rlloom.rollout.tools import CALL_END
-from rlloom.rollout.vllm_engine import VLLMEngine
+from rlloom.rollout.vllm_engine import VLLMEngine, gpu_memory_args
 from rlloom.rollout.vllm_env import resolve_python
 from rlloom.runtime.device import kv_budget_bytes, model_device
 from rlloom.runtime.ranks import RankGroup, Share
@@ -230,9 +230,13 @@ def vllm_engine(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, cfg: RunCo
     `policy`'s weights: the model a call passes, whichever copy of the weights it is."""
     if not _VLLM:
         r = cfg.rollout
+        device, length = model_device(policy), policy.config.max_position_embeddings
+        gpu = None if device.type != "cuda" else gpu_memory_args(
+            policy, kv_budget_bytes(device), torch.cuda.get_device_properties(device).total_memory,
+            length)
         engine = VLLMEngine(policy, tokenizer, resolve_python(r.vllm_python), r.temperature,
-                            max_model_len=policy.config.max_position_embeddings,
-                            max_num_seqs=r.max_batch or 256, seed=cfg.seed)
+                            max_model_len=length, max_num_seqs=r.max_batch or 256,
+                            seed=cfg.seed, gpu_memory=gpu)
         atexit.register(engine.close)
         _VLLM.append(engine)
     _VLLM[0].policy = policy
