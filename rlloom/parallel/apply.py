@@ -101,12 +101,14 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None = None
 
 
 def parallelize_pipeline(model: nn.Module, layout: Layout, mesh: DeviceMesh, *,
-                         experts: ExpertGroups | None = None, trains: bool = True
-                         ) -> PipelinedModel:
+                         experts: ExpertGroups | None = None, trains: bool = True,
+                         mixed_precision: bool = False) -> PipelinedModel:
     """This rank's pipeline stage of the plain `model` at `layout` (pp > 1): EP -> the stage
     (TP and CP inside it) -> checkpointing -> DP over the stage's dp replicas. A
     model that does not train (`trains=False`) is wrapped by DP only at ZeRO-3, to shard it;
-    whole copies need no wrapper."""
+    whole copies need no wrapper. `mixed_precision`: DP gathers bf16 weights, as `parallelize`
+    does (the pipeline's schedule keeps a stage's weights gathered across its pieces: fp32
+    copies would be twice the bytes, beside autocast's bf16 ones)."""
     validate_layout(layout, backbone_of(model).config, mesh.size())
     if layout.ep > 1:
         apply_expert_parallel(model, (experts or ExpertGroups.of(mesh, layout.ep)).ep)
@@ -116,7 +118,8 @@ def parallelize_pipeline(model: nn.Module, layout: Layout, mesh: DeviceMesh, *,
         apply_activation_checkpointing(pipe.module, pipe.module.model.layers)
     expert_params = _expert_grads(pipe.module, layout)
     if layout.dp > 1 and (trains or layout.zero == 3):
-        apply_data_parallel(pipe.module, mesh["dp"], layout.zero, mixed_precision=False,
+        apply_data_parallel(pipe.module, mesh["dp"], layout.zero,
+                            mixed_precision=mixed_precision and trains,
                             layers=pipe.module.model.layers.values(),
                             ignored=expert_params or None, offload=layout.offload)
     return pipe

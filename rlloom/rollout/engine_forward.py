@@ -92,7 +92,7 @@ class FusedWeights:
     one matmul each (copies built per call, since training changes the weights between
     calls: fewer operators to dispatch, which bound a CPU's decode); elsewhere the weights
     themselves (a GPU launches the extra matmuls in microseconds, and the copies would take
-    two thirds of the weights' memory while generation needs it for KV)."""
+    over half the weights' memory while generation needs it for KV)."""
     qkv: tuple[Projection, ...]
     split: tuple[int, int, int]   # q, k, v output widths
     gate_up: tuple[Projection, ...] | None  # None: call the layer's own MLP (e.g. an MoE block)

@@ -233,7 +233,8 @@ class RankGroup:
         of the whole model under ZeRO-3, which frees the gathered weights per layer)."""
         mesh = self.mesh(layout)
         if layout.pp > 1:
-            pipe = parallelize_pipeline(model, layout, mesh, experts=self.experts(layout))
+            pipe = parallelize_pipeline(model, layout, mesh, experts=self.experts(layout),
+                                        mixed_precision=compute == torch.bfloat16)
             return pipe, make_optimizer(pipe.module, layout, mesh, lr, **adamw)
         # one rank applies its layout too: activation checkpointing is its to apply
         parallelize(model, layout, mesh, mixed_precision=compute == torch.bfloat16,

@@ -244,3 +244,24 @@ def test_a_smaller_critic_is_priced_at_its_own_shape(tmp_path, capsys):
           str(tmp_path / "plan.yaml")])
     capsys.readouterr()
     assert load_config(tmp_path / "plan.yaml").model.critic_path == str(ckpt.resolve())
+
+
+def test_beside_vllm_a_colocated_generation_copy_is_in_host_memory():
+    """A colocated actor trained at ZeRO-3 generates on a copy of its weights. On rlloom's
+    engine the copy is on the device, out of generation's budget; beside vLLM it only stages
+    the weights vLLM reloads, in host memory (`hosts.staging_device`), and vLLM's own bf16
+    weights come out of the budget it is handed (`memory.vllm_kv_bytes`): all of usable
+    memory less the trainer's state."""
+    from rlloom.perf.model.compose import price, role_models
+    from rlloom.plan import Plan
+    plan = Plan(placement="colocated", layouts={"actor": Layout(dp=8, zero=3),
+                                                "generation": Layout(dp=8)})
+    models = role_models(Q7, ("actor", "reference"))
+    wl = Workload(64, 8, 512, Lengths("lognormal", 1024, 4096))
+    on = {e: price(plan, models, replace(wl, engine=e), H100) for e in ("rlloom", "vllm")}
+    held = {e: next(s.transient_bytes for s in p.stages if s.stage == "generation")
+            for e, p in on.items()}
+    usable = H100.mem_bytes * mem.USABLE - on["vllm"].resident_gib["all"] * 2**30
+    copy = 2 * mem.params_per_device(Q7, Layout(dp=8))
+    assert held["vllm"] == pytest.approx(usable)
+    assert held["rlloom"] <= usable - copy

@@ -186,7 +186,7 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, role: str,
     `cp_grads`)."""
     ckpt = layout.activation_checkpointing
     lora = wl.lora_rank if role == "actor" else 0
-    _, tokens, m = wl.device_minibatch(layout.dp, prompts_once)
+    _, tokens, m = wl.device_minibatch(layout.dp, prompts_once, layout.pp)
     mb_tokens, pieces = tokens / m, layout.pp
     # Under TP an MoE block's backward also sums the gradient its experts' feature slices
     # give the (replicated) tokens over the tp ranks: one more all-reduce per layer.

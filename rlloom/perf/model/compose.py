@@ -160,8 +160,10 @@ def _generation(p: _Placement, wl: Workload, hw: Hardware, resident: float, offl
     """Generation's cost, and the bytes a colocated actor adds to generate (ZeRO-3 gathers
     whole weights; a hybrid layout holds a generation copy)."""
     actor = p.active["actor"]
+    # beside vLLM the copy is in host memory (`hosts.staging_device`): vLLM's own weights are
+    # in the budget it is handed
     extra = mem.PARAM_B * mem.params_per_device(actor, p.gen) if not p.apart and \
-        (p.train.zero == 3 or p.hybrid) else 0.0
+        (p.train.zero == 3 or p.hybrid) and wl.engine != "vllm" else 0.0
     if offline:
         return cost.skipped("generation", "actor"), extra
     usable = hw.mem_bytes * mem.USABLE

@@ -23,7 +23,7 @@ from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.model_state import offload_copy_s, optimizer_s
 from rlloom.perf.model.partial_pool import pool_steps
 from rlloom.perf.model.shapes import ModelShape
-from rlloom.perf.model.workload import Workload
+from rlloom.perf.model.workload import Workload, pipeline_rows
 from rlloom.plan import Layout
 
 ENGINE_POINTS = 2048  # rollouts simulated one by one per replica; beyond, each stands for several
@@ -432,9 +432,12 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     ckpt = layout.activation_checkpointing
     lora = wl.lora_rank if role == "actor" else 0
     steps = wl.ppo_epochs * wl.minibatches
-    mb_rows, tokens, m = wl.device_minibatch(layout.dp, prompts_once)
-    context = tokens / mb_rows
-    prompt_tokens = (wl.distinct_prompts(mb_rows) if prompts_once else mb_rows) * wl.prompt_len
+    mb_rows, tokens, m = wl.device_minibatch(layout.dp, prompts_once, layout.pp)
+    per = math.ceil(mb_rows / m)
+    padded = pipeline_rows(per, layout.pp) / per  # rows a pipeline repeats
+    context = tokens / (mb_rows * padded)
+    prompt_tokens = (wl.distinct_prompts(mb_rows) if prompts_once else mb_rows) * \
+        wl.prompt_len * padded
     head_tokens = max(tokens - prompt_tokens, 0.0) if logits else 0.0
     recompute_head = head_tokens / (m * layout.pp) > mem.LOGIT_CHUNK  # per pipeline piece
     tokens, head_tokens = tokens * wl.minibatches, head_tokens * wl.minibatches
@@ -481,8 +484,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
                + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
     comm_s += dp_s
     memory_s += act_s + update_s
-    transient = mem.training_transient_bytes(shape, layout, wl.micro_batch * wl.max_context,
-                                             logits, lora)
+    transient = mem.training_transient_bytes(
+        shape, layout, pipeline_rows(wl.micro_batch, layout.pp) * wl.max_context, logits, lora)
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
     return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      depth, compute_s, memory_s, comm_s, seconds, transient, dispatch_s=host_s)

@@ -114,8 +114,8 @@ def _trained_bytes(p: float, dz: int, zero: int, precision: tuple[int, int, int]
 
 def mixed(layout: Layout) -> bool:
     """Data parallelism gathers bf16 weights (`RankGroup.trained` with bf16 compute), as
-    `parallel.apply.parallelize` applies it: dp > 1 and no pipeline stages."""
-    return layout.dp > 1 and layout.pp == 1
+    `parallel.apply.parallelize` and `parallelize_pipeline` apply it: dp > 1."""
+    return layout.dp > 1
 
 
 def stream_bytes(layout: Layout) -> int:
@@ -227,10 +227,13 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
     working = working_weight_bytes(shape, layout)
     grads = model_state_bytes(shape, layout, True, (0, GRAD_B, 0), lora_rank)
     waiting = (layout.pp - 1) / layout.pp  # of the pieces, when the gradients appear
-    # then, on the first stage, the embedding's dense fp32 gradient and its copy into the
-    # gradient held (rehearsed: Qwen2.5-7B pp 4, 2 x 2 GiB at that moment)
+    # then, on the first stage, the embedding's dense gradient and its copy into the
+    # gradient held (rehearsed: Qwen2.5-7B pp 4, 2 x 2 GiB in fp32 at that moment), or on
+    # the last the head's, summed over its chunks; with data parallelism in bf16 (`mixed`),
+    # beside FSDP's fp32 accumulator (`activation_bytes`' root gradient)
     if layout.pp > 1 and not lora_rank:
-        grads_held = grads + 2 * GRAD_B * shape.vocab * shape.hidden
+        per = PARAM_B if mixed(layout) else GRAD_B
+        grads_held = grads + 2 * per * shape.vocab * shape.hidden
     else:
         grads_held = grads
     if not layout.activation_checkpointing:

@@ -152,12 +152,15 @@ class Workload:
         longest response)."""
         return 0 < self.partial_tokens < self.response.max
 
-    def device_minibatch(self, dp: int, prompts_once: bool = False) -> tuple[int, float, int]:
+    def device_minibatch(self, dp: int, prompts_once: bool = False, pp: int = 1
+                         ) -> tuple[int, float, int]:
         """(rows, teacher-forced tokens, micro-batches) of one data-parallel rank's
-        mini-batch."""
+        mini-batch; through `pp` pipeline stages, each micro-batch's rows repeated up to a
+        multiple of its pieces (`pipeline_rows`)."""
         rows = math.ceil(math.ceil(self.rollouts / dp) / self.minibatches)
         tokens, m = self.teacher_forced(rows, prompts_once)
-        return rows, tokens, m
+        per = math.ceil(rows / m)
+        return rows, tokens * pipeline_rows(per, pp) / per, m
 
     @lru_cache(maxsize=4096)  # the same workloads are priced on many hardwares
     def teacher_forced(self, rows: int, prompts_once: bool = False) -> tuple[float, int]:
@@ -237,3 +240,9 @@ def step_lengths(wl: Workload, rng: random.Random) -> Lengths:
     """One step's B*K lengths, drawn from the workload's distribution and priced as they are
     (no refit: `rlloom plan` and `rlloom simulate` read one distribution the same way)."""
     return Lengths.empirical(wl.response.sample(wl.rollouts, rng))
+
+
+def pipeline_rows(rows: int, pp: int) -> int:
+    """The rows a micro-batch of `rows` runs through `pp` pipeline stages: a multiple of its
+    pp pieces (`runtime.stages.pipelined.pipeline_rows` repeats rows up to it)."""
+    return -(-rows // pp) * pp

@@ -75,6 +75,13 @@ def copy_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return frozen_dtype(cfg.train.compute_dtype, DTYPES[cfg.model.dtype], device)
 
 
+def staging_device(cfg: RunConfig, ranks: RankGroup) -> torch.device:
+    """Where a colocated actor's generation copy lives: with vLLM, which loads its own weights
+    onto the device, in host memory (the copy only stages the weights vLLM reloads, and
+    evaluation generates on vLLM too); else on the rank's device."""
+    return torch.device("cpu") if cfg.rollout.engine == "vllm" else ranks.device
+
+
 def _in_compute_dtype(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run a stage under `train.compute_dtype` (autocast is per thread: each call sets it)."""
     @functools.wraps(method)
@@ -131,7 +138,8 @@ class TrainingHost:
             # in the dtype the trainer's data parallelism gathers its weights in, so both
             # compute with the same weights
             held = copy_dtype(cfg, ranks.device)
-            self.generator = ranks.generating(copy.deepcopy(self.policy).to(held), gen)
+            self.generator = ranks.generating(
+                copy.deepcopy(self.policy).to(staging_device(cfg, ranks), held), gen)
         compute = compute_dtype(cfg.train.compute_dtype, ranks.device)
         # with pp > 1 the policy that trains is this rank's pipeline stage
         self.policy, self.optimizer = ranks.trained(self.policy, self.layout, cfg.train.lr,

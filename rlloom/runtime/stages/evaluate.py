@@ -19,7 +19,7 @@ from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.device import model_device
 from rlloom.runtime.stages.batch import encode
-from rlloom.runtime.stages.generation import Rewarder, respond
+from rlloom.runtime.stages.generation import Rewarder, respond, vllm_engine
 from rlloom.user_code import function_name
 
 EVAL_BATCH = 256  # problems per generation call (times eval.n_samples responses)
@@ -99,7 +99,10 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
         prompts = encode(tokenizer, [p.prompt for p in chunk for _ in range(e.n_samples)])
-        if tools is None:
+        if tools is None and cfg.rollout.engine == "vllm":  # the run's own vLLM server
+            rollout = vllm_engine(model, tokenizer, cfg).generate(
+                prompts, params, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+        elif tools is None:
             rollout = engine_generate(model, prompts, params, tokenizer.eos_token_id,
                                       tokenizer.pad_token_id, generator,
                                       decode=tokenizer.decode)

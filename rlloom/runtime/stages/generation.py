@@ -230,7 +230,11 @@ def vllm_engine(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, cfg: RunCo
     `policy`'s weights: the model a call passes, whichever copy of the weights it is."""
     if not _VLLM:
         r = cfg.rollout
-        device, length = model_device(policy), policy.config.max_position_embeddings
+        # the rank's GPU, where vLLM runs, even when the copy it reloads from is in host
+        # memory (`hosts.staging_device`)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else model_device(policy)
+        length = policy.config.max_position_embeddings
         gpu = None if device.type != "cuda" else gpu_memory_args(
             policy, kv_budget_bytes(device), torch.cuda.get_device_properties(device).total_memory,
             length)
