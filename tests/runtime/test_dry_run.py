@@ -59,7 +59,9 @@ def test_the_dry_run_prices_lora_and_tool_turns(capsys):
 
     full, lora = priced(), priced("model.lora.rank=8")
     turns = priced("rollout.tools=[calculator]", "rollout.max_turns=3")
-    assert lora[0] < full[0] * 0.6 and lora[1] < full[1]
+    # generation's KV cache and buffers set this small model's peak in both; the resident
+    # state drops by 12 of 16 B for each of its 0.109B weights: 1.22 GiB
+    assert 1.15 < full[0] - lora[0] < 1.3 and lora[1] < full[1]
     assert turns[0] == full[0] and turns[1] > full[1]
 
 
