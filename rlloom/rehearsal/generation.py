@@ -22,7 +22,7 @@ from rlloom.perf.model.memory import PREFILL_TOKENS
 from rlloom.perf.model.shapes import ModelShape
 from rlloom.plan import Layout
 from rlloom.rehearsal.memory import PeakMemory
-from rlloom.rehearsal.train import _in_child, _local_bytes, _rehearsed, model_config
+from rlloom.rehearsal.train import _in_child, _local_bytes, _rehearsed, frozen_bf16
 from rlloom.rollout import engine_forward
 from rlloom.rollout.engine import EngineConfig, _Run
 from rlloom.rollout.engine_forward import decode_forward, prefill_forward
@@ -52,13 +52,7 @@ def _rehearse_generation(shape: ModelShape, layout: Layout, rank: int, slots: in
                          prefill_tokens: int) -> RehearsedGeneration:
     with _rehearsed(layout, rank) as ranks, \
             mock.patch.object(engine_forward, "fuses", lambda weight: False):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be converted
-        try:
-            plain = CausalLM(model_config(shape)).eval().requires_grad_(False)
-        finally:
-            torch.set_default_dtype(default)
-        model = ranks.generating(plain, layout)
+        model = ranks.generating(frozen_bf16(shape), layout)
         weights = _local_bytes(list(model.parameters()))
         with torch.no_grad(), PeakMemory() as mem:
             if layout.tp > 1:

@@ -292,15 +292,7 @@ def _pipelined_step(pipe: PipelinedModel, r: Rollout) -> None:
 def _rehearse_scoring(shape: ModelShape, layout: Layout, rank: int, rows: int, prompt: int,
                       response: int) -> int:
     with _rehearsed(layout, rank) as ranks:
-        # held in the compute dtype, as `runtime.device.frozen_dtype` holds it on a GPU (made
-        # in it: converting fake parameters after the fact is refused)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            plain = CausalLM(model_config(shape)).eval().requires_grad_(False)
-        finally:
-            torch.set_default_dtype(default)
-        model = ranks.frozen(plain, layout)
+        model = ranks.frozen(frozen_bf16(shape), layout)
         held = _local_bytes(list(model.parameters()))
         r = _rollout(rows, prompt, response, shape.vocab)
         with PeakMemory() as mem, torch.no_grad(), \
@@ -310,3 +302,14 @@ def _rehearse_scoring(shape: ModelShape, layout: Layout, rank: int, rows: int, p
             else:
                 response_logprobs(model, r, 1.0)
         return held + mem.peak
+
+
+def frozen_bf16(shape: ModelShape) -> CausalLM:
+    """A model that does not train, held in the compute dtype as `runtime.device.frozen_dtype`
+    holds it on a GPU (made in it: converting fake parameters after the fact is refused)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return CausalLM(model_config(shape)).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
