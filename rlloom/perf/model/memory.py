@@ -143,7 +143,8 @@ def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:
     # FSDP leaves routed experts under EP out: autocast's copies of every layer's stay for
     # backward (checkpointed, each layer's recompute casts them again)
     kept = 0.0 if layout.activation_checkpointing else 1.0
-    if mixed(layout) and layout.zero == 3:  # two layers' experts among the gathered
+    # (a pipeline's schedule keeps every weight of its stage gathered across its pieces)
+    if mixed(layout) and layout.zero == 3 and layout.pp == 1:  # two layers' experts among them
         layers = shape.layers / layout.pp
         return zero3_gathered_bytes(shape, layout) + PARAM_B * experts * kept * (1 - 2 / layers)
     if mixed(layout):  # FSDP's unsharded bf16 copy of the rest
@@ -234,6 +235,10 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
     if layout.pp > 1 and not lora_rank:
         per = PARAM_B if mixed(layout) else GRAD_B
         grads_held = grads + 2 * per * shape.vocab * shape.hidden
+        if mixed(layout) and layout.zero >= 2:
+            # FSDP under the schedule accumulates unsharded fp32 gradients across the pieces
+            # and reduce-scatters them after the last (rehearsed: Qwen2.5-7B pp 4 x dp 2)
+            grads_held += GRAD_B * params_per_device(shape, layout) - grads
     else:
         grads_held = grads
     if not layout.activation_checkpointing:
