@@ -140,8 +140,10 @@ class RolloutSection(Strict):
                             "in it, and the response counts as finished)")
     max_batch: int = Field(0, ge=0, description="rollouts decoding at once per generation "
                            "replica (the engine's KV slots; continuous batching refills a "
-                           "finished one); 0 = as many as the device memory left after the "
-                           "model state holds (on a CPU: every rollout)")
+                           "finished one; a tensor-parallel replica runs waves of this many); "
+                           "0 = as many as the device memory left after the model state holds "
+                           "with their KV cache and the forwards' buffers (on a CPU: every "
+                           "rollout)")
     partial_tokens: int = Field(0, ge=0, description="partial rollouts: tokens a response "
                                 "may generate per step; one still going is carried to the "
                                 "next step and continued under its weights (its tokens keep "
