@@ -37,6 +37,7 @@ class Run:
     model: str
     reward_model: str | None  # None: a rule verifier
     hw: Hardware
+    refused: str | None = None  # why rlloom's runtime cannot hold this plan (the fixture's note)
 
     def priced(self, changes: dict[str, float] | None = None) -> Priced:
         reward = model_shape(self.reward_model) if self.reward_model else None
@@ -67,7 +68,7 @@ def _run(row: dict[str, Any]) -> Run:
     # a pair of our own making (a scaling series the source does not pair) may be given
     return Run(row["id"], p.get("pair", row.get("pair_id")), float(row["step_time_s"]),
                dict(row.get("stage_s") or {}), Plan(**p["plan"]), wl, p["algo"], p["model"],
-               p.get("reward_model"), hardware(p["hardware"]))
+               p.get("reward_model"), hardware(p["hardware"]), p.get("refused"))
 
 
 def calibrate(runs: list[Run], anchor: str) -> dict[str, float]:
