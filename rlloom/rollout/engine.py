@@ -99,8 +99,10 @@ class Engine:
             def turn(rows: list[list[int]], room: int) -> Rollout:
                 prompt = max(map(len, rows))
                 cfg = self.config
-                wave = agreed(self.model, kv_slots(self.model, len(rows), prompt, prompt + room,
-                                                   cfg.max_batch, cfg.kv_budget_bytes, True))
+                wave = kv_slots(self.model, len(rows), prompt, prompt + room, cfg.max_batch,
+                                cfg.kv_budget_bytes, True)
+                if cfg.kv_budget_bytes:  # budgets are each rank's own; max_batch is shared
+                    wave = agreed(self.model, wave)
                 return cat_rollouts([generate(self.model, rows[i:i + wave],
                                               replace(params, max_new_tokens=room), eos_id,
                                               pad_id, generator, decode=decode)

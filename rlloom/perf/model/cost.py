@@ -136,6 +136,7 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
     cap = wl.max_batch or per_replica
     response = math.ceil(wl.response.max)
+    plain = plain_loop(layout, wl)
     if wl.engine == "vllm":
         # paged: a rollout holds the blocks it has filled, on average its mean context, and
         # the longest one must fit alone (vLLM preempts and recomputes the rest meanwhile;
@@ -148,7 +149,6 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
         cap = min(cap, VLLM_MAX_SEQS)
         fit = int(kv // kv_one)
     else:  # the engine's own rule (`rollout.slot_cache.kv_slots`)
-        plain = plain_loop(layout, wl)
         fit = mem.generation_slots(shape, layout.tp, kv_budget, kv_one, wl.prompt_len, plain,
                                    per_replica, response)
     concurrent = min(per_replica, fit, cap)

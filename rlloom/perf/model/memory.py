@@ -300,14 +300,20 @@ def generation_transient_bytes(shape: ModelShape, tp: int, slots: int, prompt: i
     slots) and keeps their keys and values until they are placed into slots; the plain loop
     of a tensor-parallel model (`plain`) prefills its whole wave of `slots` rows at once,
     into its cache."""
-    per_token = prefill_bytes_per_token(shape, tp)
     if plain:
-        tokens = slots * prompt
+        prefill = slots * prompt * prefill_bytes_per_token(shape, tp)
     else:
-        tokens = max(1, min(-(-slots // samples), prefill_tokens // prompt)) * prompt
-        per_token += shape.kv_bytes_per_token() / tp
+        prefill = _engine_prefill_bytes(shape, tp, prompt, min(-(-slots // samples),
+                                                               prefill_tokens // prompt))
     outputs = ROLLOUT_B * rollouts * response
-    return outputs + max(tokens * per_token, DECODE_B * slots * shape.vocab)
+    return outputs + max(prefill, DECODE_B * slots * shape.vocab)
+
+
+def _engine_prefill_bytes(shape: ModelShape, tp: int, prompt: int, prompts: int) -> float:
+    """One engine prefill of `prompts` prompts (at least one): its buffers and the keys and
+    values it captures until they are placed into slots."""
+    tokens = max(1, prompts) * prompt
+    return tokens * (prefill_bytes_per_token(shape, tp) + shape.kv_bytes_per_token() / tp)
 
 
 def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: float,
@@ -322,9 +328,7 @@ def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: flo
     if plain:
         per_slot += prompt * prefill_bytes_per_token(shape, tp)
     else:
-        tokens = max(1, prefill_tokens // prompt) * prompt
-        reserve += tokens * (prefill_bytes_per_token(shape, tp)
-                             + shape.kv_bytes_per_token() / tp)
+        reserve += _engine_prefill_bytes(shape, tp, prompt, prefill_tokens // prompt)
     return max(0, min(rollouts, int((budget - reserve) // per_slot)))
 
 
