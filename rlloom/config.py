@@ -131,10 +131,16 @@ class RewardSection(Strict):
         "and processes; refused where the machine cannot), namespaces (the same without the "
         "cgroup: memory and processes bounded per process and per uid), process (rlimits "
         "only; for trusted programs)")
+    code_score: Literal["all", "fraction"] = Field(
+        "all", description="the code task's `correct` term: all (1 when every test passes, "
+        "else 0; DeepCoder's and most code-RL recipes' choice) or fraction (the share of "
+        "tests passed: partial solutions, and programs that hard-code the cases they can "
+        "guess, earn reward)")
     code_compare: Literal["exact", "tokens", "float"] = Field(
         "tokens", description="how stdin/stdout tests compare a program's output with the "
         "expected one: exact (line by line, trailing whitespace ignored), tokens "
-        "(whitespace-separated tokens), float (tokens, numbers within code_float_tol)")
+        "(whitespace-separated tokens), float (tokens, numbers within code_float_tol where "
+        "either is not an integer; integers exactly)")
     code_float_tol: float = Field(1e-6, gt=0,
                                   description="absolute or relative tolerance of "
                                   "code_compare=float")

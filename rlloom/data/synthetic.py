@@ -141,8 +141,8 @@ def _code(rng: random.Random, difficulty: int) -> Problem:
     """Write `f` from examples: f(x) = x+b with b in 0..99 (1), a*x+b (2) or x*x+b*x+c (3)
     with a in 1..20 and b, c in 0..50: 100, 1020 and 2601 distinct functions.
 
-    Three examples are shown; the tests also check two unseen inputs, so copying the examples
-    into a lookup table does not pass.
+    Three examples are shown; the tests check two other inputs only, so a lookup table of
+    the examples passes none of them.
     """
     check_difficulty("code", difficulty)
     a, b, c = rng.randint(1, 20), rng.randint(0, 99 if difficulty == 1 else 50), rng.randint(0, 50)
@@ -152,7 +152,7 @@ def _code(rng: random.Random, difficulty: int) -> Problem:
     def f(x: int) -> int:
         return {1: x + b, 2: a * x + b, 3: x * x + b * x + c}[difficulty]
 
-    tests = [f"assert f({x}) == {f(x)}" for x in shown + hidden]
+    tests = [f"assert f({x}) == {f(x)}" for x in hidden]
     return Problem(prompt="F:" + ",".join(f"f({x})={f(x)}" for x in shown) + "?",
                    answer="", solution=f"def f(x): return {body}",
                    meta={"tests": tests})

@@ -8,11 +8,11 @@ replies, and what the program prints). How it is isolated depends on ``isolation
   unshares mount, pid, network, IPC and UTS namespaces (plus a user namespace when not root)
   and forks the box's first process. That process is pid 1 of its own pid namespace (its own
   ``/proc``; when it dies the kernel kills everything the program started), builds a new root
-  on a tmpfs (read-only binds of ``/usr`` and the interpreter's prefix only, site-packages
-  masked, a private ``/tmp`` and ``/dev/shm``, four device nodes), pivots into it, sets
-  rlimits, drops to a uid of its own (root hosts: ``UID_BASE`` + the supervisor's pid, unique
-  among live boxes) with no_new_privs, and execs the interpreter, which clears the judge's
-  memory. The network namespace has only a down loopback: no internet, no localhost, no
+  on a tmpfs (read-only binds of the interpreter, its libraries and the standard library
+  only, ``box_files.py``; a private ``/tmp`` and ``/dev/shm``, four device nodes), pivots
+  into it, sets rlimits, drops to a uid of its own (root hosts: ``next_uid``, unique among
+  the host's last 2^31 boxes) with no_new_privs, installs the system-call filter
+  (``seccomp.py``) and execs the interpreter, which clears the judge's memory. The network namespace has only a down loopback: no internet, no localhost, no
   abstract Unix sockets of the host, and no filesystem sockets are visible.
 * ``process``: a plain child process with rlimits, a private working directory and (as root)
   a uid of its own; nothing else. For trusted programs only.
@@ -25,22 +25,24 @@ import fcntl
 import json
 import os
 import platform
+import re
 import resource
 import selectors
 import shutil
 import signal
 import struct
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlloom.rewards import box_server
+from rlloom.rewards import box_files, box_server, seccomp
+from rlloom.rewards.box_files import Visible
 from rlloom.rewards.cgroups import BoxCgroup
 
 ISOLATIONS = ("strict", "namespaces", "process")
-UID_BASE = 0x40000000
+UID_BASE, UID_SPAN = 0x40000000, 0x80000000
+_UID_COUNTER = os.path.join(tempfile.gettempdir(), "rlloom-box-uids")
 
 _CLONE = {"mount": 0x00020000, "uts": 0x04000000, "ipc": 0x08000000, "user": 0x10000000,
           "pid": 0x20000000, "net": 0x40000000}
@@ -60,6 +62,7 @@ class SandboxLimits:
     memory_mb: int = 512        # per program (cgroup, strict) and per process (RLIMIT_AS)
     file_size_mb: int = 1       # largest file the program may write
     max_processes: int = 16     # per program (pids cgroup, and RLIMIT_NPROC of its own uid)
+    max_open_files: int = 256   # per process (RLIMIT_NOFILE)
     max_output_bytes: int = 64_000  # what the program may print (the run stops past it)
     tmp_mb: int = 16            # its private /tmp and /dev/shm (tmpfs, counted as memory too)
 
@@ -78,38 +81,28 @@ class BoxConfig:
     """What every box of one judge shares, worked out once by ``BoxConfig.for_host``."""
     isolation: str
     interpreter: str
-    binds: tuple[str, ...]              # host directories bound read-only at the same path
-    links: tuple[tuple[str, str], ...]  # (path, target): /bin -> usr/bin and the like
-    hidden: tuple[str, ...]             # masked by an empty read-only tmpfs
+    visible: Visible | None             # the host files a box sees (None: process isolation)
+    syscall_filter: bytes               # BPF refusing what boxes could share (seccomp.py)
     mount_point: str                    # an empty directory where the new root is built
 
     @classmethod
-    def for_host(cls, isolation: str) -> BoxConfig:
+    def for_host(cls, isolation: str, visible: Visible | None = None) -> BoxConfig:
+        """``visible``: what ``box_files.for_boxes`` found (by default, found here)."""
         if isolation not in ISOLATIONS:
             raise ValueError(f"unknown sandbox isolation {isolation!r}; use one of {ISOLATIONS}")
-        interpreter = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-        if isolation == "process" and os.geteuid() == 0:
-            interpreter = _readable_interpreter(interpreter)
-        prefix = os.path.realpath(sys.base_prefix)
-        binds, links = ["/usr"], []
-        for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):
-            if os.path.islink(top):
-                links.append((top, os.readlink(top)))
-            elif os.path.isdir(top):
-                binds.append(top)
-        for extra in (prefix, os.path.dirname(interpreter)):
-            if not any(extra == b or extra.startswith(b + "/") for b in binds):
-                binds.append(extra)
-        stdlib = Path(prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}")
-        hidden = tuple(str(p) for p in (stdlib / "site-packages", stdlib / "dist-packages")
-                       if p.is_dir())
+        interpreter = box_files.interpreter()
+        if isolation == "process":
+            if os.geteuid() == 0:
+                interpreter = _readable_interpreter(interpreter)
+            return cls(isolation, interpreter, None, b"", "")
+        visible = visible or box_files.for_boxes()
         # one empty directory serves every box: each mounts its root there in a mount
         # namespace of its own, so the host never sees anything mounted on it
         mount_point = os.path.join(tempfile.gettempdir(), "rlloom-boxroot")
         os.makedirs(mount_point, mode=0o755, exist_ok=True)
         if os.path.islink(mount_point):
             raise OSError(f"{mount_point} is a symlink; remove it")
-        return cls(isolation, interpreter, tuple(binds), tuple(links), hidden, mount_point)
+        return cls(isolation, interpreter, visible, seccomp.build(), mount_point)
 
 
 def _readable_interpreter(preferred: str) -> str:
@@ -141,19 +134,29 @@ def _mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | Non
            f"mount {target}")
 
 
+def _bind_read_only(libc: ctypes.CDLL, source: str, target: str) -> None:
+    _mount(libc, source, target, None, _MS_BIND | _MS_REC)
+    _mount(libc, None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+
+
 def _build_root(cfg: BoxConfig, limits: SandboxLimits) -> None:
     """In the box's mount namespace: a new root with only what the interpreter needs."""
     libc, root = _libc(), cfg.mount_point
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
     _mount(libc, "box", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
-    for path in cfg.binds:
-        os.makedirs(root + path, mode=0o755, exist_ok=True)
-        _mount(libc, path, root + path, None, _MS_BIND | _MS_REC)
-        _mount(libc, None, root + path, None,
-               _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    for path, target in cfg.links:
+    visible = cfg.visible
+    for path, target in visible.links:
         os.symlink(target, root + path)
-    for path in cfg.hidden:
+    for path in visible.dirs:
+        os.makedirs(root + path, mode=0o755, exist_ok=True)
+        _bind_read_only(libc, path, root + path)
+    for path in visible.files:
+        inside = root + box_files.in_box(path)
+        os.makedirs(os.path.dirname(inside), mode=0o755, exist_ok=True)
+        if not os.path.exists(inside):
+            Path(inside).touch()
+            _bind_read_only(libc, path, inside)
+    for path in visible.hidden:
         _mount(libc, "empty", root + path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
                "size=4k,mode=755")
     os.makedirs(root + "/dev", mode=0o755)
@@ -183,9 +186,26 @@ def _limit(limits: SandboxLimits) -> None:
                          (resource.RLIMIT_AS, limits.memory_mb * mb),
                          (resource.RLIMIT_FSIZE, limits.file_size_mb * mb),
                          (resource.RLIMIT_NPROC, limits.max_processes),
+                         (resource.RLIMIT_NOFILE, limits.max_open_files),
                          (resource.RLIMIT_CORE, 0)):
         # soft == hard: pid 1 ignores SIGXCPU, so only the hard limit's SIGKILL would stop it
         resource.setrlimit(which, (value, value))
+
+
+def next_uid() -> int:
+    """A box uid that no box of this host had in the last ``UID_SPAN`` boxes (a counter in
+    a file of this user's, locked while it moves on); pids would recur as they wrap."""
+    fd = os.open(_UID_COUNTER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise OSError(f"{_UID_COUNTER} belongs to another user; remove it")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        head = os.pread(fd, 8, 0)
+        count = (struct.unpack("!Q", head)[0] + 1) % UID_SPAN if len(head) == 8 else 0
+        os.pwrite(fd, struct.pack("!Q", count), 0)
+        return UID_BASE + count
+    finally:
+        os.close(fd)
 
 
 def _become(uid: int) -> None:
@@ -209,6 +229,8 @@ def _exec_server(cfg: BoxConfig, limits: SandboxLimits, fds: dict[int, int], uid
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     # dies with its supervisor, which dies with the judge (set after the uid change clears it)
     _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if cfg.syscall_filter:
+        seccomp.load(cfg.syscall_filter)
     # copies above every target first, so that no dup2 overwrites a source still to be moved
     high = {target: fcntl.fcntl(source, fcntl.F_DUPFD, max(fds) + 1)
             for target, source in fds.items()}
@@ -220,7 +242,7 @@ def _exec_server(cfg: BoxConfig, limits: SandboxLimits, fds: dict[int, int], uid
 
 
 def _supervise(cfg: BoxConfig, limits: SandboxLimits, fds: dict[int, int], status_w: int,
-               setup_w: int, cgroup: BoxCgroup | None, workdir: str) -> None:
+               setup_w: int, cgroup: BoxCgroup | None, workdir: str, box_uid: int) -> None:
     """The forked supervisor: cgroup, namespaces, then the box's first process; it reports
     that process's pid, waits for it, and reports how it ended and its CPU time."""
     libc = _libc()
@@ -236,7 +258,6 @@ def _supervise(cfg: BoxConfig, limits: SandboxLimits, fds: dict[int, int], statu
             Path("/proc/self/setgroups").write_text("deny")
             Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
             Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
-    box_uid = UID_BASE + os.getpid() if root else -1
     pid = os.fork()
     if pid == 0:
         try:
@@ -272,6 +293,7 @@ class Box:
             else ""
         if self.workdir and os.geteuid() == 0:
             os.chmod(self.workdir, 0o777)
+        box_uid = next_uid() if os.geteuid() == 0 else -1
         req_r, self.req_w = os.pipe()
         self.rep_r, rep_w = os.pipe()
         self.out_r, out_w = os.pipe()
@@ -284,7 +306,8 @@ class Box:
             try:
                 for fd in (self.req_w, self.rep_r, self.out_r, status_r, setup_r):
                     os.close(fd)
-                _supervise(cfg, limits, fds, status_w, setup_w, self.cgroup, self.workdir)
+                _supervise(cfg, limits, fds, status_w, setup_w, self.cgroup, self.workdir,
+                           box_uid)
             except BaseException as e:  # noqa: BLE001 - reported to the judge, never raised
                 os.write(setup_w, f"{type(e).__name__}: {e}".encode()[:4000])
             finally:
@@ -357,6 +380,9 @@ class Box:
         if len(self._pending) < 4 + size:
             return None
         body, self._pending = bytes(self._pending[4:4 + size]), self._pending[4 + size:]
+        if _lists(body) > _MAX_LISTS:
+            # parsed, each costs the judge ~100 bytes: 16 MB of them would be 1.5 GB
+            self._die("reply too large")
         try:
             reply = json.loads(body)
         except (ValueError, RecursionError):
@@ -408,6 +434,19 @@ class Box:
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return _describe(code, cpu, oom, self.limits)
+
+
+_MAX_LISTS = 2 * box_server.MAX_ITEMS + 16  # a tagged value is a list, a container two
+_STRINGS = re.compile(rb'"(?:[^"\\]+|\\.)*"')
+
+
+def _lists(body: bytes) -> int:
+    """How many JSON arrays ``body`` holds (brackets inside strings do not count)."""
+    count = body.count(b"[")
+    if count <= _MAX_LISTS:
+        return count
+    # one string at a time: substituting them all away would build a list of every piece
+    return count - sum(m.group().count(b"[") for m in _STRINGS.finditer(body))
 
 
 CPU_LIMIT_SHARE = 0.8  # of `SandboxLimits.cpu_s`: a kill past it is the CPU limit's

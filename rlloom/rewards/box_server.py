@@ -27,6 +27,8 @@ import time
 
 IN_FD, OUT_FD = 3, 4
 MAX_ITEMS = 100_000  # elements of one encoded value
+MAX_DEPTH = 100  # nesting of one encoded value
+MAX_SHARED_HASHES = 64  # members of one set (or keys of one dict) whose hash another has
 MAX_MESSAGE = 16 << 20
 _KINDS = {type(None): "n", bool: "b", int: "i", float: "f", str: "s", bytes: "y", list: "l",
           tuple: "t", dict: "d", set: "S", frozenset: "F"}
@@ -65,9 +67,15 @@ def encode(value: object, refs: dict | None = None, budget: list | None = None) 
     return [kind, [encode(v, refs, budget) for v in value]]
 
 
-def decode(tagged: object, refs=None) -> object:
+def decode(tagged: object, refs=None, budget: list | None = None, depth: int = 0) -> object:
     """Tagged plain data back to exact builtin values; ValueError on anything malformed.
-    ``refs(tag)`` resolves reference tags ("r", "h"); without it they are malformed."""
+    ``refs(tag)`` resolves reference tags ("r", "h"); without it they are malformed. Bounded
+    and linear in the value: at most MAX_ITEMS elements, MAX_DEPTH levels, and sets and dict
+    keys whose members share a hash (which makes building them quadratic) are refused."""
+    budget = [MAX_ITEMS] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_DEPTH:
+        raise ValueError("value too large")
     if not isinstance(tagged, list) or not tagged or not isinstance(tagged[0], str):
         raise ValueError("malformed value")
     kind, body = tagged[0], tagged[1:]
@@ -84,15 +92,25 @@ def decode(tagged: object, refs=None) -> object:
         return {"i": lambda s: int(s, 16), "f": float, "y": bytes.fromhex}[kind](item)
     if type(item) is not list or kind not in ("l", "t", "d", "S", "F"):
         raise ValueError("malformed value")
-    items = [decode(v, refs) for v in item]
+    items = [decode(v, refs, budget, depth + 1) for v in item]
+    if kind == "d" and len(items) % 2:
+        raise ValueError("malformed value")
+    if kind in "dSF":
+        _distinct_hashes(items[0::2] if kind == "d" else items)
+    return {"l": list, "t": tuple, "d": lambda i: dict(zip(i[0::2], i[1::2])), "S": set,
+            "F": frozenset}[kind](items)
+
+
+def _distinct_hashes(members: list) -> None:
+    # Hashes of ints, floats, tuples and frozensets are not randomised, so a reply can hold
+    # many members with one hash; a set of hash values is collision-free (a hash is its own
+    # hash), so counting them is linear.
     try:
-        if kind == "d":
-            if len(items) % 2:
-                raise ValueError("malformed value")
-            return dict(zip(items[0::2], items[1::2]))
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[kind](items)
+        hashes = [hash(m) for m in members]
     except TypeError:  # an unhashable key or member
         raise ValueError("malformed value") from None
+    if len(hashes) - len(set(hashes)) > MAX_SHARED_HASHES:
+        raise ValueError("members that share a hash")
 
 
 def read_message(fd: int) -> object:

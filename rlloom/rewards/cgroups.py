@@ -10,6 +10,7 @@ caller's own cgroup, so a limit set on the trainer still bounds them all.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -43,8 +44,11 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
+@functools.cache
 def _parents() -> dict[str, Path]:
-    """Where box cgroups go: controller -> directory (one "unified" entry for v2)."""
+    """Where box cgroups go: controller -> directory (one "unified" entry for v2). Worked out
+    once per process: the judge moves into a cgroup of its own after its first call, and its
+    boxes stay siblings of it (cgroup v2 allows no processes in a cgroup with children)."""
     mounts, own = _mounts(), _own_paths()
     if all(c in mounts for c in _CONTROLLERS):
         return {c: mounts[c] / own.get(c, "") for c in _CONTROLLERS}
@@ -106,15 +110,27 @@ class BoxCgroup:
         return False
 
     def remove(self) -> None:
-        # The box's processes were killed with its pid namespace; they leave the cgroup a
-        # moment after, and until then rmdir says EBUSY.
         for d in {self.memory, self.pids}:
-            for _ in range(400):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.001)
+            _rmdir(d)
+
+
+def _rmdir(d: Path) -> None:
+    # A box's processes were killed with its pid namespace; they leave the cgroup a moment
+    # after, and until then rmdir says EBUSY.
+    for _ in range(400):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.001)
+
+
+def remove_left_by(judge_pid: int) -> None:
+    """Removes the cgroups of a judge that is gone (its own and its boxes'), which it could
+    not remove itself when it was killed."""
+    for parent in set(_parents().values()):
+        for d in [*parent.glob(f"rlloom-box-{judge_pid}-*"), parent / f"rlloom-judge-{judge_pid}"]:
+            _rmdir(d)
 

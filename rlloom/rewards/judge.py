@@ -21,13 +21,17 @@ import builtins
 import json
 import math
 import os
+import re
+import resource
 import sys
 import time
 from dataclasses import asdict
 from typing import Any
 
 from rlloom.rewards.box import Box, BoxConfig, BoxDied, SandboxLimits
-from rlloom.rewards.box_server import NotPlain, decode, encode
+from rlloom.rewards.box_files import Visible
+from rlloom.rewards.box_server import MAX_ITEMS, NotPlain, decode, encode
+from rlloom.rewards.cgroups import BoxCgroup
 
 
 class ProgramError(Exception):
@@ -35,24 +39,27 @@ class ProgramError(Exception):
     something that is not plain data."""
 
 
-_raised_types: dict[tuple[str, str], type] = {}
+# Exceptions that end the judge's own loops early, whatever raised them: a program's
+# StopIteration would end `map`, `zip` or `all(...)` over its results as if every case passed.
+_STEERING = (StopIteration, StopAsyncIteration)
 
 
-def _exception(raised: Any) -> BaseException:
+def _exception(raised: Any, types: dict[tuple[str, str], type]) -> BaseException:
     """The exception the box reported ([type name, builtin base name, message]) as an
     instance of a class of that name deriving from that base (never a BaseException that is
-    not an Exception: a program's SystemExit must not stop the judge)."""
+    not an Exception: a program's SystemExit must not stop the judge; never a StopIteration:
+    a ProgramError instead). ``types`` keeps the classes made for one program."""
     try:
-        name, base_name, message = (str(x) for x in raised)
+        name, base_name, message = (str(x)[:2000] for x in raised)
     except (TypeError, ValueError):
         return ProgramError("malformed exception report")
     base = getattr(builtins, base_name, None)
-    if not (isinstance(base, type) and issubclass(base, Exception)):
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(base, _STEERING):
         base = ProgramError
     key = (name, base.__name__)
-    if key not in _raised_types:
-        _raised_types[key] = type(name, (base,), {"__module__": "solution"})
-    return _raised_types[key](message)
+    if key not in types:
+        types[key] = type(name, (base,), {"__module__": "solution"})
+    return types[key](message)
 
 
 def _sync(original: object, mutated: object) -> None:
@@ -71,6 +78,7 @@ class _Session:
         self.box = box
         self.refs: dict[int, list] = {}
         self._keep: list = []  # proxies stay alive while their id() is a key of refs
+        self.raised_types: dict[tuple[str, str], type] = {}
 
     def proxy(self, tag: list) -> object:
         made = _Function(self, tag) if tag[0] in ("f", "m") else _Instance(self, tag[1])
@@ -92,7 +100,7 @@ class _Session:
         reply = self.box.request({"op": "call", "target": target, "args": sent_args,
                                   "kwargs": sent_kwargs})
         if "raised" in reply:
-            raise _exception(reply["raised"])
+            raise _exception(reply["raised"], self.raised_types)
         try:
             value = decode(reply.get("value"), self.resolve)
             mutated = [decode(a) for a in reply["args"]] if value is None and \
@@ -132,17 +140,20 @@ class _Instance:
 
 def _judge_asserts(box: Box, code: str, tests: list[str]) -> tuple[list[bool], str | None]:
     reply = box.request({"op": "load", "code": code})
-    if "fail" in reply:
-        return [False] * len(tests), str(reply["fail"])
+    if isinstance(reply.get("fail"), str):
+        return [False] * len(tests), reply["fail"][:200]
+    table = reply.get("names")
+    if not isinstance(table, dict) or len(table) > MAX_ITEMS:
+        raise BoxDied("malformed reply")
     session = _Session(box)
     names: dict[str, object] = {}
-    for name, kind in dict(reply.get("names", {})).items():
+    for name, kind in table.items():
         if hasattr(builtins, name):
             continue  # the tests' abs, sorted or isinstance stay the real ones
         try:
-            names[str(name)] = session.proxy(["f", name]) if kind in ("function", "class") \
+            names[name] = session.proxy(["f", name]) if kind in ("function", "class") \
                 else decode(kind)
-        except (ValueError, TypeError, RecursionError):
+        except (ValueError, TypeError, RecursionError, OverflowError):
             pass
     passed = []
     for i, test in enumerate(tests):
@@ -159,11 +170,15 @@ def _judge_asserts(box: Box, code: str, tests: list[str]) -> tuple[list[bool], s
     return passed, None
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
 def same_output(got: str, expected: str, compare: str, tol: float) -> bool:
     """Whether a program's stdout matches the expected output: ``exact`` (line by line,
     trailing whitespace of each line and trailing blank lines ignored), ``tokens``
     (whitespace-separated tokens equal) or ``float`` (tokens equal, or both numbers within
-    ``tol`` absolute or relative)."""
+    ``tol`` absolute or relative where either token is not an integer; two integers are
+    compared exactly)."""
     if compare == "exact":
         def lines(text: str) -> list[str]:
             return [line.rstrip() for line in text.rstrip().splitlines()]
@@ -176,6 +191,13 @@ def same_output(got: str, expected: str, compare: str, tol: float) -> bool:
     for x, y in zip(a, b):
         if x == y:
             continue
+        if _INTEGER.fullmatch(x) and _INTEGER.fullmatch(y):
+            try:  # integers on both sides are compared exactly: 1000000001 is not 1e9
+                if int(x) == int(y):
+                    continue
+            except ValueError:  # past Python's digit limit: different strings, so different
+                pass
+            return False
         try:
             fx, fy = float(x), float(y)
         except ValueError:
@@ -189,7 +211,9 @@ def _run_main(box: Box, code: str, stdin: str) -> dict:
     left = max(box.deadline - time.monotonic(), 0.0)
     reply = box.request({"op": "main", "code": code, "stdin": stdin, "timeout_s": left,
                          "max_output": box.limits.max_output_bytes})
-    if not (isinstance(reply.get("stdout"), str) and isinstance(reply.get("stderr"), str)):
+    if not (isinstance(reply.get("stdout"), str) and isinstance(reply.get("stderr"), str)
+            and all(type(reply.get(k)) in (int, type(None)) for k in ("exit", "signal"))
+            and all(type(reply.get(k, False)) is bool for k in ("timeout", "overflow"))):
         raise BoxDied("malformed reply")
     return reply
 
@@ -290,11 +314,28 @@ def run_job(job: dict, boxes: Boxes) -> dict:
                     _judge_io(box, code, tests, job["compare"], job["tol"])
             except BoxDied as e:
                 passed, reason = [False] * len(tests), e.reason
+            except Exception as e:  # noqa: BLE001 - a reply nothing above foresaw fails its
+                # program, never the judge (which judges the next program)
+                passed, reason = [False] * len(tests), f"malformed reply ({type(e).__name__})"
             result = {"passed": sum(passed), "total": len(tests), "reason": reason}
     finally:
         boxes.end(box)
     result["output"] = bytes(box.output).decode("utf-8", "replace")
     return result
+
+
+JUDGE_MEMORY_MB = 1024  # the judge's own memory (its cgroup): the tests' values and replies
+JUDGE_ADDRESS_SPACE_MB = 2048  # its soft RLIMIT_AS, in every isolation (libraries included)
+
+
+def _bound_own_memory(isolation: str) -> None:
+    """No reply can take more of the host than this: past it the judge fails the program
+    (MemoryError) or is killed by its cgroup and replaced by the pool."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (JUDGE_ADDRESS_SPACE_MB << 20, hard))
+    if isolation == "strict":
+        own = BoxCgroup.create(f"rlloom-judge-{os.getpid()}", JUDGE_MEMORY_MB << 20, 64)
+        own.join(os.getpid())
 
 
 def main() -> None:
@@ -304,7 +345,9 @@ def main() -> None:
     os.dup2(null, 0)
     os.dup2(null, 1)
     try:
-        cfg = BoxConfig.for_host(sys.argv[1])
+        cfg = BoxConfig.for_host(sys.argv[1], Visible.from_json(sys.argv[2])
+                                 if len(sys.argv) > 2 else None)
+        _bound_own_memory(cfg.isolation)
     except OSError as e:  # every job is answered with why, so the pool can refuse clearly
         for _ in jobs:
             results.write(json.dumps({"unavailable": str(e)}).encode() + b"\n")

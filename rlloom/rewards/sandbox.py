@@ -32,6 +32,7 @@ from queue import SimpleQueue
 from types import TracebackType
 from typing import Union
 
+from rlloom.rewards import box_files, cgroups
 from rlloom.rewards.box import ISOLATIONS, SandboxLimits
 from rlloom.rewards.judge import job
 
@@ -90,10 +91,14 @@ class _Judge:
     """One judge process; replaced when it hangs or dies."""
 
     def __init__(self, isolation: str) -> None:
+        self.isolation = isolation
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": _PACKAGE_ROOT,
                "LANG": "C.UTF-8"}
+        # what boxes see is found (and warmed) once per process, not once per judge
+        visible = [] if isolation == "process" else [box_files.for_boxes().to_json()]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlloom.rewards.judge", isolation], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "rlloom.rewards.judge", isolation, *visible],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def run(self, line: dict, timeout_s: float) -> dict | None:
@@ -122,7 +127,15 @@ class _Judge:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def kill(self) -> None:
+    def kill(self, wait_s: float = 0.0) -> None:
+        """Ends the judge: given ``wait_s``, it first closes its boxes itself; then nothing
+        of it is left (its boxes die with it, and a strict judge's cgroups are removed)."""
+        if wait_s and self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(wait_s)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -131,6 +144,8 @@ class _Judge:
                 stream.close()
             except BrokenPipeError:
                 pass
+        if self.isolation == "strict":
+            cgroups.remove_left_by(self.proc.pid)
 
 
 class SandboxPool:
@@ -164,7 +179,11 @@ class SandboxPool:
         judge = self._judges.get()
         try:
             if judge is None or not judge.alive():
-                judge = _Judge(self.isolation)
+                try:
+                    judge = _Judge(self.isolation)
+                except OSError as e:  # what boxes would see could not be found
+                    judge = None
+                    return {"unavailable": str(e)}
             result = judge.run(line, self.limits.wall_s + _JUDGE_SLACK_S)
             if result is None:
                 judge = None
@@ -200,7 +219,7 @@ class SandboxPool:
         for _ in range(self._workers):
             judge = self._judges.get()
             if judge is not None:
-                judge.kill()
+                judge.kill(wait_s=_JUDGE_SLACK_S)
 
     def __enter__(self) -> SandboxPool:
         return self

@@ -33,8 +33,8 @@ def test_code_hand_built() -> None:
     p = TASKS["code"](ScriptedRandom([3, 7, 1, 6, 12], []), 2)
     assert p.prompt == "F:f(1)=10,f(2)=13,f(3)=16?"
     assert p.solution == "def f(x): return 3*x+7"
-    assert p.meta["tests"] == ["assert f(1) == 10", "assert f(2) == 13", "assert f(3) == 16",
-                               "assert f(6) == 25", "assert f(12) == 43"]
+    # the tests check only inputs the prompt does not show
+    assert p.meta["tests"] == ["assert f(6) == 25", "assert f(12) == 43"]
 
 
 def test_code_solutions_pass_their_tests_in_the_sandbox() -> None:

@@ -491,8 +491,9 @@ def test_a_hostile_program_leaves_ten_honest_neighbours_at_one(pool, name):
 
 def test_a_daemon_does_not_outlive_its_box(pool):
     marker = f"rlloom-daemon-{time.time_ns()}"
-    code = (f"import os, time\nif os.fork() == 0:\n    os.setsid()\n"
-            f"    os.execv('/bin/sleep', ['/bin/sleep', '30', '{marker}'])\n")
+    code = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
+            f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', "
+            f"'{marker}'])\n")
     pool.map([(code, ["assert True"])])
     time.sleep(0.5)
     survivors = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout

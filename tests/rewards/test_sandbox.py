@@ -12,7 +12,7 @@ import pytest
 from sandbox_setup import LIMITS
 
 from rlloom.data.prompts import read_prompt_file
-from rlloom.rewards import judge, sandbox
+from rlloom.rewards import box, judge, sandbox
 from rlloom.rewards.box import BoxConfig
 from rlloom.rewards.sandbox import RunResult, SandboxPool, SandboxUnavailable, run_program
 from rlloom.rewards.tasks import task_terms
@@ -103,7 +103,11 @@ def test_code_task_scores_stdin_stdout_rows(pool, tmp_path):
     problems = read_prompt_file(rows, "code") * 3
     responses = ["print(sum(map(int, input().split())))", "print(3)", "print(3"]
     terms = task_terms(problems, responses, "code", pool)
+    assert terms == {"correct": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]}  # all must pass
+    terms = task_terms(problems, responses, "code", pool, code_score="fraction")
     assert terms == {"correct": [1.0, 0.5, 0.0], "format": [1.0, 1.0, 0.0]}
+    with pytest.raises(ValueError, match="code_score must be one of"):
+        task_terms(problems, responses, "code", pool, code_score="mean")
 
 
 @pytest.mark.parametrize("compare, got, want, same", [
@@ -114,6 +118,12 @@ def test_code_task_scores_stdin_stdout_rows(pool, tmp_path):
     ("float", "0.3333333 2", "0.33333333 2", True),
     ("float", "0.34 2", "0.33333333 2", False),
     ("float", "abc", "abd", False),
+    # integers on both sides are exact, however large: the tolerance is for floats
+    ("float", "1000000001", "1000000000", False),
+    ("float", "-123456789012345678901", "-123456789012345678900", False),
+    ("float", "+0042 7", "42 7", True),
+    ("float", "1000000000.5", "1000000000", True),
+    ("float", "1e9", "1000000001", True),
 ])
 def test_output_comparisons(compare, got, want, same):
     assert judge.same_output(got, want, compare, 1e-6) is same
@@ -179,9 +189,11 @@ def test_fork_bomb_is_contained(pool):
 
 
 def test_processes_are_limited_per_program(pool):
-    code = ("import subprocess\nfails = 0\nfor _ in range(40):\n    try:\n"
-            "        subprocess.Popen(['sleep', '30'])\n    except OSError:\n        fails += 1\n")
-    [result] = pool.map([(code, ["assert fails >= 20"])])
+    # the box has no programs but its interpreter: its children are more interpreters
+    code = ("import subprocess, sys\nfails = 0\nfor _ in range(40):\n    try:\n"
+            "        subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+            "    except OSError:\n        fails += 1\n")
+    [result] = pool.map([(code, ["assert 40 - 16 <= fails <= 40 - 8"])])
     assert result == RunResult(1, 1, None)
 
 
@@ -303,3 +315,23 @@ def test_an_unprivileged_user_gets_a_user_namespace_or_a_clear_refusal():
     lines = out.stdout.splitlines()
     assert lines[0].startswith("strict refused:") and "sandbox_isolation=namespaces" in lines[0]
     assert lines[1] == "namespaces 2", out
+
+
+def test_box_uids_come_from_a_counter_not_from_pids(tmp_path, monkeypatch):
+    counter = tmp_path / "uids"
+    monkeypatch.setattr(box, "_UID_COUNTER", str(counter))
+    assert [box.next_uid() for _ in range(3)] == [box.UID_BASE, box.UID_BASE + 1,
+                                                  box.UID_BASE + 2]
+    counter.write_bytes((box.UID_SPAN - 1).to_bytes(8, "big"))
+    assert box.next_uid() == box.UID_BASE  # wraps only after 2^31 boxes
+    if os.geteuid() == 0:
+        os.chown(counter, 65534, 65534)
+        with pytest.raises(OSError, match="belongs to another user"):
+            box.next_uid()
+
+
+def test_a_host_without_libseccomp_is_told_what_to_install(monkeypatch):
+    from rlloom.rewards import seccomp
+    monkeypatch.setattr(seccomp.ctypes.util, "find_library", lambda name: "libnot-there.so.9")
+    with pytest.raises(OSError, match="apt install libseccomp2"):
+        seccomp.build()

@@ -162,7 +162,8 @@ class Rewarder:
         per_sample = [problems[g] for g in group_ids.tolist()]
         device = rollout.response_ids.device
         terms = {k: torch.tensor(v, device=device) for k, v in
-                 task_terms(per_sample, texts, self.cfg.data.task, self.pool).items()}
+                 task_terms(per_sample, texts, self.cfg.data.task, self.pool,
+                            self.cfg.reward.code_score).items()}
         if self.functions:
             ids = [row[mask.bool()].tolist() for row, mask in
                    zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
