@@ -3,38 +3,21 @@ the command line."""
 from __future__ import annotations
 
 import argparse
-import errno
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlloom.algos.presets import PRESETS
+from rlloom.cli_errors import reporting_errors
 from rlloom.config import ConfigError, dump_config, load_config
-from rlloom.data.row_files import DataError
-from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
-from rlloom.runtime.stages.nonfinite import NonFiniteStop
-from rlloom.runtime.stop_signals import Stopped
+from rlloom.runtime.outputs.files import naming, write_atomic
 
 if TYPE_CHECKING:
     from rlloom.perf.model.compose import Priced
     from rlloom.perf.model.hardware import Hardware
     from rlloom.perf.model.shapes import ModelShape
     from rlloom.perf.search.report import Checker, Request
-
-USER_ERRORS = (ConfigError, DataError, CheckpointError, UnsupportedArchitectureError)
-# a full disk, a quota, a read-only or unwritable run directory: one line, no traceback
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-def _free_space(path: Path) -> str:
-    """How much the filesystem holding `path` (or its nearest existing parent) has free."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    usage = shutil.disk_usage(path)
-    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there"
-
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML run configuration (default: built-in)")
@@ -99,16 +82,30 @@ def cmd_sft(args: argparse.Namespace) -> None:
     if args.print_config:
         print(dump_config(cfg), end="")
         return
-    print(f"saved {warm_start(cfg, Path(args.out))}")
+    _fresh_output(Path(args.out), args.overwrite)
+    with naming(Path(args.out)):
+        print(f"saved {warm_start(cfg, Path(args.out))}")
+
+
+def _fresh_output(path: Path, overwrite: bool) -> None:
+    """Refuses, before any work, an output path that holds something: writing it replaces
+    the whole path (a directory with everything else in it)."""
+    if overwrite or not path.exists() or path.is_dir() and not any(path.iterdir()):
+        return
+    held = (", ".join(sorted(p.name for p in path.iterdir())[:5]) if path.is_dir()
+            else "a file")
+    raise ConfigError(f"--out {path} already holds {held}; writing there would replace it: "
+                      "choose another --out, or pass --overwrite to replace it")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
     from rlloom.api import evaluate
+    _fresh_output(Path(args.out), args.overwrite)
     report = evaluate(args.checkpoint, args.config, args.overrides)
     text = json.dumps(report, indent=1)
-    Path(args.out).write_text(text + "\n")
+    write_atomic(Path(args.out), text + "\n")
     print(text)
     print(f"report written to {args.out}")
 
@@ -389,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("sft", help="supervised warm start on worked solutions")
     _config_args(p)
     p.add_argument("--out", required=True, help="directory for the Hugging Face checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("eval", help="score a Hugging Face checkpoint on held-out prompts with "
                        "the run's reward terms (eval.n_samples > 1: pass@k); a JSON report")
@@ -397,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
                    "eval.n_samples=8 eval.temperature=0.6")
     p.add_argument("--config", help="YAML configuration (e.g. RUN_DIR/config.yaml)")
     p.add_argument("--out", default="eval.json", help="where to write the report")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("plan", help="rank parallel plans by predicted step time (no torch)")
     _workload_args(p)
@@ -470,27 +469,4 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("algos", help="list the algorithm presets and the roles they need")
     p.set_defaults(fn=cmd_algos)
     args = parser.parse_args(argv)
-    try:
-        args.fn(args)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NonFiniteStop as e:  # the run diverged (train.on_nonfinite=stop)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
-    except Stopped as e:  # SIGINT / SIGTERM, after a checkpoint
-        print(str(e), file=sys.stderr)
-        sys.exit(e.code)
-    except OSError as e:
-        if e.errno not in _WRITE_ERRNOS or not e.filename:
-            raise
-        print(f"error: cannot write {e.filename}: {e.strerror} "
-              f"({_free_space(Path(e.filename))}); free space or choose another run_dir, then "
-              "continue with --resume from the last checkpoint", file=sys.stderr)
-        sys.exit(1)
-    except BrokenPipeError:
-        if args.command not in REPORTS:
-            raise
-        # `rlloom plan --json | head`: the reader has all it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
+    reporting_errors(lambda: args.fn(args), f"rlloom {args.command}", args.command in REPORTS)

@@ -63,7 +63,12 @@ def load(spec: str, what: str, error: type[Exception] = UserCodeError
             loader_spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[module_name] = module
-            loader_spec.loader.exec_module(module)
+            try:
+                loader_spec.loader.exec_module(module)
+            except (Exception, SystemExit) as e:  # the user's module, run as it is imported
+                del sys.modules[module_name]
+                raise error(f"{what} {spec!r}: importing {path} raised {type(e).__name__}: "
+                            f"{e}") from None
     else:
         try:
             module = importlib.import_module(where)

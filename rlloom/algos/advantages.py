@@ -92,11 +92,13 @@ def grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     std_g is the unbiased sample std of the group (divides by K-1), so K >= 2 is required.
     Returns equal the advantages (there is no critic).
     """
-    s = x.scores()
+    # float64: the squares of rewards past ~1e19 overflow float32, and an infinite std made
+    # every advantage 0 without a word
+    s = x.scores().double()
     inverse, size, mean = _groups(x.group_ids, s)
     _require_pairs(size, "grpo")
     std = (_group_sum(inverse, int(inverse.max()) + 1, (s - mean) ** 2) / (size - 1)).sqrt()
-    adv = _broadcast((s - mean) / (std + GRPO_EPS), x.mask)
+    adv = _broadcast(((s - mean) / (std + GRPO_EPS)).to(x.token_rewards.dtype), x.mask)
     return adv, adv.clone()
 
 

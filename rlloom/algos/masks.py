@@ -27,7 +27,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     exactly 0 (an offset of a few ulps would otherwise be scaled by 1/sqrt(eps))."""
     keep = valid(mask)
     n = keep.sum().clamp(min=1)
-    first = x.flatten()[keep.flatten().to(torch.uint8).argmax()]
-    offset = torch.where(keep, x - first, 0)
+    wide = x.double()  # squares of large returns overflow float32 (and the variance with them)
+    first = wide.flatten()[keep.flatten().to(torch.uint8).argmax()]
+    offset = torch.where(keep, wide - first, 0)
     centred = torch.where(keep, offset - offset.sum() / n, 0)
-    return centred * torch.rsqrt(centred.pow(2).sum() / n + eps)
+    return (centred * torch.rsqrt(centred.pow(2).sum() / n + eps)).to(x.dtype)

@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,7 +71,13 @@ def _within(seconds: float, what: Callable[[], Any], name: str, n: int) -> Any:
                                   f"a batch of {n} (reward.timeout_s); make it faster or raise "
                                   "reward.timeout_s")
     if "error" in out:
-        raise out["error"]
+        error = out["error"]
+        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: the user's code
+            raise RewardFunctionError(
+                f"reward function {name!r} raised {type(error).__name__}({error}) on a batch of "
+                f"{n}; a reward function returns its rewards, it must not exit or interrupt "
+                "the run") from None
+        raise error
     return out["value"]
 
 
@@ -84,7 +91,9 @@ def _number(value: Any) -> float | None:
 def call(name: str, fn: RewardFn, prompts: list[Any], completions: list[Any],
          completion_ids: list[list[int]], columns: dict[str, list[Any]],
          sources: list[str], timeout_s: float = 300.0, retries: int = 2) -> list[float]:
-    """The function's rewards for a batch, checked: one finite real number per sample. A
+    """The function's rewards for a batch, checked: one real number per sample (a NaN or an
+    infinity is named here, and the step's non-finite guard, `train.on_nonfinite`, stops
+    the run or drops the update). A
     call that raises is retried `retries` times; if it still raises, the samples are tried
     one by one to name the first one it fails on."""
     def run(idx: list[int]) -> Any:
@@ -135,9 +144,9 @@ def call(name: str, fn: RewardFn, prompts: list[Any], completions: list[Any],
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for "
                                   f"{n} completions; return one per completion")
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise RewardFunctionError(f"reward function {name!r} returned {values[bad]} for sample "
-                                  f"{bad}{_where(sources[bad])}; rewards must be finite")
+    if bad is not None:  # the step's non-finite guard decides (train.on_nonfinite)
+        print(f"reward function {name!r} returned {values[bad]} for sample {bad}"
+              f"{_where(sources[bad])}", file=sys.stderr)
     return values
 
 

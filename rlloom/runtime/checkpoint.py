@@ -7,10 +7,8 @@ the next older complete one is used, so the run neither loads bad weights nor pr
 checkpoints in favour of the damaged one."""
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -21,6 +19,7 @@ import torch
 
 from rlloom.models.config import CheckpointError
 from rlloom.models.hf_io import atomic_dir
+from rlloom.runtime.outputs.files import naming
 
 _NAME = re.compile(r"^step_(\d{6})$")
 MANIFEST = "manifest.json"
@@ -41,7 +40,8 @@ def _files(directory: Path) -> list[Path]:
 def write_manifest(directory: Path) -> None:
     files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
              for p in _files(directory)}
-    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    with naming(directory / MANIFEST):
+        (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
 def damage(directory: Path) -> str | None:
@@ -85,11 +85,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
     with atomic_dir(final, prefix=".tmp_") as tmp:
         if write is not None:
             write(tmp)
-        try:
+        with naming(final / "state.pt"):
             torch.save(state, tmp / "state.pt")
-        except RuntimeError:  # torch reports a failed write as "basic_ios::clear" and the like
-            code = errno.ENOSPC if shutil.disk_usage(tmp).free < (1 << 20) else errno.EIO
-            raise OSError(code, os.strerror(code), str(final / "state.pt")) from None
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete
     for old in checkpoint_dirs(run_dir)[:-keep]:
         shutil.rmtree(old)

@@ -2,6 +2,7 @@
 warm-started by SFT on the task and cached on disk so later runs reuse it."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -87,8 +88,14 @@ def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) ->
 def ensure_default_model(cfg: RunConfig, device: torch.device | None = None) -> Path:
     """The built-in model's checkpoint, built on `device` (see `warm_start`) unless cached."""
     path = cache_root() / "models" / f"tiny-{cfg.data.task}-{default_model_key(cfg)}"
-    if not (path / "config.json").is_file():
-        print(f"building the built-in model (cached at {path})")
-        warm_start(cfg.model_copy(update={"data": cfg.data.model_copy(
-            update={"prompt_file": None})}), path, device)
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one process builds while the others starting at the same moment wait, then read it
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            print(f"building the built-in model (cached at {path})")
+            warm_start(cfg.model_copy(update={"data": cfg.data.model_copy(
+                update={"prompt_file": None})}), path, device)
     return path

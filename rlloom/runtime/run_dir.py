@@ -25,6 +25,7 @@ from typing import Any
 
 from rlloom.config import ConfigError, RunConfig
 from rlloom.runtime.checkpoint import checkpoint_dirs
+from rlloom.runtime.outputs.files import append_line
 
 LOCK = ".lock"
 # dotted prefixes of the fields a resumed run applies from its next step on
@@ -138,7 +139,6 @@ def rewind(run_dir: Path, step: int) -> None:
 
 def record_resume(run_dir: Path, step: int, changes: dict[str, list]) -> None:
     """Appends what a resume changed to run_dir/resumes.jsonl and says so."""
-    with (run_dir / "resumes.jsonl").open("a") as f:
-        f.write(json.dumps({"step": step, "changes": changes}) + "\n")
+    append_line(run_dir / "resumes.jsonl", json.dumps({"step": step, "changes": changes}))
     if changes:
         print("resumed with " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))

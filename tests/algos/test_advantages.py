@@ -252,3 +252,15 @@ def test_group_spread_by_hand():
     # group 5: mean .5, unbiased var 4 * .25 / 3 = 1/3; group 2: constant
     assert spread["reward_std"] == pytest.approx(math.sqrt(1 / 3) / 2)
     assert spread["frac_zero_std_groups"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["grpo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_normalised_advantages_do_not_depend_on_the_reward_scale_in_float32(name):
+    """A weight of 1e20 on a 0/1 reward (`reward.weights={correct: 1e20}`): the squares
+    overflowed float32, the std became inf and every advantage 0, so nothing learned."""
+    unit = _constant(0.0, 8)
+    big = _constant(0.0, 8)
+    big.token_rewards = unit.token_rewards * 1e20
+    small, large = (ADVANTAGES.get(name)(x)[0] for x in (unit, big))
+    assert large.dtype == torch.float32 and torch.count_nonzero(large) > 0
+    torch.testing.assert_close(large, small, rtol=1e-5, atol=0)

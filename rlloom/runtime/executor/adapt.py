@@ -21,6 +21,7 @@ from rlloom.perf.validation.advice import Advice, advise
 from rlloom.perf.validation.validate import LoadedRun, critic_shape, measured_step, run_roles
 from rlloom.plan import Plan, device_groups, stage_group
 from rlloom.runtime.executor.groups import run_models
+from rlloom.runtime.outputs.files import append_line
 
 
 def adapt_hardware(name: str) -> Hardware:
@@ -72,8 +73,7 @@ class Adapter:
                             "measured_before_s": record["measured_s"],
                             "predicted_after_s": record["best_s"],
                             "predicted_gain": record["gain"]}
-        with self.path.open("a") as out:
-            out.write(json.dumps(decision) + "\n")
+        append_line(self.path, json.dumps(decision))
         return decision
 
     def _reachable(self, p: Priced) -> bool:

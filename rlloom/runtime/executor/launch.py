@@ -24,6 +24,7 @@ from rlloom.runtime.executor.interface import RunOptions, WorkerFailure
 from rlloom.runtime.executor.local import LocalExecutor, join_torchrun
 from rlloom.runtime.executor.loop import StepLoop
 from rlloom.runtime.executor.preflight import Runtime, preflight
+from rlloom.runtime.outputs.files import write_atomic
 from rlloom.runtime.ranks import leave_world
 from rlloom.runtime.run_dir import claim, record_resume, rewind
 from rlloom.runtime.stages.batch import encode
@@ -139,7 +140,7 @@ def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | Non
             if rewind_to is not None:
                 rewind(run_dir, rewind_to)
             architecture = read_model_config(model_path).describe()
-            (run_dir / "config.yaml").write_text(dump_config(cfg, architecture))
+            write_atomic(run_dir / "config.yaml", dump_config(cfg, architecture))
             if resume_dir is not None:
                 record_resume(run_dir, checkpoint_step(run_dir), changes or {})
         if not ray:

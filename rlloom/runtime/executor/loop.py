@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from rlloom.runtime.executor.interface import Executor, Group, RunOptions, Worke
 from rlloom.runtime.executor.policy import save_final
 from rlloom.runtime.executor.schedules import schedule_for
 from rlloom.runtime.executor.worker import GroupWorker
+from rlloom.runtime.outputs.files import append_line, naming, write_atomic
 from rlloom.runtime.outputs.metrics import MetricsLog
 from rlloom.runtime.outputs.plots import plot_run
 from rlloom.runtime.outputs.progress import progress_bar
@@ -256,7 +256,7 @@ class StepLoop:
                     kept = checkpoint_dirs(self.run_dir)
                     raise NonFiniteStop(stop_message(
                         self.step, row["nonfinite"], cfg.train.lr,
-                        str(kept[-1]) if kept else None, str(self.run_dir)))
+                        str(kept[-1]) if kept else None, str(self.run_dir), row))
                 if self.step % cfg.eval.every == 0 or self.step == cfg.train.steps:
                     scores = self.evaluate()
                     if scores is not None:
@@ -316,9 +316,11 @@ class StepLoop:
         evals = self.eval_history or [(0, math.nan)]
         before, after = evals[0][1], evals[-1][1]
         if self.main:
-            save_final(self.cfg, self.model_path, weights, self.run_dir / "final")
+            with naming(self.run_dir / "final"):
+                save_final(self.cfg, self.model_path, weights, self.run_dir / "final")
             self._save_trace()
-            plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
+            with naming(self.run_dir / "summary.png"):
+                plot_run(self.metrics.rows(), self.eval_history, self.run_dir / "summary.png")
             if self.eval_history:
                 # an accuracy (the verifier's, or DPO's pair accuracy) changes in points
                 share = score_term(self.cfg) == "correct" or not self.online
@@ -360,15 +362,12 @@ class StepLoop:
                     self._bind(switch.cfg, *self.rebuild(switch.cfg))
                     self.adapter.use(switch.cfg)
                     # whole or not at all: a resume reads the plan its checkpoint is for
-                    tmp = self.run_dir / "config.yaml.tmp"
-                    tmp.write_text(dump_config(switch.cfg,
-                                               read_model_config(self.model_path).describe()))
-                    os.replace(tmp, self.run_dir / "config.yaml")
+                    write_atomic(self.run_dir / "config.yaml", dump_config(
+                        switch.cfg, read_model_config(self.model_path).describe()))
                     switched = True
                 except WorkerFailure as f:
                     self.failures.append(f.record())
-                    with (self.run_dir / "failures.jsonl").open("a") as out:
-                        out.write(json.dumps(f.record()) + "\n")
+                    append_line(self.run_dir / "failures.jsonl", json.dumps(f.record()))
                     self.ex.stop()
                     self.schedule.clear()
                     if self.attempt >= self.opts.max_restarts:

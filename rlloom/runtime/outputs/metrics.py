@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from rlloom.runtime.outputs.files import append_line, write_atomic
 
 
 class MetricsLog:
@@ -34,16 +35,9 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         rows = [r for r in self.rows() if r["step"] <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def append(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in row.items()}
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(clean) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, json.dumps(clean))

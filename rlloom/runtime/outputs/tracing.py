@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from rlloom.runtime.outputs.files import write_atomic
 
 
 class Span:
@@ -41,6 +42,5 @@ class Tracer:
         self.events = [e for e in self.events if e.get("args", {}).get("step", 0) <= step]
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({"traceEvents": self.events,
+                                            "displayTimeUnit": "ms"}))

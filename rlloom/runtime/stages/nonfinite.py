@@ -7,6 +7,7 @@ which all see the same global values): `nonfinite` is the 1-based index of the q
 `QUANTITIES` that stopped the step, `nonfinite_skips` the updates dropped."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,11 +38,19 @@ def finite(t: torch.Tensor) -> bool:
 
 
 def stop_message(step: int, code_: float, lr: float, last_checkpoint: str | None,
-                 run_dir: str) -> str:
+                 run_dir: str, row: dict[str, float] | None = None) -> str:
+    """What the run says when it stops; `row` (the step's metrics) names the reward terms
+    that were not finite."""
     quantity = QUANTITIES[int(code_) - 1]
     cause = _CAUSES.get(quantity, _DIVERGED + f" (train.lr={lr:g})")
+    terms = sorted(k for k, v in (row or {}).items() if k.startswith("reward/")
+                   and isinstance(v, float) and not math.isfinite(v))
+    if quantity == "reward" and terms:
+        cause = f"{', '.join(terms)} returned NaN or inf"
+    # a reward's fault is not the learning rate's: the fix is the reward
+    remedy = "and a smaller train.lr" if quantity not in _CAUSES else "once the reward is fixed"
     kept = (f"the last checkpoint is {last_checkpoint}; continue from it with rlloom train "
-            f"--resume {run_dir} and a smaller train.lr" if last_checkpoint else
+            f"--resume {run_dir} {remedy}" if last_checkpoint else
             "no checkpoint was written before it")
     return (f"step {step}: the {quantity} is not finite, so nothing of this step was applied "
             f"and no checkpoint was written from it. Likely cause: {cause}. {kept}; or set "

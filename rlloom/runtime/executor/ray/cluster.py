@@ -26,9 +26,10 @@ from rlloom.runtime.executor.interface import (
 )
 from rlloom.runtime.executor.ray import pool
 from rlloom.runtime.executor.ray.files import ship
+from rlloom.user_code import UserCodeError
 
 MAX_TEMP_DIR_CHARS = 42  # Ray's socket paths under its temp dir must stay below ~107 chars
-USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, LayoutError, UserCodeError)
 
 
 # -- cluster ---------------------------------------------------------------------------------
