@@ -130,9 +130,10 @@ def prepare(config: str | Path | RunConfig | None = None,
             overrides: dict[str, Any] | list[str] | None = None, *,
             reward_funcs: list[Any] | None = None, train_dataset: Any = None,
             eval_dataset: Any = None, resume: str | Path | None = None,
-            overwrite: bool = False) -> Prepared:
+            overwrite: bool = False, accept_changed_data: bool = False) -> Prepared:
     """The run's validated config; for `resume`, what it continues and changes (refused
-    before anything is written when a change cannot apply)."""
+    before anything is written when a change cannot apply, and when a data file's contents
+    changed unless `accept_changed_data`)."""
     extra = _overrides(overrides)
     if reward_funcs is not None:
         extra.append(f"reward.functions={json.dumps([_reward_spec(f) for f in reward_funcs])}")
@@ -162,8 +163,17 @@ def prepare(config: str | Path | RunConfig | None = None,
         cfg = load_config(config, extra)
     if run is None:
         return Prepared(cfg)
-    from rlloom.runtime.run_dir import resume_changes
-    return Prepared(cfg, run, rewind, resume_changes(load_config(run / "config.yaml"), cfg, run))
+    from rlloom.runtime.run_dir import changed_inputs, resume_changes, saved_config
+    saved = saved_config(run, rewind)
+    changes = resume_changes(saved, cfg, run)
+    data = changed_inputs(run, saved, cfg)
+    if data and not accept_changed_data:
+        raise ConfigError(
+            f"--resume {run}: {', '.join(k.removesuffix(' (contents)') for k in data)} changed "
+            "since the run started (its contents' sha256 differ), so the held-out scores "
+            "before and after would compare different sets; restore the file, start a new run, "
+            "or pass --accept-changed-data to go on with it (recorded in resumes.jsonl)")
+    return Prepared(cfg, run, rewind, {**changes, **data})
 
 
 def launch(run: Prepared, *, overwrite: bool = False, ray: bool = False,
@@ -201,17 +211,19 @@ def train(config: str | Path | RunConfig | None = None,
           reward_funcs: list[Any] | None = None, train_dataset: Any = None,
           eval_dataset: Any = None, callbacks: list[Callback] | None = None,
           resume: str | Path | None = None, overwrite: bool = False, ray: bool = False,
-          options: Any = None) -> RunResult:
+          options: Any = None, accept_changed_data: bool = False) -> RunResult:
     """Train as `rlloom train` does. `config`: a YAML path, a RunConfig or None (the
     built-in default); `overrides`: {"train.steps": 20} or ["train.steps=20"];
     `reward_funcs`: callables with TRL's signature or "file.py:fn" specs; `train_dataset` /
     `eval_dataset`: a path, a list of row dicts or a datasets.Dataset; `callbacks`: called
     with each step's metrics row on the driver, a callback returning False stops the run
     after that step (checkpointed, final model written); `resume`: a run directory or one of
-    its checkpoints; `options`: a RunOptions (Ray address, restarts, ...)."""
+    its checkpoints (`accept_changed_data`: although a data file's contents changed);
+    `options`: a RunOptions (Ray address, restarts, ...)."""
     from rlloom.runtime.executor.interface import RunOptions
     run = prepare(config, overrides, reward_funcs=reward_funcs, train_dataset=train_dataset,
-                  eval_dataset=eval_dataset, resume=resume, overwrite=overwrite)
+                  eval_dataset=eval_dataset, resume=resume, overwrite=overwrite,
+                  accept_changed_data=accept_changed_data)
     opts = options or RunOptions()
     if callbacks:
         opts.callbacks = (*opts.callbacks, *callbacks)

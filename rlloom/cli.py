@@ -48,7 +48,8 @@ def _group_cpus(text: str | None) -> dict[str, float]:
 def cmd_train(args: argparse.Namespace) -> None:
     import rlloom.api as api
     config, overrides = _split(args)
-    run = api.prepare(config, overrides, resume=args.resume, overwrite=args.overwrite)
+    run = api.prepare(config, overrides, resume=args.resume, overwrite=args.overwrite,
+                      accept_changed_data=args.accept_changed_data)
     if args.print_config:
         print(dump_config(run.cfg), end="")
         return
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint "
                    "(or RUN_DIR/checkpoints/step_N: from that one; the newer ones are moved "
                    "aside as .superseded_step_N)")
+    p.add_argument("--accept-changed-data", action="store_true", help="--resume although a "
+                   "data file's contents changed since the run started (recorded in "
+                   "resumes.jsonl); refused otherwise")
     p.add_argument("--overwrite", action="store_true", help="replace what run_dir holds (a new "
                    "run into a directory that holds files is refused otherwise)")
     p.add_argument("--dry-run", action="store_true", help="check the plan (runtime, layouts, "

@@ -2,6 +2,7 @@
 a resumable stream over the training prompts."""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -124,12 +125,7 @@ def load_prompt_sets(d: DataSection, seed: int) -> PromptSets:
     if d.prompt_file and d.eval_file:
         return PromptSets(train=read(d.prompt_file), eval=read(d.eval_file))
     if d.prompt_file:
-        rows = read(d.prompt_file)
-        order = list(range(len(rows)))
-        random.Random(seed).shuffle(order)
-        n_eval = max(1, round(len(rows) * d.eval_fraction)) if len(rows) > 1 else 0
-        return PromptSets(train=[rows[i] for i in order[n_eval:]],
-                          eval=[rows[i] for i in order[:n_eval]])
+        return _split(read(d.prompt_file), d.eval_fraction, seed, d.prompt_file)
     if d.task == "none":  # no built-in problems: only held-out ones, for `rlloom eval`
         return PromptSets(train=[], eval=read(d.eval_file) if d.eval_file else [])
     raw = generate(d.task, d.train_size, seed=seed, difficulty=d.difficulty)
@@ -146,6 +142,26 @@ def load_prompt_sets(d: DataSection, seed: int) -> PromptSets:
         raise DataError(f"task {d.task} at difficulty {d.difficulty} has too few distinct "
                         f"problems for {d.eval_size} held-out prompts; lower data.eval_size")
     return PromptSets(train=train, eval=held_out)
+
+
+def _split(rows: list[Problem], fraction: float, seed: int, path: str) -> PromptSets:
+    """A `fraction` of the distinct prompts held out, by `seed`: rows that repeat a prompt go
+    to the same side (a held-out prompt also trained on would score what was learned by
+    heart)."""
+    groups: dict[str, list[Problem]] = {}
+    for row in rows:
+        key = row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt,
+                                                                          sort_keys=True)
+        groups.setdefault(key, []).append(row)
+    if len(groups) < len(rows):
+        print(f"{path}: {len(rows) - len(groups)} of {len(rows)} rows repeat another row's "
+              f"prompt; each of the {len(groups)} distinct prompts is held out or trained on "
+              "with all its rows")
+    order = list(groups.values())
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(order) * fraction)) if len(order) > 1 else 0
+    return PromptSets(train=[r for g in order[n_eval:] for r in g],
+                      eval=[r for g in order[:n_eval] for r in g])
 
 
 def _with_system(problem: Problem, system: str | None) -> Problem:

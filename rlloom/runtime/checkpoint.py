@@ -77,16 +77,26 @@ def checkpoint_step(run_dir: Path) -> int:
     return int(_NAME.match(dirs[-1].name).group(1)) if dirs else 0
 
 
+CHECKPOINT_CONFIG = "config.yaml"
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
                     write: Callable[[Path], None] | None = None) -> Path:
     """Write `state` as checkpoints/step_NNNNNN (and whatever `write` puts into the directory
-    first: a group's sharded weights); a crash mid-write leaves no such directory."""
+    first: a group's sharded weights); a crash mid-write leaves no such directory. The
+    state's "config" (the run's configuration as YAML) is written beside it as
+    CHECKPOINT_CONFIG, which a resume holds the run's config.yaml against."""
     final = run_dir / "checkpoints" / f"step_{step:06d}"
+    state = dict(state)
+    config = state.pop("config", None)
     with atomic_dir(final, prefix=".tmp_") as tmp:
         if write is not None:
             write(tmp)
         with naming(final / "state.pt"):
             torch.save(state, tmp / "state.pt")
+        if config is not None:
+            with naming(final / CHECKPOINT_CONFIG):
+                (tmp / CHECKPOINT_CONFIG).write_text(config)
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete
     for old in checkpoint_dirs(run_dir)[:-keep]:
         shutil.rmtree(old)

@@ -10,11 +10,17 @@ silently reused by a new run, and resumed only with the changes a resume can hon
   config before anything is written: the fields in ``RESUMABLE`` are applied from the next
   step on (and recorded in ``resumes.jsonl``); any other change is refused, because the
   checkpoint carries state built with the old value (an adaptive KL coefficient, the data
-  position, the model and optimizer) that the new value would silently not reach.
+  position, the model and optimizer) that the new value would silently not reach. The saved
+  config is the one the checkpoint was trained with (``checkpoints/step_N/config.yaml``), so
+  a hand-edited ``run_dir/config.yaml`` is held to the same rules as overrides; an empty one
+  is refused.
+* The data files' contents are fingerprinted (``inputs.json``); a resume against changed
+  files is refused, naming them, unless ``--accept-changed-data`` (then recorded).
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -23,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlloom.config import ConfigError, RunConfig
-from rlloom.runtime.checkpoint import checkpoint_dirs
+from rlloom.config import ConfigError, RunConfig, load_config
+from rlloom.runtime.checkpoint import CHECKPOINT_CONFIG, checkpoint_dirs
 from rlloom.runtime.outputs.files import append_line
 
 LOCK = ".lock"
@@ -142,3 +148,56 @@ def record_resume(run_dir: Path, step: int, changes: dict[str, list]) -> None:
     append_line(run_dir / "resumes.jsonl", json.dumps({"step": step, "changes": changes}))
     if changes:
         print("resumed with " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+
+
+def saved_config(run_dir: Path, step: int | None) -> RunConfig:
+    """The config the checkpoint a resume continues from was trained with (`step`, else the
+    newest): its own copy, or for a checkpoint older than those copies, config.yaml."""
+    text = (run_dir / "config.yaml").read_text()
+    if not text.strip():
+        raise ConfigError(f"--resume {run_dir}: config.yaml is empty; copy the checkpoint's own "
+                          f"({run_dir}/checkpoints/step_N/{CHECKPOINT_CONFIG}) back to it")
+    dirs = [d for d in checkpoint_dirs(run_dir) if step is None or d.name == f"step_{step:06d}"]
+    copy = dirs[-1] / CHECKPOINT_CONFIG if dirs else None
+    return load_config(copy if copy is not None and copy.is_file() else run_dir / "config.yaml")
+
+
+INPUT_FIELDS = ("data.prompt_file", "data.eval_file", "data.preference_file")
+INPUTS = "inputs.json"
+
+
+def fingerprints(cfg: RunConfig) -> dict[str, str]:
+    """field -> sha256 of the contents of each data file the run reads (a `save_to_disk`
+    directory: of its files, by name)."""
+    out = {}
+    for field in INPUT_FIELDS:
+        section, name = field.split(".")
+        path = getattr(getattr(cfg, section), name)
+        if path:
+            digest = hashlib.sha256()
+            root = Path(path)
+            for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
+                if f.is_file():
+                    digest.update(str(f.relative_to(root)).encode() if root.is_dir() else b"")
+                    with open(f, "rb") as data:
+                        while chunk := data.read(1 << 20):
+                            digest.update(chunk)
+            out[field] = digest.hexdigest()
+    return out
+
+
+def changed_inputs(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> dict[str, list]:
+    """"field (contents)" -> [old, new] sha256 of the data files whose contents changed since
+    the run last started, at the same path (another path is a config change)."""
+    recorded = run_dir / INPUTS
+    if not recorded.is_file():
+        return {}
+    old, new = json.loads(recorded.read_text()), fingerprints(cfg)
+    same_path = [f for f in INPUT_FIELDS if _field(saved, f) == _field(cfg, f)]
+    return {f"{f} (contents)": [old.get(f), new.get(f)] for f in same_path
+            if f in old and old.get(f) != new.get(f)}
+
+
+def _field(cfg: RunConfig, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)

@@ -4,6 +4,7 @@ one rank or over a torchrun world (`local.LocalExecutor`), or over Ray actors
 (`ray/executor.py`)."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from rlloom.runtime.executor.loop import StepLoop
 from rlloom.runtime.executor.preflight import Runtime, preflight
 from rlloom.runtime.outputs.files import write_atomic
 from rlloom.runtime.ranks import leave_world
-from rlloom.runtime.run_dir import claim, record_resume, rewind
+from rlloom.runtime.run_dir import INPUTS, claim, fingerprints, record_resume, rewind
 from rlloom.runtime.stages.batch import encode
 from rlloom.runtime.stages.evaluate import eval_problems
 
@@ -141,6 +142,7 @@ def train(cfg: RunConfig, resume_dir: Path | None = None, opts: RunOptions | Non
                 rewind(run_dir, rewind_to)
             architecture = read_model_config(model_path).describe()
             write_atomic(run_dir / "config.yaml", dump_config(cfg, architecture))
+            write_atomic(run_dir / INPUTS, json.dumps(fingerprints(cfg), indent=1))
             if resume_dir is not None:
                 record_resume(run_dir, checkpoint_step(run_dir), changes or {})
         if not ray:

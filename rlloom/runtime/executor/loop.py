@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,7 @@ class StepLoop:
         self.tracer = Tracer(run_dir / "trace.json")
         self.failures: list[dict[str, Any]] = []
         self.attempt = 0
+        self._flat = 0  # steps in a row whose every advantage was 0
         self.adapter = (Adapter(cfg, run_dir, model_path)
                         if cfg.plan.adapt.every and self.main else None)
         self._reset_state()
@@ -154,9 +156,27 @@ class StepLoop:
                                     self._host("generation").call(GroupWorker.generation_state)],
                                    "checkpoint", self.step)
         state = {"step": self.step, **tstate, "kl_coef": self.kl.value, **gstate,
-                 "eval_history": list(self.eval_history), "buffered": buffered}
+                 "eval_history": list(self.eval_history), "buffered": buffered,
+                 "config": dump_config(self.cfg)}
         self.ex.save(self.run_dir, self.step, state, self.cfg.checkpoint.keep)
         self._save_trace()
+
+    FLAT_STEPS = 3  # steps in a row with no learning signal before the run says so
+    ZERO_FOR_EQUAL_GROUPS = ("grpo", "dr_grpo", "rloo")  # estimators that give such groups 0
+
+    def _warn_if_nothing_learns(self, row: dict[str, float]) -> None:
+        """Says once when, for FLAT_STEPS steps in a row, every group's rewards were equal
+        under a group-relative estimator: every advantage was 0, so nothing was learned."""
+        flat = (row.get("frac_zero_std_groups") == 1.0
+                and self.cfg.algo.advantage in self.ZERO_FOR_EQUAL_GROUPS)
+        self._flat = self._flat + 1 if flat else 0
+        if self._flat == self.FLAT_STEPS:
+            print(f"warning: steps {self.step - self.FLAT_STEPS + 1}-{self.step}: every prompt's "
+                  f"{self.cfg.rollout.n_samples} responses scored alike (frac_zero_std_groups=1), "
+                  f"so every {self.cfg.algo.advantage} advantage was 0 and nothing was learned; "
+                  "check that the reward can tell responses apart, sample more responses per "
+                  "prompt (rollout.n_samples) or raise rollout.temperature",
+                  file=sys.stderr)
 
     def _save_trace(self) -> None:
         self.tracer.events += self.ex.spans()
@@ -265,6 +285,7 @@ class StepLoop:
                     self._adapt(row)
                 if self.main:
                     self.metrics.append(row)
+                    self._warn_if_nothing_learns(row)
                 for tracker in trackers:
                     tracker.log(row, self.step)
                 halt = self.main and any([cb(dict(row)) is False for cb in self.opts.callbacks])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,9 @@ def naming(path: Path) -> Iterator[None]:
         there = path.parent
         while not there.exists() and there != there.parent:
             there = there.parent
-        code = errno.ENOSPC if shutil.disk_usage(there).free < (1 << 20) else errno.EIO
+        said = re.search(r"os error (\d+)", str(e))  # safetensors quotes the OS's error
+        code = int(said.group(1)) if said else \
+            errno.ENOSPC if shutil.disk_usage(there).free < (1 << 20) else errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from None
 
 
