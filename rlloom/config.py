@@ -273,16 +273,15 @@ class RunConfig(Strict):
         """TRL's and verl's top-level names, mapped or refused (rlloom/trl_names.py)."""
         if not isinstance(data, dict):
             return data
-        return trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
+        data = trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
                                    AlgoSection.model_fields["beta"].default,
                                    TrainSection.model_fields["steps"].default)
+        # after the translation: TRL's max_completion_length reaches evaluation too
+        return cls._eval_length_follows_rollout(data)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _eval_length_follows_rollout(cls, data: Any) -> Any:
+    @staticmethod
+    def _eval_length_follows_rollout(data: dict[str, Any]) -> dict[str, Any]:
         """Evaluation decodes as long as training samples, unless told otherwise."""
-        if not isinstance(data, dict):
-            return data
         rollout, evaluation = data.get("rollout") or {}, data.get("eval") or {}
         if (isinstance(rollout, dict) and isinstance(evaluation, dict)
                 and "max_new_tokens" in rollout and "max_new_tokens" not in evaluation):

@@ -78,3 +78,10 @@ def test_a_nested_trl_name_gets_a_hint():
     with pytest.raises(ConfigError, match="unknown key 'train.learning_rate'; rlloom calls it "
                                           "'train.lr'"):
         load_config(None, ["train.learning_rate=1e-6"])
+
+
+def test_max_completion_length_reaches_evaluation_as_rollout_max_new_tokens_does():
+    cfg = load_config(None, ["max_completion_length=1024"])
+    assert (cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens) == (1024, 1024)
+    cfg = load_config(None, ["max_completion_length=1024", "eval.max_new_tokens=50"])
+    assert (cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens) == (1024, 50)

@@ -67,13 +67,18 @@ def test_a_relative_file_path_is_resolved_against_the_config_directory(tmp_path)
     ("picky", ["ok", "boom"], r"'picky' raised ZeroDivisionError.* on sample 1 "
                               r"\(data.jsonl:2\) \(completion 'boom'\)"),
     ("short", ["a", "b"], r"'short' returned 1 values for 2 completions"),
-    ("nan", ["a", "x"], r"'nan' returned nan for sample 1 \(data.jsonl:2\); rewards must be "
-                        r"finite"),
     ("words", ["a"], r"'words' must return a list of numbers"),
 ])
 def test_a_failing_function_is_named_with_the_sample(rewards_file, name, completions, message):
     with pytest.raises(RewardFunctionError, match=message):
         _call(rewards_file, name, completions)
+
+
+def test_a_nonfinite_reward_is_named_and_left_to_the_step_s_guard(rewards_file, capsys):
+    # train.on_nonfinite decides (stop, naming the term, or skip): runtime/stages/nonfinite.py
+    values = _call(rewards_file, "nan", ["a", "x"])
+    assert values[0] == 0.0 and math.isnan(values[1])
+    assert "'nan' returned nan for sample 1 (data.jsonl:2)" in capsys.readouterr().err
 
 
 def test_load_errors_name_what_is_missing(tmp_path, rewards_file):

@@ -252,3 +252,31 @@ def test_processes_storing_the_same_rows_at_one_moment_all_read_them_whole(tmp_p
         assert sum(1 for _ in f) == 160_000
     assert not [p for p in (tmp_path / "cache/api/datasets").iterdir()
                 if p.name.startswith(".")]
+
+
+_BUILD = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from tiny_run import TINY
+from rlloom.config import load_config
+from rlloom.runtime.default_model import ensure_default_model
+cfg = load_config(None, TINY)
+while time.time() < float(sys.argv[1]):
+    time.sleep(0.001)
+print(ensure_default_model(cfg))
+"""
+
+
+def test_runs_starting_at_one_moment_build_the_default_model_once(tmp_path):
+    start = time.time() + 4.0
+    env = {**os.environ, "RLLOOM_CACHE": str(tmp_path / "cache")}
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, str(start), tests_dir], env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 3, [o[1][-500:] for o in outs]
+    said = "".join(o[0] for o in outs)
+    assert said.count("building the built-in model") == 1, said
+    [path] = {o[0].strip().splitlines()[-1] for o in outs}
+    assert (tmp_path / "cache" / "models").is_dir() and os.path.isfile(f"{path}/config.json")
