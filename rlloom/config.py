@@ -382,6 +382,8 @@ def _closest(key: str, options: list[str]) -> str:
         return f"; rlloom calls it {trl_names.rlloom_key(name)!r}"
     if name in trl_names.REFUSED:
         return f"; that is TRL's: {trl_names.REFUSED[name]}"
+    if name in trl_names.POINTERS:
+        return f"; rlloom's is {trl_names.POINTERS[name]}"
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     if match:
         return f"; did you mean {'.'.join(filter(None, [prefix, match[0]]))!r}?"

@@ -65,6 +65,21 @@ REFUSED = {
                  "(algo=dr_grpo)",
     "use_vllm": "set rollout.engine=vllm (docs/vllm.md)",
     "fp16": "rlloom computes in fp32 or bf16 (train.compute_dtype); fp16 is not supported",
+    "delta": "rlloom has no two-sided clip of the ratio; algo.clip_high bounds it above",
+}
+
+
+# TRL/verl names that rlloom has under another name with another unit or shape: not mapped,
+# but an unknown key of that name points to rlloom's
+POINTERS = {
+    "warmup_steps": "train.warmup_steps (counted in RL steps: one generation and its updates)",
+    "weight_decay": "train.weight_decay",
+    "entropy_coef": "algo.entropy_coef",
+    "entropy_coeff": "algo.entropy_coef",
+    "gradient_checkpointing": "the plan's activation checkpointing, per role: "
+                              "plan.layouts.actor.activation_checkpointing=true",
+    "num_train_epochs": "train.steps (RL steps; each samples train.prompts_per_step prompts)",
+    "per_device_eval_batch_size": "eval.batch_size",
 }
 
 
@@ -96,8 +111,9 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
     ValueError for a refused name. `online(preset)` says whether a preset samples;
     `dpo_beta` and `steps` are algo.beta's and train.steps's defaults."""
     data = dict(data)
-    for name in [k for k in data if k in REFUSED]:
-        raise ValueError(f"{name!r} is TRL's; {REFUSED[name]}")
+    refused = [k for k in data if k in REFUSED]
+    if refused:  # all of them at once: a port meets them together
+        raise ValueError("; ".join(f"{name!r} is TRL's: {REFUSED[name]}" for name in refused))
     algo = data.get("algo")
     preset = algo if isinstance(algo, str) else (algo or {}).get("name", "grpo")
     if "beta" in data:
@@ -117,7 +133,25 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
             train = data.get("train") if isinstance(data.get("train"), dict) else {}
             value = convert(value, int(train.get("steps", steps)))
         _set(data, target, value, name)
+    _trl_forms(data)
     return data
+
+
+def _trl_forms(data: dict[str, Any]) -> None:
+    """TRL's shapes of two values: `reward_weights` as a list, one per reward function in
+    order, and `report_to` as a string or "none"."""
+    reward = data.get("reward") if isinstance(data.get("reward"), dict) else {}
+    weights = reward.get("weights")
+    if isinstance(weights, list):
+        names = [str(spec).rpartition(":")[2] for spec in reward.get("functions") or []]
+        if len(names) != len(weights):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(names)} "
+                             "reward functions; give one per function, in their order")
+        reward["weights"] = dict(zip(names, weights))
+    log = data.get("log") if isinstance(data.get("log"), dict) else {}
+    trackers = log.get("trackers")
+    if isinstance(trackers, str):
+        log["trackers"] = [] if trackers == "none" else [trackers]
 
 
 def rlloom_key(name: str) -> str | None:

@@ -55,7 +55,7 @@ def test_beta_is_dpo_s_beta_for_an_offline_preset(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_a_refused_name_says_the_rlloom_way(name):
-    with pytest.raises(ConfigError, match=f"'{name}' is TRL's; "):
+    with pytest.raises(ConfigError, match=f"'{name}' is TRL's: "):
         load_config(None, [f"{name}=1"])
 
 
@@ -85,3 +85,30 @@ def test_max_completion_length_reaches_evaluation_as_rollout_max_new_tokens_does
     assert (cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens) == (1024, 1024)
     cfg = load_config(None, ["max_completion_length=1024", "eval.max_new_tokens=50"])
     assert (cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens) == (1024, 50)
+
+
+def test_every_refused_name_is_named_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["logging_steps=1", "use_vllm=true", "fp16=true"])
+    assert all(f"'{n}' is TRL's: " in str(e.value) for n in ("logging_steps", "use_vllm", "fp16"))
+
+
+@pytest.mark.parametrize("name, pointer", [
+    ("warmup_steps", "rlloom's is train.warmup_steps (counted in RL steps"),
+    ("gradient_checkpointing", "plan.layouts.actor.activation_checkpointing=true"),
+    ("weight_decay", "rlloom's is train.weight_decay"),
+])
+def test_a_name_rlloom_has_elsewhere_points_to_it(name, pointer):
+    with pytest.raises(ConfigError, match=f"unknown key '{name}'; .*{pointer.replace('(', '.')}"):
+        load_config(None, [f"{name}=1"])
+
+
+def test_trl_s_list_of_reward_weights_and_report_to_none(tmp_path):
+    fns = tmp_path / "fns.py"
+    fns.write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n"
+                   "def g(completions, **kw):\n    return [1.0] * len(completions)\n")
+    cfg = load_config(None, [f"reward_funcs=[{fns}:f, {fns}:g]", "reward_weights=[0.5, 2]",
+                             "report_to=none"])
+    assert cfg.reward.weights == {"f": 0.5, "g": 2.0} and cfg.log.trackers == []
+    with pytest.raises(ConfigError, match="reward_weights has 1 weights for 2 reward functions"):
+        load_config(None, [f"reward_funcs=[{fns}:f, {fns}:g]", "reward_weights=[1]"])
