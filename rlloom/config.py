@@ -166,8 +166,14 @@ class RewardSection(Strict):
         twice = {n for n in names if names.count(n) > 1}
         if twice:
             raise ValueError(f"reward.functions: {sorted(twice)} named twice; rename one")
-        # a function named like a verifier term (correct, format) replaces it, accuracy
-        # included; the reward model's term is the one name that cannot be shared
+        # the verifier's terms are the only source of "accuracy": a user's function never
+        # becomes it by its name (TRL users often call theirs `correct`)
+        clash = sorted({"correct", "format"} & set(names))
+        if clash:
+            raise ValueError(f"reward.functions: {clash} named like the task verifier's terms "
+                             "(correct gives the run's accuracy); rename the function: it is "
+                             "logged as reward/<name>, and eval.score=<name> makes it the "
+                             "run's score")
         if "model" in names and self.model_path:
             raise ValueError("reward.functions: a function named 'model' and reward.model_path "
                              "would both be the term 'model'; rename the function")

@@ -107,11 +107,11 @@ def test_config_weighs_functions_one_each_and_checks_names(rewards_file, monkeyp
                            "reward.weights={exakt: 1.0}"])
     with pytest.raises(ConfigError, match=r"\['exact'\] named twice"):
         load_config(None, ["reward.functions=[my_rewards.py:exact,my_rewards.py:exact]"])
-    # a function named like a built-in term replaces it (TRL users name theirs `correct`)
+    # a function named like a verifier term never becomes it (nor the run's accuracy)
     (rewards_file.parent / "correct.py").write_text(
         "def correct(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
-    named = load_config(None, ["reward.functions=[correct.py:correct]"])
-    assert named.reward.weights == {"correct": 1.0}
+    with pytest.raises(ConfigError, match=r"\['correct'\] named like the task verifier's terms"):
+        load_config(None, ["reward.functions=[correct.py:correct]"])
     assert math.isclose(sum(cfg.reward.weights.values()), 1.5)
 
 

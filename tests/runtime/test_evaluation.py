@@ -128,10 +128,11 @@ def test_a_row_without_the_verifiers_field_names_task_none(tmp_path):
         read_prompt_file(rows, "arith")
 
 
-def test_a_reward_function_named_correct_replaces_the_verifier_everywhere(tmp_path, tiny):
-    rows = rows_trained_with(tmp_path, tiny, "def correct(prompts, completions, **kw):\n"
+def test_a_user_function_is_the_score_by_eval_score_and_never_the_accuracy(tmp_path, tiny):
+    rows = rows_trained_with(tmp_path, tiny, "def starts_a(prompts, completions, **kw):\n"
                              "    return [1.0 if c.startswith('A') else 0.0 for c in "
-                             "completions]\n", "correct")
-    for row in rows:  # accuracy is the share of full marks by the user's `correct`
+                             "completions]\n", "starts_a", "eval.score=starts_a")
+    for row in rows:  # accuracy stays the verifier's
         assert row["accuracy"] == pytest.approx(row["reward/correct"])
     assert rows[-1]["eval_accuracy"] == pytest.approx(rows[-1]["eval/correct"])
+    assert "eval/starts_a" in rows[-1]
