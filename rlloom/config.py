@@ -238,8 +238,9 @@ class SFTSection(Strict):
     steps: int = Field(900, ge=1, description="supervised warm-start steps")
     batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     lr: float = Field(2e-3, gt=0, description="SFT AdamW learning rate")
-    direct_fraction: float = Field(0.55, ge=0, le=1, description="share of SFT targets cut "
-                                   "to the bare answer line (no worked steps)")
+    direct_fraction: float = Field(0.55, ge=0, le=1, description="share of the built-in "
+                                   "tasks' SFT targets cut to the bare answer line (no worked "
+                                   "steps); a prompt file's solutions are trained as written")
 
 
 class LogSection(Strict):

@@ -75,10 +75,10 @@ def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) ->
                             f"{len(problems)} rows lack one); supervised warm-starting trains on "
                             "worked solutions: add a 'solution' column, or map yours with "
                             "data.columns={solution: <column>}")
-    else:
-        problems = generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
-                            difficulty=cfg.data.difficulty)
-    problems = mix_direct_answers(problems, cfg.sft.direct_fraction, seed=cfg.seed)
+    else:  # only the built-in tasks' own solutions get a share of bare answers
+        problems = mix_direct_answers(
+            generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
+                     difficulty=cfg.data.difficulty), cfg.sft.direct_fraction, seed=cfg.seed)
     supervised_finetune(model.to(device), tokenizer, problems, cfg.sft.steps, cfg.sft.batch_size,
                         cfg.sft.lr, seed=cfg.seed)
     save_checkpoint(model, tokenizer, out)

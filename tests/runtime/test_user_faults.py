@@ -280,3 +280,16 @@ def test_runs_starting_at_one_moment_build_the_default_model_once(tmp_path):
     assert said.count("building the built-in model") == 1, said
     [path] = {o[0].strip().splitlines()[-1] for o in outs}
     assert (tmp_path / "cache" / "models").is_dir() and os.path.isfile(f"{path}/config.json")
+
+
+def test_sft_trains_a_prompt_file_s_solutions_as_written(tmp_path, tiny, monkeypatch):
+    import rlloom.runtime.default_model as default_model
+    rows = [{"prompt": f"Q:{i}+1=", "answer": str(i + 1), "solution": f"{i}+1={i + 1}.A:{i + 1}"}
+            for i in range(1, 9)]
+    seen = []
+    monkeypatch.setattr(default_model, "supervised_finetune",
+                        lambda model, tokenizer, problems, *args, **kw: seen.extend(problems))
+    data = _prompt_file(tmp_path / "p.jsonl", rows)
+    main(["sft", *tiny, "data.task=arith", f"data.prompt_file={data}",
+          "--out", str(tmp_path / "out")])
+    assert sorted(p.solution for p in seen) == sorted(r["solution"] for r in rows)
