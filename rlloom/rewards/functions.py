@@ -46,8 +46,30 @@ def resolve_spec(spec: str, base: Path) -> str:
 
 
 def load(spec: str) -> tuple[str, RewardFn]:
-    """(name, function) of a resolved spec."""
-    return user_code.load(spec, "reward function", RewardFunctionError)
+    """(name, function) of a resolved spec, whose signature takes TRL's arguments."""
+    name, fn = user_code.load(spec, "reward function", RewardFunctionError)
+    _takes_trl_arguments(name, fn)
+    return name, fn
+
+
+def _takes_trl_arguments(name: str, fn: RewardFn) -> None:
+    """Refuses, before any work, a function that cannot be called as TRL calls it: by the
+    keywords prompts, completions, completion_ids and the rows' other columns."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: found at its first call
+        return
+    keywords = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [a for a in ("prompts", "completions", "completion_ids")
+               if a not in named and not keywords]
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY]
+    if missing or positional:
+        raise RewardFunctionError(
+            f"reward function {name!r} cannot take TRL's arguments ({', '.join(missing or positional)}"
+            f" {'missing' if missing else 'positional-only'}); define it as "
+            f"def {name}(prompts, completions, **kwargs) (the row's other columns, "
+            "completion_ids among them, arrive as keywords)")
 
 
 _RETRY_WAIT_S = 0.5  # before the first retry; doubled for each next one
@@ -106,6 +128,16 @@ def call(name: str, fn: RewardFn, prompts: list[Any], completions: list[Any],
         return _within(timeout_s, once, name, len(idx))
 
     n = len(completions)
+    try:  # a call its signature cannot take fails every time: said at once, never retried
+        inspect.signature(fn).bind(prompts=prompts, completions=completions,
+                                   completion_ids=completion_ids, **columns)
+    except TypeError as e:
+        raise RewardFunctionError(
+            f"reward function {name!r} cannot be called with this data's columns "
+            f"({', '.join(['prompts', 'completions', 'completion_ids', *columns])}): {e}; add "
+            "**kwargs to its parameters") from None
+    except ValueError:  # no signature to read (a builtin): its first call says
+        pass
     for attempt in range(retries + 1):
         try:
             values = run(list(range(n)))

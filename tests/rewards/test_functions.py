@@ -174,3 +174,18 @@ def test_numeric_strings_are_not_rewards_but_scalars_are(wild_file):
     fname, fn = load(f"{wild_file}:scalars")
     assert call(fname, fn, ["p"] * 6, list("abcdef"), [[1]] * 6, {}, [""] * 6) == \
         [0.5, 2.0, 1.0, 0.25, 1.0, 3.0]
+
+
+def test_a_signature_trl_cannot_call_is_refused_before_any_work(tmp_path):
+    (tmp_path / "sig.py").write_text("CALLS = []\ndef only(completions):\n    return [0.0]\n"
+                                     "def needs(prompts, completions, completion_ids, level):\n"
+                                     "    CALLS.append(1)\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ConfigError, match=r"'only' cannot take TRL's arguments \(prompts, "
+                                          r"completion_ids missing\)"):
+        load_config(None, [f"reward.functions=[{tmp_path / 'sig.py'}:only]"])
+    name, fn = load(f"{tmp_path / 'sig.py'}:needs")  # `level` may be a column of the rows
+    with pytest.raises(RewardFunctionError, match=r"'needs' cannot be called with this data's "
+                                                  r"columns \(prompts, completions, "
+                                                  r"completion_ids, answer\)"):
+        call(name, fn, ["p"], ["c"], [[1]], {"answer": ["4"]}, [""])
+    assert fn.__globals__["CALLS"] == []  # never called, so never retried
