@@ -238,7 +238,8 @@ def evaluate(checkpoint: str | Path, config: str | Path | RunConfig | None = Non
     config's `data.eval_file`, or its task's held-out problems) with the config's reward
     terms and `reward_funcs`; `eval.n_samples` > 1 adds pass@k. Returns the report: `score`
     (what `score_name` says it is), `eval/<term>`, `eval_accuracy` where a verifier defines
-    it, and the settings it ran with."""
+    it, the settings it ran with, and `samples`: per problem its prompt, answer, source row,
+    each response with its reward terms, how many passed and its pass@k."""
     from rlloom.runtime.stages.evaluate import evaluate_checkpoint
     extra = [f"model.path={json.dumps(str(checkpoint))}", *_overrides(overrides)]
     run = prepare(config, extra, reward_funcs=reward_funcs, eval_dataset=eval_dataset)

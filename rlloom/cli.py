@@ -103,12 +103,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
     from rlloom.api import evaluate
-    _fresh_output(Path(args.out), args.overwrite)
+    out = Path(args.out)
+    per_problem = out.with_suffix(".samples.jsonl")
+    for path in (out, per_problem):
+        _fresh_output(path, args.overwrite)
     report = evaluate(args.checkpoint, args.config, args.overrides)
+    samples = report.pop("samples")
     text = json.dumps(report, indent=1)
-    write_atomic(Path(args.out), text + "\n")
+    write_atomic(out, text + "\n")
+    write_atomic(per_problem, "".join(json.dumps(s) + "\n" for s in samples))
     print(text)
-    print(f"report written to {args.out}")
+    print(f"report written to {out}; each problem's responses and their reward terms to "
+          f"{per_problem}")
 
 
 def cmd_setup(args: argparse.Namespace) -> None:

@@ -73,6 +73,16 @@ def test_rlloom_eval_writes_a_report_for_any_checkpoint(tmp_path, tiny, capsys):
         assert report[key] == pytest.approx(2 / 6), key
     assert {"eval_accuracy", "eval/correct"} <= set(report)
     assert f"report written to {out}" in capsys.readouterr().out
+    # beside it, each problem: its responses with their terms, passes and pass@k by hand
+    per_problem = [json.loads(line) for line in
+                   (tmp_path / "report.samples.jsonl").read_text().splitlines()]
+    assert [p["prompt"] for p in per_problem] == [f"Q:{a}+{a}=" for a in range(1, 7)]
+    assert [p["passed"] for p in per_problem] == [4, 0, 0, 4, 0, 0]
+    assert [p["pass@2"] for p in per_problem] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    first = per_problem[0]["responses"]
+    assert len(first) == 4 and all(r["easy"] == 1.0 and isinstance(r["completion"], str)
+                                   for r in first)
+    assert {"correct", "format", "reward"} <= set(first[0])
 
 
 def test_a_task_without_verifier_scores_with_the_first_function_and_says_so(tmp_path, tiny,

@@ -18,7 +18,7 @@ from rlloom.rollout.engine import engine_generate
 from rlloom.rollout.multi_turn import Tools
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.runtime.device import model_device
-from rlloom.runtime.stages.batch import encode
+from rlloom.runtime.stages.batch import decode_responses, encode
 from rlloom.runtime.stages.generation import Rewarder, respond, vllm_engine
 from rlloom.user_code import function_name
 
@@ -78,7 +78,8 @@ def score_name(cfg: RunConfig) -> str:
 
 def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
                     problems: list[Problem], cfg: RunConfig, pool: SandboxPool | None = None,
-                    tools: Tools | None = None) -> dict[str, float]:
+                    tools: Tools | None = None, samples: list[dict] | None = None
+                    ) -> dict[str, float]:
     """The held-out metrics: `eval.n_samples` responses per problem (greedy at the default
     `eval.temperature` 0; at most `eval.max_new_tokens`, ended by `rollout.stop`; with `tools`
     a conversation), scored by the run's own reward terms (the task's verifier and
@@ -87,7 +88,9 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
     each term's mean and `eval/reward` their weighted sum's (unless it weighs the reward
     model); with n > 1, `eval/pass@k` (unbiased, k = 1, 2, 4, ..., n; a response passes with
     the score term's full marks) and `eval/mean@n`. `score` is the run's score (`score_term`):
-    accuracy for the verifier's term, else the term's mean."""
+    accuracy for the verifier's term, else the term's mean. Given `samples`, each problem's
+    results are appended to it: its prompt, answer and source row, each response with its
+    reward terms, how many passed, and with n > 1 its pass@k."""
     e, term = cfg.eval, score_term(cfg)
     params = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(cfg.rollout.stop))
@@ -116,6 +119,9 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
         for name, values in terms.items():
             sums[name] = sums.get(name, 0.0) + values.float().sum().item()
         passed += (terms[term] >= 1.0).view(len(chunk), e.n_samples).sum(dim=1).tolist()
+        if samples is not None:
+            samples += _per_problem(chunk, decode_responses(tokenizer, rollout), terms,
+                                    passed[-len(chunk):], e.n_samples)
         if "correct" in terms:
             verified += int((terms["correct"] >= 1.0).sum())
     samples = len(problems) * e.n_samples
@@ -127,6 +133,20 @@ def evaluate_policy(model: CausalLM, tokenizer: PreTrainedTokenizerBase,
         for k in ks(e.n_samples):
             out[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, c, k) for c in passed) / len(passed)
         out[f"eval/mean@{e.n_samples}"] = sum(passed) / samples
+    return out
+
+
+def _per_problem(chunk: list[Problem], texts: list[str], terms: dict[str, torch.Tensor],
+                 passed: list[int], n: int) -> list[dict]:
+    out = []
+    for i, p in enumerate(chunk):
+        rows = slice(i * n, (i + 1) * n)
+        out.append({"prompt": p.prompt, "answer": p.answer, "source": p.source,
+                    "responses": [{"completion": texts[j],
+                                   **{k: float(v[j]) for k, v in terms.items()}}
+                                  for j in range(rows.start, rows.stop)],
+                    "passed": passed[i],
+                    **{f"pass@{k}": pass_at_k(n, passed[i], k) for k in ks(n) if n > 1}})
     return out
 
 
@@ -144,13 +164,14 @@ def evaluate_checkpoint(cfg: RunConfig) -> dict[str, object]:
     model = load_model(cfg.model.path, DTYPES[cfg.model.dtype]).to(device).eval()
     tokenizer = load_tokenizer(cfg.model.path, cfg.data.chat_template)
     pool = sandbox_pool(cfg.reward) if cfg.data.task == "code" else None
+    samples: list[dict] = []
     try:
         scores = evaluate_policy(model, tokenizer, problems, cfg, pool,
-                                 Tools.of(cfg.rollout, cfg.reward.sandbox_isolation))
+                                 Tools.of(cfg.rollout, cfg.reward.sandbox_isolation), samples)
     finally:
         if pool is not None:
             pool.close()
     e = cfg.eval
     return {"checkpoint": cfg.model.path, "problems": len(problems), "n_samples": e.n_samples,
             "temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens,
-            "score_name": score_name(cfg), **scores}
+            "score_name": score_name(cfg), **scores, "samples": samples}
