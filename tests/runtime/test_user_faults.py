@@ -293,3 +293,10 @@ def test_sft_trains_a_prompt_file_s_solutions_as_written(tmp_path, tiny, monkeyp
     main(["sft", *tiny, "data.task=arith", f"data.prompt_file={data}",
           "--out", str(tmp_path / "out")])
     assert sorted(p.solution for p in seen) == sorted(r["solution"] for r in rows)
+
+
+def test_sft_with_lora_asked_for_is_refused_rather_than_training_every_weight(tmp_path, tiny,
+                                                                             capsys):
+    err = _stops(["sft", *tiny, "model.lora.rank=8", "--out", str(tmp_path / "out")], capsys, 2)
+    assert "rlloom sft trains every weight and has no LoRA adapters yet" in err
+    assert not (tmp_path / "out").exists()
