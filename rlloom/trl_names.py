@@ -24,7 +24,7 @@ MAPPED: dict[str, str | tuple[str, Callable[[Any, int], Any]]] = {
     "epsilon": "algo.clip_low",
     "epsilon_high": "algo.clip_high",
     "max_grad_norm": "train.grad_clip",
-    "lr_scheduler_type": "train.lr_schedule",
+    "lr_scheduler_type": ("train.lr_schedule", lambda v, _: _schedule(v)),
     "save_steps": "checkpoint.every",
     "save_total_limit": "checkpoint.keep",
     "eval_steps": "eval.every",
@@ -83,6 +83,12 @@ POINTERS = {
 }
 
 
+def _schedule(value: Any) -> str:
+    # transformers' constant_with_warmup is rlloom's constant (which warms up over
+    # train.warmup_steps); its constant never warms up: _trl_forms drops the warm-up
+    return "constant" if value == "constant_with_warmup" else value
+
+
 def _scale_rewards(value: Any) -> str:
     if value in (True, "group"):
         return "grpo"
@@ -125,6 +131,7 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
                          "algo.kl_coef, or write beta=... at the top level")
     # plain names first: a conversion may read one of them (warmup_ratio reads the steps)
     names = sorted((k for k in data if k in MAPPED), key=lambda k: isinstance(MAPPED[k], tuple))
+    data_names = {k: data[k] for k in names}
     for name in names:
         target = MAPPED[name]
         value = data.pop(name)
@@ -133,6 +140,8 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
             train = data.get("train") if isinstance(data.get("train"), dict) else {}
             value = convert(value, int(train.get("steps", steps)))
         _set(data, target, value, name)
+    if data_names.get("lr_scheduler_type") == "constant" and "warmup_ratio" in data_names:
+        data["train"]["warmup_steps"] = 0  # transformers' constant schedule has no warm-up
     _trl_forms(data)
     return data
 

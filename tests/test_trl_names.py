@@ -41,6 +41,11 @@ def test_a_trl_name_sets_rlloom_s_key(name):
     (["scale_rewards=true"], "algo.advantage", "grpo"),
     (["scale_rewards=none"], "algo.advantage", "dr_grpo"),
     (["beta=0.04"], "algo.kl_coef", 0.04),                             # GRPO: the KL coefficient
+    # transformers' constant schedule ignores the warm-up; constant_with_warmup keeps it
+    (["lr_scheduler_type=constant", "warmup_ratio=0.1"], "train.warmup_steps", 0),
+    (["lr_scheduler_type=constant_with_warmup", "warmup_ratio=0.1"], "train.warmup_steps", 4),
+    (["lr_scheduler_type=constant_with_warmup"], "train.lr_schedule", "constant"),
+    (["lr_scheduler_type=cosine"], "train.lr_schedule", "cosine"),
 ])
 def test_converted_names(overrides, key, value):
     assert _get(load_config(None, overrides), key) == value
