@@ -258,6 +258,10 @@ class LogSection(Strict):
         return names
 
 
+_STEP_DEFAULTS = {"steps": TrainSection.model_fields["steps"].default,
+                  **{k: AlgoSection.model_fields[k].default for k in ("epochs", "minibatches")}}
+
+
 class RunConfig(Strict):
     seed: int = Field(0, description="seed of data, initialisation and sampling")
     run_dir: str | None = Field(None, description="output directory; null = runs/<time>")
@@ -277,18 +281,13 @@ class RunConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _trl_names(cls, data: Any) -> Any:
-        """TRL's and verl's top-level names, mapped or refused (rlloom/trl_names.py)."""
+        """TRL's and verl's top-level names, mapped or refused (rlloom/trl_names.py); then
+        evaluation decodes as long as training samples unless told otherwise (after the
+        translation, so that TRL's max_completion_length reaches it too)."""
         if not isinstance(data, dict):
             return data
         data = trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
-                                   AlgoSection.model_fields["beta"].default,
-                                   TrainSection.model_fields["steps"].default)
-        # after the translation: TRL's max_completion_length reaches evaluation too
-        return cls._eval_length_follows_rollout(data)
-
-    @staticmethod
-    def _eval_length_follows_rollout(data: dict[str, Any]) -> dict[str, Any]:
-        """Evaluation decodes as long as training samples, unless told otherwise."""
+                                   AlgoSection.model_fields["beta"].default, _STEP_DEFAULTS)
         rollout, evaluation = data.get("rollout") or {}, data.get("eval") or {}
         if (isinstance(rollout, dict) and isinstance(evaluation, dict)
                 and "max_new_tokens" in rollout and "max_new_tokens" not in evaluation):

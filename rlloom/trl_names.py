@@ -20,15 +20,11 @@ MAPPED: dict[str, str | tuple[str, Callable[[Any, int], Any]]] = {
     "num_generations": "rollout.n_samples",
     "max_completion_length": "rollout.max_new_tokens",
     "max_prompt_length": "data.max_prompt_tokens",
-    "num_iterations": "algo.epochs",
     "epsilon": "algo.clip_low",
     "epsilon_high": "algo.clip_high",
     "max_grad_norm": "train.grad_clip",
     "lr_scheduler_type": ("train.lr_schedule", lambda v, _: _schedule(v)),
-    "save_steps": "checkpoint.every",
     "save_total_limit": "checkpoint.keep",
-    "eval_steps": "eval.every",
-    "max_steps": "train.steps",
     "temperature": "rollout.temperature",
     "top_p": "rollout.top_p",
     "top_k": "rollout.top_k",
@@ -51,6 +47,11 @@ MAPPED: dict[str, str | tuple[str, Callable[[Any, int], Any]]] = {
     "bf16": ("train.compute_dtype", lambda v, _: "bfloat16" if v else "params"),
     "scale_rewards": ("algo.advantage", lambda v, _: _scale_rewards(v)),
 }
+
+# TRL's step counts are optimizer steps (its global_step); one rlloom step makes
+# algo.epochs x algo.minibatches of them, so each is divided by that (or refused)
+OPTIMIZER_STEPS = {"max_steps": "train.steps", "save_steps": "checkpoint.every",
+                   "eval_steps": "eval.every"}
 
 REFUSED = {
     "gradient_accumulation_steps": "rlloom accumulates on its own: train.micro_batch_tokens "
@@ -112,10 +113,11 @@ def _set(data: dict[str, Any], key: str, value: Any, name: str) -> None:
 
 
 def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: float,
-              steps: int) -> dict[str, Any]:
+              defaults: dict[str, int]) -> dict[str, Any]:
     """`data` (a config as a nested dict) with TRL's top-level names moved to rlloom's keys;
     ValueError for a refused name. `online(preset)` says whether a preset samples;
-    `dpo_beta` and `steps` are algo.beta's and train.steps's defaults."""
+    `dpo_beta` is algo.beta's default and `defaults` train.steps's, algo.epochs's and
+    algo.minibatches's ("steps", "epochs", "minibatches")."""
     data = dict(data)
     refused = [k for k in data if k in REFUSED]
     if refused:  # all of them at once: a port meets them together
@@ -129,21 +131,49 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
         raise ValueError(f"algo.beta is DPO's inverse temperature and does nothing for "
                          f"algo={preset}; the KL coefficient (TRL's GRPO beta) is "
                          "algo.kl_coef, or write beta=... at the top level")
-    # plain names first: a conversion may read one of them (warmup_ratio reads the steps)
+    # plain names first, then TRL's step counts, then conversions (warmup_ratio reads the
+    # steps)
     names = sorted((k for k in data if k in MAPPED), key=lambda k: isinstance(MAPPED[k], tuple))
     data_names = {k: data[k] for k in names}
-    for name in names:
-        target = MAPPED[name]
-        value = data.pop(name)
-        if isinstance(target, tuple):
-            target, convert = target
-            train = data.get("train") if isinstance(data.get("train"), dict) else {}
-            value = convert(value, int(train.get("steps", steps)))
-        _set(data, target, value, name)
+    plain = [k for k in names if not isinstance(MAPPED[k], tuple)]
+    for name in plain:
+        _set(data, MAPPED[name], data.pop(name), name)
+    _optimizer_steps(data, defaults)
+    for name in names[len(plain):]:
+        target, convert = MAPPED[name]
+        train = data.get("train") if isinstance(data.get("train"), dict) else {}
+        _set(data, target, convert(data.pop(name), int(train.get("steps", defaults["steps"]))),
+             name)
     if data_names.get("lr_scheduler_type") == "constant" and "warmup_ratio" in data_names:
         data["train"]["warmup_steps"] = 0  # transformers' constant schedule has no warm-up
     _trl_forms(data)
     return data
+
+
+def _optimizer_steps(data: dict[str, Any], defaults: dict[str, int]) -> None:
+    """TRL's `num_iterations` (passes over a generation, one accumulated update each) and its
+    step counts, which count optimizer steps, in rlloom's units."""
+    if "num_iterations" in data:
+        _set(data, "algo.epochs", data.pop("num_iterations"), "num_iterations")
+        algo = data["algo"]
+        algo.setdefault("minibatches", 1)  # TRL: one optimizer step per pass
+    given = [k for k in OPTIMIZER_STEPS if k in data]
+    if not given:
+        return
+    algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
+    epochs = int(algo.get("epochs", defaults["epochs"]))
+    minibatches = int(algo.get("minibatches", defaults["minibatches"]))
+    per_step = epochs * minibatches
+    for name in given:
+        value = data.pop(name)
+        if not isinstance(value, int) or value % per_step:
+            raise ValueError(
+                f"{name}={value!r} counts optimizer steps (TRL's global_step); one rlloom "
+                f"step makes algo.epochs x algo.minibatches = {epochs} x {minibatches} = "
+                f"{per_step} of them, which does not divide it: give a multiple of {per_step}, "
+                f"or rlloom's {OPTIMIZER_STEPS[name]} (in rlloom steps: one generation and its "
+                "updates)")
+        _set(data, OPTIMIZER_STEPS[name], value // per_step, name)
 
 
 def _trl_forms(data: dict[str, Any]) -> None:
@@ -165,5 +195,7 @@ def _trl_forms(data: dict[str, Any]) -> None:
 
 def rlloom_key(name: str) -> str | None:
     """rlloom's key for a TRL/verl name (for hints on a nested key), if it has one."""
-    target = MAPPED.get(name)
+    target = MAPPED.get(name, OPTIMIZER_STEPS.get(name))
+    if name == "num_iterations":
+        return "algo.epochs"
     return target[0] if isinstance(target, tuple) else target

@@ -34,7 +34,7 @@ def test_a_trl_name_sets_rlloom_s_key(name):
 
 
 @pytest.mark.parametrize("overrides, key, value", [
-    (["warmup_ratio=0.1", "max_steps=50"], "train.warmup_steps", 5),   # a ratio of the steps
+    (["warmup_ratio=0.1", "max_steps=200"], "train.warmup_steps", 5),  # of the 50 RL steps
     (["warmup_ratio=0.25"], "train.warmup_steps", 10),                 # of the default 40
     (["bf16=true"], "train.compute_dtype", "bfloat16"),
     (["bf16=false"], "train.compute_dtype", "params"),
@@ -117,3 +117,25 @@ def test_trl_s_list_of_reward_weights_and_report_to_none(tmp_path):
     assert cfg.reward.weights == {"f": 0.5, "g": 2.0} and cfg.log.trackers == []
     with pytest.raises(ConfigError, match="reward_weights has 1 weights for 2 reward functions"):
         load_config(None, [f"reward_funcs=[{fns}:f, {fns}:g]", "reward_weights=[1]"])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # TRL counts optimizer steps; num_iterations passes make one accumulated update each
+    (["max_steps=100", "num_iterations=2"], {"train.steps": 50, "algo.epochs": 2,
+                                              "algo.minibatches": 1}),
+    # rlloom's own 2 x 2 updates per step when TRL's passes are not given
+    (["max_steps=100"], {"train.steps": 25, "algo.epochs": 2, "algo.minibatches": 2}),
+    (["max_steps=12", "save_steps=4", "eval_steps=8"],
+     {"train.steps": 3, "checkpoint.every": 1, "eval.every": 2}),
+    (["num_iterations=3", "algo.minibatches=2", "max_steps=12"],
+     {"train.steps": 2, "algo.epochs": 3, "algo.minibatches": 2}),
+])
+def test_trl_step_counts_are_optimizer_steps(overrides, expected):
+    cfg = load_config(None, overrides)
+    assert {k: _get(cfg, k) for k in expected} == expected
+
+
+def test_a_step_count_rlloom_steps_cannot_make_is_refused():
+    with pytest.raises(ConfigError, match=r"max_steps=10 counts optimizer steps .* = 2 x 2 = 4 "
+                                          r"of them, which does not divide it"):
+        load_config(None, ["max_steps=10"])
