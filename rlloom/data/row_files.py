@@ -51,15 +51,27 @@ def _transformed(spec: str, row: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def _given_rows(path: Path) -> str | None:
+    """"train_dataset" / "eval_dataset" for the file `rlloom.train` stored rows given in
+    memory as (the cache's api/datasets/<name>-<hash>.jsonl, one row a line), so that an
+    error names the row by its index in what the user passed, not a cache file."""
+    name = path.name.split("-", 1)[0]
+    if path.parent.name == "datasets" and path.parent.parent.name == "api" and \
+            name in ("train", "eval"):
+        return f"{name}_dataset"
+    return None
+
+
 def read_jsonl(path: str | Path, what: str) -> list[tuple[str, Any]]:
     """(where, row) for every non-blank line of a jsonl file; `where` is "file:line"."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{what} {str(path)!r} does not exist")
     rows = []
+    given = _given_rows(path)
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
+            where = f"{given} row {lineno - 1}" if given else f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -300,3 +300,12 @@ def test_sft_with_lora_asked_for_is_refused_rather_than_training_every_weight(tm
     err = _stops(["sft", *tiny, "model.lora.rank=8", "--out", str(tmp_path / "out")], capsys, 2)
     assert "rlloom sft trains every weight and has no LoRA adapters yet" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_in_rows_given_in_memory_names_the_row_s_index():
+    from rlloom import api
+    from rlloom.data.prompts import read_prompt_file
+    from rlloom.data.row_files import DataError
+    rows = [{"prompt": "Q:1+1=", "answer": "2"}, {"prompt": "Q:2+2="}]
+    with pytest.raises(DataError, match=r"^train_dataset row 1: missing field 'answer'"):
+        read_prompt_file(api._dataset_file(rows, "train"), "arith")
