@@ -44,8 +44,10 @@ def read_prompt(value: Any, where: str, field: str = "prompt") -> Prompt:
                         "string or a list of chat turns ({role, content})")
     turns = check_turns(value, where, field)
     if turns[-1]["role"] not in ("user", "tool"):
-        raise DataError(f"{where}: field {field!r} ends with a {turns[-1]['role']} turn; a "
-                        "prompt ends with the user (or tool) turn the model answers")
+        raise DataError(f"{where}: field {field!r} ends with a turn of role "
+                        f"{turns[-1]['role']!r}; a prompt ends with the user (or tool) turn the "
+                        "model answers (TRL's `messages` rows may end with the assistant's "
+                        "answer: it is then the row's solution)")
     return turns
 
 

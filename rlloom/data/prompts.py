@@ -73,7 +73,15 @@ def _row_to_problem(row: Any, task: str, where: str, columns: dict[str, str] | N
     if columns:
         row = _rename_columns(row, columns, where)
     if "prompt" not in row and "messages" in row:  # TRL's and verl's name for chat turns
-        row = {"prompt": row["messages"], **{k: v for k, v in row.items() if k != "messages"}}
+        turns = row["messages"]
+        rest = {k: v for k, v in row.items() if k != "messages"}
+        last = turns[-1] if isinstance(turns, list) and len(turns) > 1 else None
+        if isinstance(last, dict) and last.get("role") == "assistant" and \
+                isinstance(last.get("content"), str) and "solution" not in row:
+            # TRL's conversational SFT rows end with the answer: it is the worked solution
+            rest["solution"] = turns[-1].get("content")
+            turns = turns[:-1]
+        row = {"prompt": turns, **rest}
     if "prompt" not in row:
         raise DataError(f"{where}: missing field 'prompt' (or 'messages'); the row has columns "
                         f"{list(row)}")

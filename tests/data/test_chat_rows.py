@@ -34,7 +34,8 @@ def test_chat_turns_are_a_prompt_in_every_format(tmp_path, fmt, field):
     ([{"role": "user"}], "turn 0 must be a mapping with 'role' and 'content'"),
     ([{"role": "user", "content": 3}], "turn 0 content has type int, needs str"),
     ([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
-     "ends with a assistant turn; a prompt ends with the user (or tool) turn the model answers"),
+     "ends with a turn of role 'assistant'; a prompt ends with the user (or tool) turn the "
+     "model answers"),
     ([], "must be a non-empty list of chat turns"),
 ])
 def test_a_bad_chat_row_names_the_row_and_turn(tmp_path, turns, message):

@@ -1,5 +1,6 @@
 """Prompt files as jsonl, parquet and `save_to_disk` directories: same rows, same problems, and
 errors that name the row."""
+import json
 import re
 
 import datasets
@@ -199,3 +200,18 @@ def test_unreadable_inputs(tmp_path):
     datasets.Dataset.from_dict({"prompt": [], "answer": []}).to_parquet(str(empty))
     with pytest.raises(DataError, match="has no rows"):
         read_prompt_file(empty, "math")
+
+
+def test_trl_conversational_rows_ending_with_the_answer_give_it_as_the_solution(tmp_path):
+    rows = tmp_path / "sft.jsonl"
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q:1+1="},
+             {"role": "assistant", "content": "1+1=2.A:2"}]
+    rows.write_text(json.dumps({"messages": turns, "answer": "2"}) + "\n"
+                    + json.dumps({"messages": turns[:2], "answer": "2"}) + "\n")
+    with_answer, prompt_only = read_prompt_file(rows, "arith")
+    assert with_answer.prompt == turns[:2] and with_answer.solution == "1+1=2.A:2"
+    assert prompt_only.prompt == turns[:2] and prompt_only.solution == ""
+    # a prompt field (not TRL's messages) still may not end with an assistant turn
+    rows.write_text(json.dumps({"prompt": turns, "answer": "2"}) + "\n")
+    with pytest.raises(DataError, match="ends with a turn of role .assistant."):
+        read_prompt_file(rows, "arith")
