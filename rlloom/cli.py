@@ -79,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_sft(args: argparse.Namespace) -> None:
     from rlloom.runtime.default_model import warm_start
-    cfg = load_config(*_split(args))
+    cfg = load_config(*_split(args), sft=True)
     if args.print_config:
         print(dump_config(cfg), end="")
         return

@@ -5,21 +5,21 @@ name the key and suggest the closest valid one.
 """
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 import rlloom.trl_names as trl_names
+from rlloom.config_errors import ConfigError, explain
 from rlloom.algos.presets import PRESETS
 from rlloom.config_sections import (
     DataSection,
@@ -33,10 +33,6 @@ from rlloom.rewards import functions as reward_functions
 from rlloom.rollout.vllm_env import config_problems as vllm_problems
 from rlloom.runtime.outputs.trackers import check_installed
 from rlloom.user_code import function_name
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # Advantage estimators that compare the K samples of one prompt.
@@ -306,7 +302,7 @@ class RunConfig(Strict):
         return a.kl_coef > 0 or a.kl_target is not None or not PRESETS[a.name].online
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self, info: ValidationInfo) -> "RunConfig":
         grouped = self.algo.advantage in GROUP_ESTIMATORS
         if grouped and self.rollout.n_samples < 2:
             raise ValueError(f"rollout.n_samples={self.rollout.n_samples}: algo.advantage="
@@ -318,7 +314,7 @@ class RunConfig(Strict):
         if self.data.task == "math" and not (self.data.prompt_file and self.model.path):
             raise ValueError("data.task=math has no built-in problems or model; set "
                              "data.prompt_file (a jsonl of prompt/answer rows) and model.path")
-        problems = task_problems(self)
+        problems = task_problems(self, rewarded=not (info.context or {}).get("sft"))
         if problems:
             raise ValueError("; ".join(problems))
         if self.plan.adapt.every and not PRESETS[self.algo.name].online:
@@ -355,10 +351,11 @@ class RunConfig(Strict):
         return self
 
 
-def task_problems(cfg: RunConfig) -> list[str]:
+def task_problems(cfg: RunConfig, rewarded: bool = True) -> list[str]:
     """What `data.task` and `eval.score` leave unscored: without a verifier (task none) only
-    the user's functions or reward model give a reward, and the score must be a term the
-    held-out evaluation computes (a reward model's is not)."""
+    the user's functions or reward model give a reward (not needed when nothing is
+    `rewarded`: `rlloom sft`), and the score must be a term the held-out evaluation computes
+    (a reward model's is not)."""
     d, r = cfg.data, cfg.reward
     names = [function_name(s) for s in r.functions]
     problems = []
@@ -367,7 +364,7 @@ def task_problems(cfg: RunConfig) -> list[str]:
             problems.append("data.task=none has no built-in problems or model; set "
                             "data.prompt_file (or for rlloom eval data.eval_file) and "
                             "model.path")
-        if not (names or r.model_path):
+        if rewarded and not (names or r.model_path):
             problems.append("data.task=none has no verifier, so nothing rewards a response; "
                             "set reward.functions (or reward.model_path)")
         idle = sorted(set(r.weights) & {"correct", "format"} - set(names))
@@ -380,52 +377,6 @@ def task_problems(cfg: RunConfig) -> list[str]:
                         f"choose one of {sorted(set(scored))} (a reward model is not scored "
                         "on held-out prompts)")
     return problems
-
-
-def _closest(key: str, options: list[str]) -> str:
-    prefix, _, name = key.rpartition(".")
-    if trl_names.rlloom_key(name):
-        return f"; rlloom calls it {trl_names.rlloom_key(name)!r}"
-    if name in trl_names.REFUSED:
-        return f"; that is TRL's: {trl_names.REFUSED[name]}"
-    if name in trl_names.POINTERS:
-        return f"; rlloom's is {trl_names.POINTERS[name]}"
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    if match:
-        return f"; did you mean {'.'.join(filter(None, [prefix, match[0]]))!r}?"
-    return f"; valid keys here: {', '.join(options)}"
-
-
-def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic class that holds the key at `loc` (None when it is inside a dict)."""
-    cls: type[BaseModel] = RunConfig
-    parts = list(loc[:-1])
-    while parts:
-        field = cls.model_fields.get(str(parts.pop(0)))
-        ann = field.annotation if field else None
-        if get_origin(ann) is dict:  # e.g. plan.layouts.<role>: skip the dict key
-            ann = get_args(ann)[1]
-            parts = parts[1:]
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        cls = ann
-    return cls
-
-
-def _explain(err: ValidationError, source: str) -> ConfigError:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            section = _section_at(e["loc"])
-            hint = _closest(key, list(section.model_fields)) if section else ""
-            lines.append(f"unknown key {key!r}{hint}")
-        elif key:
-            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} "
-                         f"(got {e.get('input')!r})")
-        else:
-            lines.append(e["msg"].removeprefix("Value error, "))
-    return ConfigError(f"invalid configuration from {source}:\n  " + "\n  ".join(lines))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -465,22 +416,24 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         node[parts[-1]] = raw
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Defaults, then the YAML file, then each `key=value` override."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                sft: bool = False) -> RunConfig:
+    """Defaults, then the YAML file, then each `key=value` override (`sft`: for a warm start,
+    which rewards nothing)."""
     data = _read_yaml(Path(path)) if path else {}
     for item in overrides:
         apply_override(data, item)
     source = " + ".join(([str(path)] if path else ["defaults"]) +
                         ([f"overrides {list(overrides)}"] if overrides else []))
-    return validate_config(data, source)
+    return validate_config(data, source, sft)
 
 
-def validate_config(data: dict[str, Any], source: str) -> RunConfig:
+def validate_config(data: dict[str, Any], source: str, sft: bool = False) -> RunConfig:
     """`data` as a RunConfig; ConfigError naming `source` and each problem otherwise."""
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"sft": sft})
     except ValidationError as e:
-        raise _explain(e, source) from None
+        raise explain(e, source, RunConfig) from None
 
 
 # model fields that describe the built-in model only

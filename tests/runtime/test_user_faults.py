@@ -309,3 +309,19 @@ def test_an_error_in_rows_given_in_memory_names_the_row_s_index():
     rows = [{"prompt": "Q:1+1=", "answer": "2"}, {"prompt": "Q:2+2="}]
     with pytest.raises(DataError, match=r"^train_dataset row 1: missing field 'answer'"):
         read_prompt_file(api._dataset_file(rows, "train"), "arith")
+
+
+def test_sft_without_a_verifier_needs_no_reward_function(tmp_path, tiny, monkeypatch):
+    import rlloom.runtime.default_model as default_model
+    from rlloom.config import ConfigError, load_config
+    model = default_model.ensure_default_model(load_config(None, tiny))
+    rows = [{"prompt": f"Q:{i}+1=", "solution": f"A:{i + 1}"} for i in range(1, 9)]
+    data = _prompt_file(tmp_path / "p.jsonl", rows)
+    args = [f"model.path={model}", "data.task=none", f"data.prompt_file={data}", "sft.steps=2"]
+    with pytest.raises(ConfigError, match="nothing rewards a response"):  # RL still needs one
+        load_config(None, args)
+    seen = []
+    monkeypatch.setattr(default_model, "supervised_finetune",
+                        lambda model, tokenizer, problems, *a, **kw: seen.extend(problems))
+    main(["sft", *args, "--out", str(tmp_path / "out")])
+    assert sorted(p.solution for p in seen) == sorted(r["solution"] for r in rows)
