@@ -254,8 +254,11 @@ class LogSection(Strict):
         return names
 
 
-_STEP_DEFAULTS = {"steps": TrainSection.model_fields["steps"].default,
-                  **{k: AlgoSection.model_fields[k].default for k in ("epochs", "minibatches")}}
+_SECTIONS = {"train": TrainSection, "algo": AlgoSection, "rollout": RolloutSection}
+# rlloom's defaults of the keys TRL's names reach (trl_names.translate)
+_DEFAULTS = {f"{name}.{key}": cls.model_fields[key].default for name, cls in _SECTIONS.items()
+             for key in ("steps", "lr", "lr_schedule", "epochs", "minibatches", "kl_coef",
+                         "loss_agg", "max_new_tokens") if key in cls.model_fields}
 
 
 class RunConfig(Strict):
@@ -283,7 +286,7 @@ class RunConfig(Strict):
         if not isinstance(data, dict):
             return data
         data = trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
-                                   AlgoSection.model_fields["beta"].default, _STEP_DEFAULTS)
+                                   AlgoSection.model_fields["beta"].default, _DEFAULTS)
         rollout, evaluation = data.get("rollout") or {}, data.get("eval") or {}
         if (isinstance(rollout, dict) and isinstance(evaluation, dict)
                 and "max_new_tokens" in rollout and "max_new_tokens" not in evaluation):

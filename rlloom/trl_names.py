@@ -11,6 +11,7 @@ holds the default 0.1 there, still reads). docs/own-model.md, "TRL's names", lis
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -116,8 +117,9 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
               defaults: dict[str, int]) -> dict[str, Any]:
     """`data` (a config as a nested dict) with TRL's top-level names moved to rlloom's keys;
     ValueError for a refused name. `online(preset)` says whether a preset samples;
-    `dpo_beta` is algo.beta's default and `defaults` train.steps's, algo.epochs's and
-    algo.minibatches's ("steps", "epochs", "minibatches")."""
+    `dpo_beta` is algo.beta's default and `defaults` rlloom's defaults of the keys TRL's
+    names reach ("train.steps", "algo.epochs", ...). A config that uses TRL's names is told
+    once which of rlloom's defaults it leaves differ from TRL's GRPOConfig's."""
     data = dict(data)
     refused = [k for k in data if k in REFUSED]
     if refused:  # all of them at once: a port meets them together
@@ -133,6 +135,7 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
                          "algo.kl_coef, or write beta=... at the top level")
     # plain names first, then TRL's step counts, then conversions (warmup_ratio reads the
     # steps)
+    trl = any(k in data for k in (*MAPPED, *OPTIMIZER_STEPS, "num_iterations", "beta"))
     names = sorted((k for k in data if k in MAPPED), key=lambda k: isinstance(MAPPED[k], tuple))
     data_names = {k: data[k] for k in names}
     plain = [k for k in names if not isinstance(MAPPED[k], tuple)]
@@ -142,12 +145,46 @@ def translate(data: dict[str, Any], online: Callable[[str], bool], dpo_beta: flo
     for name in names[len(plain):]:
         target, convert = MAPPED[name]
         train = data.get("train") if isinstance(data.get("train"), dict) else {}
-        _set(data, target, convert(data.pop(name), int(train.get("steps", defaults["steps"]))),
-             name)
+        _set(data, target, convert(data.pop(name),
+                                    int(train.get("steps", defaults["train.steps"]))), name)
     if data_names.get("lr_scheduler_type") == "constant" and "warmup_ratio" in data_names:
         data["train"]["warmup_steps"] = 0  # transformers' constant schedule has no warm-up
     _trl_forms(data)
+    if trl:
+        _say_differing_defaults(data, defaults)
     return data
+
+
+# TRL's GRPOConfig defaults (trl/trainer/grpo_config.py, transformers' TrainingArguments)
+# where rlloom's differ, by rlloom key: (TRL's name, TRL's value)
+TRL_DEFAULTS = {
+    "train.lr": ("learning_rate", 1e-6),
+    "algo.kl_coef": ("beta", 0.0),
+    "rollout.max_new_tokens": ("max_completion_length", 256),
+    "algo.loss_agg": ("loss_type", "dapo (token-mean)"),
+    "train.lr_schedule": ("lr_scheduler_type", "linear"),
+    "algo.minibatches": ("num_iterations", "1 update per generation"),
+}
+_said: set[str] = set()
+
+
+def _say_differing_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """One line (once per process) naming rlloom's defaults that a config written with TRL's
+    names leaves in place where TRL's differ."""
+    left = []
+    for key, (name, trl_value) in TRL_DEFAULTS.items():
+        section, field = key.split(".")
+        node = data.get(section) if isinstance(data.get(section), dict) else {}
+        if field in node or key == "algo.minibatches" and "epochs" in node:
+            continue
+        ours = (f"{defaults['algo.epochs']} x {defaults[key]} updates per generation"
+                if key == "algo.minibatches" else defaults[key])
+        left.append(f"{key}={ours} (TRL's {name}: {trl_value})")
+    line = "rlloom's defaults differ from TRL's where this config sets nothing: " + \
+        "; ".join(left)
+    if left and line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr)
 
 
 def _optimizer_steps(data: dict[str, Any], defaults: dict[str, int]) -> None:
@@ -161,8 +198,8 @@ def _optimizer_steps(data: dict[str, Any], defaults: dict[str, int]) -> None:
     if not given:
         return
     algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
-    epochs = int(algo.get("epochs", defaults["epochs"]))
-    minibatches = int(algo.get("minibatches", defaults["minibatches"]))
+    epochs = int(algo.get("epochs", defaults["algo.epochs"]))
+    minibatches = int(algo.get("minibatches", defaults["algo.minibatches"]))
     per_step = epochs * minibatches
     for name in given:
         value = data.pop(name)

@@ -139,3 +139,18 @@ def test_a_step_count_rlloom_steps_cannot_make_is_refused():
     with pytest.raises(ConfigError, match=r"max_steps=10 counts optimizer steps .* = 2 x 2 = 4 "
                                           r"of them, which does not divide it"):
         load_config(None, ["max_steps=10"])
+
+
+def test_a_config_in_trl_s_names_is_told_once_which_defaults_differ(capsys, monkeypatch):
+    from rlloom import trl_names
+    monkeypatch.setattr(trl_names, "_said", set())
+    load_config(None, ["learning_rate=2e-6", "beta=0.0", "max_completion_length=128"])
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom's defaults differ from TRL's where this config sets nothing: ")
+    assert "algo.loss_agg=seq-mean-token-mean (TRL's loss_type: dapo (token-mean))" in err
+    assert "train.lr_schedule=constant (TRL's lr_scheduler_type: linear)" in err
+    assert "algo.minibatches=2 x 2 updates per generation (TRL's num_iterations: 1" in err
+    assert "train.lr=" not in err and "kl_coef" not in err and "max_new_tokens" not in err
+    load_config(None, ["learning_rate=2e-6", "beta=0.0", "max_completion_length=128"])
+    load_config(None, ["train.lr=1e-5"])  # rlloom's own names: nothing to say
+    assert capsys.readouterr().err == ""
