@@ -83,9 +83,6 @@ def cmd_sft(args: argparse.Namespace) -> None:
     if args.print_config:
         print(dump_config(cfg), end="")
         return
-    if cfg.model.lora is not None:  # never train every weight when adapters were asked for
-        raise ConfigError("rlloom sft trains every weight and has no LoRA adapters yet: drop "
-                          "model.lora for the warm start (the RL run that follows may use it)")
     _fresh_output(Path(args.out), args.overwrite)
     with naming(Path(args.out)):
         print(f"saved {warm_start(cfg, Path(args.out))}")

@@ -16,9 +16,11 @@ from rlloom.data.prompts import DataError, read_prompt_file
 from rlloom.data.synthetic import generate
 from rlloom.models.config import ModelConfig
 from rlloom.models.hf_io import load_model, load_tokenizer, save_checkpoint
+from rlloom.models.lora import apply_lora
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.runtime.device import resolve_device
+from rlloom.runtime.executor.policy import save_final
 from rlloom.runtime.stages.sft import mix_direct_answers, supervised_finetune
 
 # SFT problems come from their own seed so they do not overlap the RL prompt stream by design.
@@ -79,9 +81,19 @@ def warm_start(cfg: RunConfig, out: Path, device: torch.device | None = None) ->
         problems = mix_direct_answers(
             generate(cfg.data.task, SFT_PROBLEMS, seed=cfg.seed + SFT_SEED_OFFSET,
                      difficulty=cfg.data.difficulty), cfg.sft.direct_fraction, seed=cfg.seed)
+    lora = cfg.model.lora
+    if lora is not None:  # only the adapters train, as in an RL run with model.lora
+        if not cfg.model.path:
+            raise DataError("LoRA SFT adapts a checkpoint: set model.path (the built-in model "
+                            "trains every weight)")
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), cfg.seed)
     supervised_finetune(model.to(device), tokenizer, problems, cfg.sft.steps, cfg.sft.batch_size,
                         cfg.sft.lr, seed=cfg.seed)
-    save_checkpoint(model, tokenizer, out)
+    if lora is None:
+        save_checkpoint(model, tokenizer, out)
+    else:  # the merged model, and the adapters alone in PEFT's format in out/adapter
+        save_final(cfg, Path(cfg.model.path), {k: v.detach().cpu() for k, v in
+                                               model.state_dict().items()}, out)
     return out
 
 
@@ -96,6 +108,7 @@ def ensure_default_model(cfg: RunConfig, device: torch.device | None = None) -> 
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "config.json").is_file():
             print(f"building the built-in model (cached at {path})")
-            warm_start(cfg.model_copy(update={"data": cfg.data.model_copy(
-                update={"prompt_file": None})}), path, device)
+            warm_start(cfg.model_copy(update={
+                "data": cfg.data.model_copy(update={"prompt_file": None}),
+                "model": cfg.model.model_copy(update={"lora": None})}), path, device)
     return path

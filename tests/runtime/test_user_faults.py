@@ -295,11 +295,28 @@ def test_sft_trains_a_prompt_file_s_solutions_as_written(tmp_path, tiny, monkeyp
     assert sorted(p.solution for p in seen) == sorted(r["solution"] for r in rows)
 
 
-def test_sft_with_lora_asked_for_is_refused_rather_than_training_every_weight(tmp_path, tiny,
-                                                                             capsys):
-    err = _stops(["sft", *tiny, "model.lora.rank=8", "--out", str(tmp_path / "out")], capsys, 2)
-    assert "rlloom sft trains every weight and has no LoRA adapters yet" in err
-    assert not (tmp_path / "out").exists()
+def test_sft_with_lora_trains_and_exports_adapters(tmp_path, tiny):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import rlloom.runtime.default_model as default_model
+    from rlloom.config import load_config
+    base = default_model.ensure_default_model(load_config(None, tiny))
+    out = tmp_path / "out"
+    main(["sft", *tiny, f"model.path={base}", "model.lora.rank=4", "sft.steps=5",
+          "sft.lr=1e-2", "--out", str(out)])
+    adapters = load_file(out / "adapter/adapter_model.safetensors")
+    assert adapters and all("lora_" in k for k in adapters)
+    assert any(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)  # it trained
+    # the merged model is the base with the adapters applied, as peft computes it
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out / "adapter")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(merged(ids).logits, peft(ids).logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(merged(ids).logits,
+                              AutoModelForCausalLM.from_pretrained(base)(ids).logits)
 
 
 def test_an_error_in_rows_given_in_memory_names_the_row_s_index():
