@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlloom.config import ConfigError, RunConfig, apply_override, load_config, validate_config
+from rlloom.runtime.outputs.files import write_atomic
 
 Callback = Callable[[dict[str, Any]], Any]
 
@@ -61,18 +60,9 @@ def _cache() -> Path:
 def _stored(data: bytes, folder: str, name: str, suffix: str) -> Path:
     """`data` under the cache, named by its content (written once, atomically)."""
     path = _cache() / folder / f"{name}-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
-    if not path.exists():
+    if not path.exists():  # processes storing the same rows at once each write whole
         path.parent.mkdir(parents=True, exist_ok=True)
-        # a name of its own: processes storing the same rows at once each write their own
-        # file, and whichever rename lands last leaves the same bytes
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, data)
     return path
 
 

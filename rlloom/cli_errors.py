@@ -13,6 +13,7 @@ from pathlib import Path
 from rlloom.config import ConfigError
 from rlloom.data.row_files import DataError
 from rlloom.models.config import CheckpointError, UnsupportedArchitectureError
+from rlloom.runtime.outputs.files import nearest_existing
 from rlloom.runtime.stages.nonfinite import NonFiniteStop
 from rlloom.runtime.stop_signals import Stopped
 from rlloom.user_code import UserCodeError
@@ -24,10 +25,8 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 def _free_space(path: Path) -> str:
-    """How much the filesystem holding `path` (or its nearest existing parent) has free."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    usage = shutil.disk_usage(path)
+    """How much the filesystem holding `path` has free."""
+    usage = shutil.disk_usage(nearest_existing(path))
     return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there"
 
 

@@ -171,8 +171,7 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     directory: of its files, by name)."""
     out = {}
     for field in INPUT_FIELDS:
-        section, name = field.split(".")
-        path = getattr(getattr(cfg, section), name)
+        path = _field(cfg, field)
         if path:
             digest = hashlib.sha256()
             root = Path(path)

@@ -12,6 +12,7 @@ import errno
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,12 +31,9 @@ def naming(path: Path) -> Iterator[None]:
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a failed write
         if not _hidden_write_failure(e):
             raise
-        there = path.parent
-        while not there.exists() and there != there.parent:
-            there = there.parent
         said = re.search(r"os error (\d+)", str(e))  # safetensors quotes the OS's error
-        code = int(said.group(1)) if said else \
-            errno.ENOSPC if shutil.disk_usage(there).free < (1 << 20) else errno.EIO
+        code = int(said.group(1)) if said else errno.ENOSPC \
+            if shutil.disk_usage(nearest_existing(path)).free < (1 << 20) else errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from None
 
 
@@ -47,17 +45,25 @@ def _hidden_write_failure(e: Exception) -> bool:
                                           "file write failed")))
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text`, or (after any failure) what it held before."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (what a failed write's filesystem is)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """`path` holds `data`, or (after any failure) what it held before. The temporary file
+    has a name of its own, so processes writing the same path at once never mix."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=f".{path.name}.tmp")
     try:
-        with naming(path), open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with naming(path), os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(name, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(name).unlink(missing_ok=True)
         raise
 
 
