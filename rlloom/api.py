@@ -116,14 +116,15 @@ def _overrides(overrides: dict[str, Any] | list[str] | None) -> list[str]:
     return list(overrides)
 
 
-def prepare(config: str | Path | RunConfig | None = None,
+def prepare(config: str | Path | RunConfig | Any = None,
             overrides: dict[str, Any] | list[str] | None = None, *,
             reward_funcs: list[Any] | None = None, train_dataset: Any = None,
             eval_dataset: Any = None, resume: str | Path | None = None,
             overwrite: bool = False, accept_changed_data: bool = False) -> Prepared:
     """The run's validated config; for `resume`, what it continues and changes (refused
     before anything is written when a change cannot apply, and when a data file's contents
-    changed unless `accept_changed_data`)."""
+    changed unless `accept_changed_data`). `config` may be TRL's GRPOConfig or DPOConfig: the
+    fields it sets, in TRL's meaning (rlloom/trl_configs.py)."""
     extra = _overrides(overrides)
     if reward_funcs is not None:
         extra.append(f"reward.functions={json.dumps([_reward_spec(f) for f in reward_funcs])}")
@@ -144,11 +145,14 @@ def prepare(config: str | Path | RunConfig | None = None,
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"--resume {run}: no config.yaml there; is it a run directory?")
         config = run / "config.yaml"
-    if isinstance(config, RunConfig):
-        data = config.model_dump(mode="json")
+    from rlloom.trl_configs import fill_defaults, is_trl_config, rl_config
+    if isinstance(config, RunConfig) or is_trl_config(config):
+        data, trl_defaults = ((config.model_dump(mode="json"), {})
+                              if isinstance(config, RunConfig) else rl_config(config))
         for item in extra:
             apply_override(data, item)
-        cfg = validate_config(data, "the RunConfig given + overrides")
+        fill_defaults(data, trl_defaults)
+        cfg = validate_config(data, f"the {type(config).__name__} given + overrides")
     else:
         cfg = load_config(config, extra)
     if run is None:
@@ -196,14 +200,14 @@ def launch(run: Prepared, *, overwrite: bool = False, ray: bool = False,
                      run_dir / "final", int(summary.get("restarts", 0)))
 
 
-def train(config: str | Path | RunConfig | None = None,
+def train(config: str | Path | RunConfig | Any = None,
           overrides: dict[str, Any] | list[str] | None = None, *,
           reward_funcs: list[Any] | None = None, train_dataset: Any = None,
           eval_dataset: Any = None, callbacks: list[Callback] | None = None,
           resume: str | Path | None = None, overwrite: bool = False, ray: bool = False,
           options: Any = None, accept_changed_data: bool = False) -> RunResult:
-    """Train as `rlloom train` does. `config`: a YAML path, a RunConfig or None (the
-    built-in default); `overrides`: {"train.steps": 20} or ["train.steps=20"];
+    """Train as `rlloom train` does. `config`: a YAML path, a RunConfig, TRL's GRPOConfig or
+    DPOConfig, or None (the built-in default); `overrides`: {"train.steps": 20} or ["train.steps=20"];
     `reward_funcs`: callables with TRL's signature or "file.py:fn" specs; `train_dataset` /
     `eval_dataset`: a path, a list of row dicts or a datasets.Dataset; `callbacks`: called
     with each step's metrics row on the driver, a callback returning False stops the run
@@ -234,3 +238,34 @@ def evaluate(checkpoint: str | Path, config: str | Path | RunConfig | None = Non
     extra = [f"model.path={json.dumps(str(checkpoint))}", *_overrides(overrides)]
     run = prepare(config, extra, reward_funcs=reward_funcs, eval_dataset=eval_dataset)
     return evaluate_checkpoint(run.cfg)
+
+
+def sft(config: str | Path | RunConfig | Any = None,
+        overrides: dict[str, Any] | list[str] | None = None, *, out: str | Path | None = None,
+        train_dataset: Any = None, overwrite: bool = False) -> Path:
+    """Supervised warm start as `rlloom sft` does: `config` a YAML path, a RunConfig, TRL's
+    SFTConfig (its learning rate, steps, batch and output_dir) or None; `train_dataset`
+    rows with a `solution` (or `messages` ending with the assistant's turn). Returns the saved
+    model's directory, `out` (refused when it holds something, unless `overwrite`)."""
+    from rlloom.runtime.default_model import warm_start
+    from rlloom.runtime.outputs.files import fresh_output, naming
+    from rlloom.trl_configs import is_trl_config, sft_overrides
+    extra = _overrides(overrides)
+    if is_trl_config(config):
+        out = out if out is not None else config.output_dir
+        extra, config = [*sft_overrides(config), *extra], None
+    if out is None:
+        raise ConfigError("rlloom.sft(out=...): give the directory to save the model to")
+    if train_dataset is not None:
+        extra.append(f"data.prompt_file={json.dumps(_dataset_file(train_dataset, 'train'))}")
+    if isinstance(config, RunConfig):
+        data = config.model_dump(mode="json")
+        for item in extra:
+            apply_override(data, item)
+        cfg = validate_config(data, "the RunConfig given + overrides", sft=True)
+    else:
+        cfg = load_config(config, extra, sft=True)
+    out = Path(out)
+    fresh_output(out, overwrite)
+    with naming(out):
+        return warm_start(cfg, out)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Callable
 from rlloom.algos.presets import PRESETS
 from rlloom.cli_errors import reporting_errors
 from rlloom.config import ConfigError, dump_config, load_config
-from rlloom.runtime.outputs.files import naming, write_atomic
+from rlloom.runtime.outputs.files import fresh_output, write_atomic
 
 if TYPE_CHECKING:
+    from rlloom.config import RunConfig
     from rlloom.perf.model.compose import Priced
     from rlloom.perf.model.hardware import Hardware
     from rlloom.perf.model.shapes import ModelShape
@@ -52,6 +53,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                       accept_changed_data=args.accept_changed_data)
     if args.print_config:
         print(dump_config(run.cfg), end="")
+        _print_trl_differences(run.cfg)
         return
     from rlloom.runtime.executor.interface import RunOptions
     if args.dry_run or args.rehearse:
@@ -77,26 +79,26 @@ def cmd_train(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def _print_trl_differences(cfg: "RunConfig") -> None:
+    """Where this config's values differ from TRL GRPOConfig's defaults, as YAML comments."""
+    from rlloom.algos.presets import PRESETS
+    from rlloom.trl_names import TRL_DEFAULTS, differing_defaults
+    if not PRESETS[cfg.algo.name].online:
+        return
+    values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+              for key in (*TRL_DEFAULTS, "algo.epochs")}
+    print("# where these values differ from TRL GRPOConfig's defaults:")
+    for line in differing_defaults(values):
+        print(f"#   {line}")
+
+
 def cmd_sft(args: argparse.Namespace) -> None:
-    from rlloom.runtime.default_model import warm_start
-    cfg = load_config(*_split(args), sft=True)
+    config, overrides = _split(args)
     if args.print_config:
-        print(dump_config(cfg), end="")
+        print(dump_config(load_config(config, overrides, sft=True)), end="")
         return
-    _fresh_output(Path(args.out), args.overwrite)
-    with naming(Path(args.out)):
-        print(f"saved {warm_start(cfg, Path(args.out))}")
-
-
-def _fresh_output(path: Path, overwrite: bool) -> None:
-    """Refuses, before any work, an output path that holds something: writing it replaces
-    the whole path (a directory with everything else in it)."""
-    if overwrite or not path.exists() or path.is_dir() and not any(path.iterdir()):
-        return
-    held = (", ".join(sorted(p.name for p in path.iterdir())[:5]) if path.is_dir()
-            else "a file")
-    raise ConfigError(f"--out {path} already holds {held}; writing there would replace it: "
-                      "choose another --out, or pass --overwrite to replace it")
+    from rlloom.api import sft
+    print(f"saved {sft(config, overrides, out=args.out, overwrite=args.overwrite)}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -106,7 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = Path(args.out)
     per_problem = out.with_suffix(".samples.jsonl")
     for path in (out, per_problem):
-        _fresh_output(path, args.overwrite)
+        fresh_output(path, args.overwrite)
     report = evaluate(args.checkpoint, args.config, args.overrides)
     samples = report.pop("samples")
     text = json.dumps(report, indent=1)

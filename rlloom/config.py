@@ -258,7 +258,8 @@ _SECTIONS = {"train": TrainSection, "algo": AlgoSection, "rollout": RolloutSecti
 # rlloom's defaults of the keys TRL's names reach (trl_names.translate)
 _DEFAULTS = {f"{name}.{key}": cls.model_fields[key].default for name, cls in _SECTIONS.items()
              for key in ("steps", "lr", "lr_schedule", "epochs", "minibatches", "kl_coef",
-                         "loss_agg", "max_new_tokens") if key in cls.model_fields}
+                         "loss_agg", "max_new_tokens", "n_samples", "prompts_per_step")
+             if key in cls.model_fields}
 
 
 class RunConfig(Strict):
@@ -285,7 +286,8 @@ class RunConfig(Strict):
         translation, so that TRL's max_completion_length reaches it too)."""
         if not isinstance(data, dict):
             return data
-        data = trl_names.translate(data, lambda p: PRESETS[p].online if p in PRESETS else True,
+        data = trl_names.translate(data, lambda p: (PRESETS[p].online, PRESETS[p].overrides)
+                                   if p in PRESETS else (True, {}),
                                    AlgoSection.model_fields["beta"].default, _DEFAULTS)
         rollout, evaluation = data.get("rollout") or {}, data.get("eval") or {}
         if (isinstance(rollout, dict) and isinstance(evaluation, dict)

@@ -36,6 +36,21 @@ def test_a_trl_name_sets_rlloom_s_key(name):
 @pytest.mark.parametrize("overrides, key, value", [
     (["warmup_ratio=0.1", "max_steps=200"], "train.warmup_steps", 5),  # of the 50 RL steps
     (["warmup_ratio=0.25"], "train.warmup_steps", 10),                 # of the default 40
+    (["warmup_ratio=0.01"], "train.warmup_steps", 1),  # rounded up, as transformers does
+    # transformers 5's warmup_steps: optimizer steps, or below 1 a share of the steps
+    (["warmup_steps=8"], "train.warmup_steps", 2),                      # 2 x 2 updates a step
+    (["warmup_steps=0.1", "max_steps=200"], "train.warmup_steps", 5),
+    (["lr_scheduler_type=constant", "warmup_steps=8"], "train.warmup_steps", 0),
+    # a generation of 64 completions in groups of 8 is 8 prompts, made into 4 updates a pass
+    (["generation_batch_size=64"], "train.prompts_per_step", 8),
+    (["generation_batch_size=64", "num_generations=16"], "train.prompts_per_step", 4),
+    (["steps_per_generation=4"], "algo.minibatches", 4),
+    (["loss_type=dr_grpo"], "algo.loss_agg", "seq-mean-token-sum-norm"),
+    (["loss_type=dapo"], "algo.loss_agg", "token-mean"),
+    (["epsilon=0.3"], "algo.clip_high", 0.3),  # TRL's epsilon_high defaults to epsilon
+    (["epsilon=0.3", "epsilon_high=0.28"], "algo.clip_high", 0.28),
+    (["steps_per_generation=4"], "algo.epochs", 1),  # TRL's one pass
+    (["steps_per_generation=4", "num_iterations=2"], "algo.epochs", 2),
     (["bf16=true"], "train.compute_dtype", "bfloat16"),
     (["bf16=false"], "train.compute_dtype", "params"),
     (["scale_rewards=true"], "algo.advantage", "grpo"),
@@ -99,7 +114,7 @@ def test_every_refused_name_is_named_at_once():
 
 
 @pytest.mark.parametrize("name, pointer", [
-    ("warmup_steps", "rlloom's is train.warmup_steps (counted in RL steps"),
+    ("entropy_coef", "rlloom's is algo.entropy_coef"),
     ("gradient_checkpointing", "plan.layouts.actor.activation_checkpointing=true"),
     ("weight_decay", "rlloom's is train.weight_decay"),
 ])
@@ -135,6 +150,12 @@ def test_trl_step_counts_are_optimizer_steps(overrides, expected):
     assert {k: _get(cfg, k) for k in expected} == expected
 
 
+def test_a_generation_rlloom_groups_cannot_make_is_refused():
+    with pytest.raises(ConfigError, match=r"generation_batch_size=20 counts completions; .*"
+                                          r"rollout.n_samples=8, which does not divide it"):
+        load_config(None, ["generation_batch_size=20"])
+
+
 def test_a_step_count_rlloom_steps_cannot_make_is_refused():
     with pytest.raises(ConfigError, match=r"max_steps=10 counts optimizer steps .* = 2 x 2 = 4 "
                                           r"of them, which does not divide it"):
@@ -150,6 +171,7 @@ def test_a_config_in_trl_s_names_is_told_once_which_defaults_differ(capsys, monk
     assert "algo.loss_agg=seq-mean-token-mean (TRL's loss_type: dapo (token-mean))" in err
     assert "train.lr_schedule=constant (TRL's lr_scheduler_type: linear)" in err
     assert "algo.minibatches=2 x 2 updates per generation (TRL's num_iterations: 1" in err
+    assert "compute_dtype" not in err  # auto: bfloat16 where the GPU has it, as TRL's bf16
     assert "train.lr=" not in err and "kl_coef" not in err and "max_new_tokens" not in err
     load_config(None, ["learning_rate=2e-6", "beta=0.0", "max_completion_length=128"])
     load_config(None, ["train.lr=1e-5"])  # rlloom's own names: nothing to say

@@ -82,3 +82,15 @@ def append_line(path: Path, line: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def fresh_output(path: Path, overwrite: bool) -> None:
+    """Refuses, before any work, an output path that holds something: writing it replaces
+    the whole path (a directory with everything else in it)."""
+    if overwrite or not path.exists() or path.is_dir() and not any(path.iterdir()):
+        return
+    from rlloom.config_errors import ConfigError
+    held = (", ".join(sorted(p.name for p in path.iterdir())[:5]) if path.is_dir()
+            else "a file")
+    raise ConfigError(f"--out {path} already holds {held}; writing there would replace it: "
+                      "choose another --out, or pass --overwrite to replace it")
