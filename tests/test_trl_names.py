@@ -176,3 +176,15 @@ def test_a_config_in_trl_s_names_is_told_once_which_defaults_differ(capsys, monk
     load_config(None, ["learning_rate=2e-6", "beta=0.0", "max_completion_length=128"])
     load_config(None, ["train.lr=1e-5"])  # rlloom's own names: nothing to say
     assert capsys.readouterr().err == ""
+
+
+def test_print_config_ends_with_where_values_differ_from_trl_s(capsys):
+    import yaml
+
+    from rlloom.cli import main
+    main(["train", "--print-config", "learning_rate=1e-6", "loss_type=dapo"])
+    out = capsys.readouterr().out
+    comments = [line for line in out.splitlines() if line.startswith("#   ")]
+    assert "#   algo.kl_coef=0.001 (TRL's beta: 0.0)" in comments
+    assert not any(c.startswith(("#   train.lr=", "#   algo.loss_agg=")) for c in comments)
+    assert yaml.safe_load(out)["train"]["lr"] == 1e-6  # still the YAML it was
