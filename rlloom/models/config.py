@@ -1,19 +1,15 @@
-"""Architecture description of the supported decoder family (dense, and Qwen3-MoE with routed
-experts), read from and written to Hugging Face `config.json` dictionaries."""
+"""Architecture description of the supported decoder families (rlloom/models/families: dense,
+and routed experts), read from and written to Hugging Face `config.json` dictionaries."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Hugging Face architecture name -> family. Adding a family adds a line here and, if it
-# changes the block, a flag below.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MistralForCausalLM": "mistral",
-}
+from rlloom.models.families import FAMILIES, UnsupportedArchitectureError
+
+# Hugging Face architecture name -> family (a module of rlloom/models/families each; a
+# family that changes the block adds a flag to ModelConfig below)
+SUPPORTED_ARCHITECTURES = {f.arch: name for name, f in FAMILIES.items()}
 FAMILY_TO_ARCH = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # The same families with one scalar output: reward models and critics.
 SCORING_ARCHITECTURES = {arch.replace("ForCausalLM", "ForSequenceClassification"): family
@@ -27,17 +23,13 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
-class UnsupportedArchitectureError(ValueError):
-    pass
-
-
 class CheckpointError(ValueError):
     """A model directory that cannot be read (defined here, without torch, for the CLI)."""
 
 
 @dataclass
 class ModelConfig:
-    family: str                    # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral"
+    family: str                    # a module of rlloom/models/families: "llama", "qwen3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -58,7 +50,9 @@ class ModelConfig:
     qkv_bias: bool = False         # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool = False           # Llama/Qwen3 attention_bias also biases o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False          # Qwen3 RMSNorm on per-head queries and keys
+    qk_norm: bool = False          # Qwen3 RMSNorm on per-head queries and keys ...
+    qk_norm_whole: bool = False    # ... OLMo2: on all heads' queries and keys at once
+    post_norms: bool = False       # OLMo2: x + norm(sublayer(x)), no norm before it
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -92,9 +86,11 @@ class ModelConfig:
                 f"rope_type {kind!r} is not supported; rlloom implements "
                 f"{', '.join(ROPE_TYPES)}")
         if self.n_experts:
-            if self.family != "qwen3_moe":
+            if not FAMILIES[self.family].moe:
                 raise UnsupportedArchitectureError(
-                    f"n_experts={self.n_experts} needs family 'qwen3_moe', not {self.family!r}")
+                    f"n_experts={self.n_experts} needs an MoE family "
+                    f"({', '.join(n for n, f in FAMILIES.items() if f.moe)}), not "
+                    f"{self.family!r}")
             if not 1 <= self.experts_per_token <= self.n_experts:
                 raise ValueError(f"experts_per_token={self.experts_per_token} must be in "
                                  f"1..n_experts={self.n_experts}")
@@ -139,16 +135,6 @@ class ModelConfig:
         types = getattr(norm, "layer_types", None)
         sliding = (tuple(i for i, t in enumerate(types) if t == "sliding_attention") if types
                    else tuple(range(hf["num_hidden_layers"])) if window else ())
-        bias = bool(hf.get("attention_bias", False))
-        moe = {}
-        if family == "qwen3_moe":
-            # transformers 5 writes num_experts under its attribute_map name num_local_experts.
-            moe = dict(n_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
-                       experts_per_token=hf.get("num_experts_per_tok", 0),
-                       moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                       decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                       mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
         return cls(
             family=family,
             vocab_size=hf["vocab_size"],
@@ -166,14 +152,10 @@ class ModelConfig:
             sliding_layers=sliding if window else (),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=True if family == "qwen2" else bias,
-            o_bias=False if family == "qwen2" else bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            **moe,
+            **FAMILIES[family].read(hf, norm),
             source=dict(hf),
         )
 
@@ -201,24 +183,7 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
         }
         hf.pop("rope_scaling", None)  # rope_parameters holds it
-        if self.family == "mistral":
-            hf["sliding_window"] = self.sliding_window
-        elif self.family != "llama" and self.sliding_window is not None:  # Qwen: some layers
-            hf.update(use_sliding_window=True,
-                      sliding_window=self.sliding_window,
-                      max_window_layers=min(self.sliding_layers, default=self.num_layers),
-                      layer_types=["sliding_attention" if i in self.sliding_layers
-                                   else "full_attention" for i in range(self.num_layers)])
-        if self.family != "qwen2":
-            hf["attention_bias"] = self.qkv_bias
-        if self.family in ("llama", "qwen3"):
-            hf["mlp_bias"] = self.mlp_bias
-        if self.family == "qwen3_moe":
-            hf.update(num_experts=self.n_experts, num_experts_per_tok=self.experts_per_token,
-                      moe_intermediate_size=self.moe_intermediate_size,
-                      norm_topk_prob=self.norm_topk_prob,
-                      decoder_sparse_step=self.decoder_sparse_step,
-                      mlp_only_layers=list(self.mlp_only_layers))
+        hf.update(FAMILIES[self.family].write(self))
         return hf
 
     def as_dict(self) -> dict[str, Any]:

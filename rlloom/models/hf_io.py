@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlloom.models.config import CheckpointError, ModelConfig
+from rlloom.models.families import FAMILIES
 from rlloom.models.heads import ValueModel
 from rlloom.models.lora import peft_state
 from rlloom.models.transformer import CausalLM
@@ -86,8 +87,8 @@ def _split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 def _load_into(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
-    state = _split_fused_experts(_read_state(path))
     cfg = model.config
+    state = _split_fused_experts(FAMILIES[cfg.family].from_checkpoint(_read_state(path), cfg))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
@@ -189,6 +190,7 @@ def save_checkpoint(model: CausalLM, tokenizer: PreTrainedTokenizerBase | None,
              "pad_token_id": c.pad_token_id}, indent=2))
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight")
+        state = FAMILIES[c.family].to_checkpoint(state, c)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

@@ -1,4 +1,5 @@
-"""Plain-PyTorch decoder for the Llama / Qwen2 / Qwen3 family (dense, and Qwen3-MoE).
+"""Plain-PyTorch decoder of the supported families (rlloom/models/families: Llama, Qwen2/3,
+Mistral, Phi-3, OLMo 2; dense, and Qwen3-MoE / Mixtral with routed experts).
 
 Module names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`, ...) so a
 state dict loads without renaming. No distributed code lives here (docs/design.md): parallel
@@ -91,10 +92,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv * self.hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # per head, or (OLMo2) over all heads at once
+            whole = cfg.qk_norm_whole
+            self.q_norm = RMSNorm(self.hd * (self.n_heads if whole else 1), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd * (self.n_kv if whole else 1), cfg.rms_norm_eps)
+        self.qk_norm, self.qk_norm_whole = cfg.qk_norm, cfg.qk_norm_whole
+
+    def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [..., heads, hd], k [..., kv, hd] through the q/k norms, if the family has
+        them."""
+        if not self.qk_norm:
+            return q, k
+        if self.qk_norm_whole:
+            return (self.q_norm(q.flatten(-2)).view_as(q),
+                    self.k_norm(k.flatten(-2)).view_as(k))
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -104,8 +116,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.n_heads, self.hd)
         k = self.k_proj(x).view(b, s, self.n_kv, self.hd)
         v = self.v_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.normed_qk(q, k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)   # [b, heads, s, hd]
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:
@@ -140,20 +151,41 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm (x + attn(norm(x)), then x + mlp(norm(x))), or with `post_norms` (OLMo2)
+    x + norm(attn(x)), then x + norm(mlp(x)). The engine's decode step reads the same
+    pieces: `attn_input`, `attn_output`, `mlp_input`, `mlp_output`."""
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
+        if not cfg.post_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+
+    def attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.post_norms else self.input_layernorm(x)
+
+    def attn_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return x + (self.post_attention_layernorm(out) if self.post_norms else out)
+
+    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.post_norms else self.post_attention_layernorm(x)
+
+    def mlp_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return x + (self.post_feedforward_layernorm(out) if self.post_norms else out)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(matmul_input(self.input_layernorm(x)), cos, sin, mask, cache,
-                               layer)
-        h = self.post_attention_layernorm(x)
+        x = self.attn_output(x, self.self_attn(matmul_input(self.attn_input(x)), cos, sin,
+                                               mask, cache, layer))
+        h = self.mlp_input(x)
         # an MoE block sums its experts' outputs in its input's dtype: left as it was
-        return x + self.mlp(matmul_input(h) if isinstance(self.mlp, MLP) else h)
+        return self.mlp_output(x, self.mlp(matmul_input(h) if isinstance(self.mlp, MLP)
+                                           else h))
 
 
 def matmul_input(x: torch.Tensor) -> torch.Tensor:

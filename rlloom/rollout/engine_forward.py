@@ -161,11 +161,9 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     rows, kv, cap, hd = kc.shape
     width = bias.shape[-1]
     attn = layer.self_attn
-    q, k, v = _project(layer.input_layernorm(x), w.qkv).split(w.split, -1)
+    q, k, v = _project(layer.attn_input(x), w.qkv).split(w.split, -1)
     heads = w.split[0] // hd
-    q, k = q.view(rows, heads, hd), k.view(rows, kv, hd)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = attn.normed_qk(q.view(rows, heads, hd), k.view(rows, kv, hd))
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     # the cache keeps the parameters' dtype; autocast may hand lower precision
     kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd).to(kc.dtype))
@@ -177,12 +175,12 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
                            alpha=hd ** -0.5)
     probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
     out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
-    x = x + attn.o_proj(out)
-    h = layer.post_attention_layernorm(x)
+    x = layer.attn_output(x, attn.o_proj(out))
+    h = layer.mlp_input(x)
     if w.gate_up is None:
-        return x + layer.mlp(h[:, None])[:, 0]
+        return layer.mlp_output(x, layer.mlp(h[:, None])[:, 0])
     gate, up = _project(h, w.gate_up).chunk(2, -1)
-    return x + layer.mlp.down_proj(layer.mlp.act(gate) * up)
+    return layer.mlp_output(x, layer.mlp.down_proj(layer.mlp.act(gate) * up))
 
 
 def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor, cos: torch.Tensor,

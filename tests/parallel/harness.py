@@ -57,14 +57,17 @@ def spawn(fn: Callable, world: int, *args: Any) -> list[Any]:
 
 def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> ModelConfig:
     # qwen3 exercises the per-head q/k norms, qwen2 the q/k/v biases, qwen3_moe a dense
-    # layer followed by a routed-expert layer.
+    # layer followed by a routed-expert layer, mixtral renormalised routing on every layer,
+    # olmo2 norms after the sublayers and over all heads at once.
     moe = dict(n_experts=4, experts_per_token=2, moe_intermediate_size=16,
-               mlp_only_layers=(0,)) if family == "qwen3_moe" else {}
+               mlp_only_layers=(0,)) if family == "qwen3_moe" else \
+        dict(n_experts=4, experts_per_token=2, moe_intermediate_size=16,
+             norm_topk_prob=True) if family == "mixtral" else {}
     return ModelConfig(family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
-                       head_dim=32 // heads,
-                       qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
-                       **moe)
+                       head_dim=32 // heads, qkv_bias=family == "qwen2",
+                       qk_norm=family in ("qwen3", "qwen3_moe", "olmo2"),
+                       qk_norm_whole=family == "olmo2", post_norms=family == "olmo2", **moe)
 
 
 def tiny_model(seed: int = 0, family: str = "qwen3", std: float = 0.2, **shape: int

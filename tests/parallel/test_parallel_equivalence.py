@@ -64,6 +64,13 @@ CASES_2 = {
     "tp2 sp ac": dict(tp=2, activation_checkpointing=True),
     "tp2 sp moe": dict(tp=2, family="qwen3_moe"),
     "dp2 ep2 zero1 moe": dict(dp=2, ep=2, zero=1, family="qwen3_moe"),
+    # the families beyond Llama/Qwen: one TP and one ZeRO-3 layout each (OLMo2's whole-head
+    # norms are refused under TP: tests/parallel/test_layout_validation.py)
+    "tp2 sp mixtral": dict(tp=2, family="mixtral"),
+    "dp2 zero3 mixtral": dict(dp=2, zero=3, family="mixtral"),
+    "dp2 zero3 olmo2": dict(dp=2, zero=3, family="olmo2"),
+    "tp2 sp phi3": dict(tp=2, family="phi3"),
+    "dp2 zero3 phi3": dict(dp=2, zero=3, family="phi3"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),

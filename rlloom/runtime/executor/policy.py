@@ -10,6 +10,7 @@ import torch
 from rlloom.algos.presets import PRESETS
 from rlloom.config import RunConfig
 from rlloom.config_sections import ModelSection
+from rlloom.models.families import FAMILIES
 from rlloom.models.heads import ActorCritic, ValueModel
 from rlloom.models.hf_io import (
     DTYPES,
@@ -61,7 +62,8 @@ def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor
                ) -> None:
     """The trained policy's whole weights as a Hugging Face checkpoint at `path`; a LoRA
     policy's with its adapters merged, and the adapters alone in PEFT's format in
-    `path/adapter` (for `peft` to load onto the base checkpoint)."""
+    `path/adapter` (for `peft` to load onto the base checkpoint) where the family's module
+    names are transformers' (not Phi-3's fused projections, not Mixtral's experts)."""
     tokenizer = load_tokenizer(model_path, cfg.data.chat_template)
     policy = build_policy(cfg, model_path)
     policy.load_state_dict(weights)
@@ -73,5 +75,10 @@ def save_final(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor
     merged.load_state_dict({k: v for k, v in merged_state(policy, weights).items()
                             if k.startswith(("model.", "lm_head."))})
     save_checkpoint(merged, tokenizer, path)
+    family = FAMILIES[policy.config.family]
+    if not family.peft_names:  # PEFT would look for modules transformers names otherwise
+        print(f"final/ holds the adapters merged; no final/adapter: {family.arch} fuses or "
+              "names its projections unlike rlloom's modules, so PEFT could not load them")
+        return
     save_adapter(weights, peft_config(lora.rank, lora.alpha, lora.dropout,
                                       tuple(lora.targets), str(model_path)), path / "adapter")

@@ -1,0 +1,52 @@
+"""The model families rlloom implements, one module each: how its Hugging Face config.json
+reads into `ModelConfig` (beyond the fields every family shares), how it is written back, and
+how its checkpoint's weight names map onto rlloom's modules (`model.layers.0.self_attn.q_proj`,
+...), in both directions. Adding a family is a module here and a line in `_MODULES`; the block
+variations it needs are flags of `ModelConfig` that `rlloom.models.transformer` reads.
+
+Each module's docstring says what differs from Llama; docs/models.md lists them.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlloom.models.config import ModelConfig
+
+State = dict[str, "torch.Tensor"]
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def _same(state: State, cfg: "ModelConfig") -> State:
+    return state
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                    # transformers' model_type
+    arch: str                    # the causal LM's architecture name
+    # (config.json, transformers' config object of it) -> ModelConfig fields of this family
+    read: Callable[[dict[str, Any], Any], dict[str, Any]]
+    # ModelConfig -> the config.json fields this family writes beyond the shared ones
+    write: Callable[["ModelConfig"], dict[str, Any]]
+    moe: bool = False
+    # checkpoint weight names -> rlloom's, and back (fused projections split and re-fused)
+    from_checkpoint: Callable[[State, "ModelConfig"], State] = field(default=_same)
+    to_checkpoint: Callable[[State, "ModelConfig"], State] = field(default=_same)
+    # a PEFT adapter of rlloom's module names loads into this family's transformers model
+    peft_names: bool = True
+
+
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3")
+FAMILIES: dict[str, Family] = {}
+for _name in _MODULES:
+    _family = importlib.import_module(f"{__name__}.{_name}").FAMILY
+    FAMILIES[_family.name] = _family

@@ -1,0 +1,107 @@
+"""The families beyond Llama/Qwen/Mistral (rlloom/models/families: Mixtral, OLMo 2, Phi-3)
+against transformers on random-weight checkpoints it saved: logits of a left-padded batch,
+20 greedy tokens through the engine and through the plain cached decode, the export
+reloaded in transformers, and a PEFT adapter where the module names allow one. One TP and
+one ZeRO-3 layout of each run in tests/parallel/test_parallel_equivalence.py."""
+import pytest
+import torch
+import transformers
+
+from rlloom.models.config import UnsupportedArchitectureError
+from rlloom.models.hf_io import load_model, save_adapter, save_checkpoint
+from rlloom.rollout.engine import engine_generate
+from rlloom.rollout.generate import generate
+from rlloom.rollout.sampling import SamplingParams
+
+BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    "mixtral": (transformers.MixtralForCausalLM, dict(num_local_experts=4,
+                                                      num_experts_per_tok=2)),
+    "mixtral_sliding": (transformers.MixtralForCausalLM, dict(num_local_experts=4,
+                                                              num_experts_per_tok=2,
+                                                              sliding_window=6)),
+    "olmo2": (transformers.Olmo2ForCausalLM, {}),
+    "phi3": (transformers.Phi3ForCausalLM, {}),
+    "phi3_sliding": (transformers.Phi3ForCausalLM, dict(sliding_window=5)),
+}
+
+
+def save_family(path, name):
+    cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = cls(cls.config_class(**BASE, **extra)).float().eval()
+    with torch.no_grad():  # norms are ones at init: randomise to test them
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+def _batch():
+    ids = torch.randint(3, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_export_and_greedy_decoding_match_transformers(tmp_path, name):
+    hf = save_family(tmp_path / "src", name)
+    ours = load_model(tmp_path / "src").eval()
+    ids, mask = _batch()
+    prompts = [[5, 9, 14, 3, 22, 40, 7], [8, 31, 4]]
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    with torch.no_grad():
+        assert (ours(ids[:1]) - hf(input_ids=ids[:1]).logits).abs().max() < 1e-5
+        # the left-padded row equals itself unpadded
+        padded = ours(ids, mask)[1:, 4:] - hf(input_ids=ids[1:, 4:]).logits
+        assert padded.abs().max() < 1e-5
+        engine = engine_generate(ours, prompts, params, eos_id=-1, pad_id=0)
+        cached = generate(ours, prompts, params, -1, 0)
+        for row, prompt in enumerate(prompts):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert engine.response_ids[row].tolist() == ref
+            assert cached.response_ids[row].tolist() == ref
+        save_checkpoint(ours, None, tmp_path / "out")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert (back(input_ids=ids).logits - ours(ids)).abs().max() < 1e-5
+        assert torch.equal(load_model(tmp_path / "out")(ids), ours(ids))
+
+
+def test_peft_loads_an_olmo2_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    from rlloom.models.lora import apply_lora, lora_modules, peft_config
+    save_family(tmp_path / "base", "olmo2")
+    model = load_model(tmp_path / "base").eval()
+    targets = ("q_proj", "k_proj", "o_proj", "up_proj")
+    apply_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=targets, seed=3)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.normal_(0, 0.05)
+    save_adapter(model.state_dict(), peft_config(4, 8.0, 0.0, targets, str(tmp_path / "base")),
+                 tmp_path / "adapter")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    hf = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - model(ids)).abs().max() < 1e-5
+
+
+def test_olmo2_under_tensor_parallelism_is_refused_with_the_layouts_that_work(tmp_path):
+    from rlloom.parallel.mesh import LayoutError, validate_layout
+    from rlloom.plan import Layout
+    save_family(tmp_path, "olmo2")
+    cfg = load_model(tmp_path).config
+    with pytest.raises(LayoutError, match="olmo2's norms after each sublayer .* use tp=1"):
+        validate_layout(Layout(tp=2), cfg, 2)
+
+
+def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
+    cfg = transformers.Phi3Config(**BASE, partial_rotary_factor=0.5)
+    transformers.Phi3ForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor=0.5"):
+        load_model(tmp_path)
