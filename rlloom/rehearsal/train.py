@@ -68,8 +68,9 @@ class Rehearsed:
 
 def model_config(shape: ModelShape) -> ModelConfig:
     """The rlloom model config of a priced shape (Qwen2 with QKV biases, Qwen3-MoE with
-    experts, Llama otherwise)."""
-    family = "qwen3_moe" if shape.moe else "qwen2" if shape.qkv_bias else "llama"
+    experts, OLMo2 with norms after the sublayers, Llama otherwise)."""
+    family = ("qwen3_moe" if shape.moe else "qwen2" if shape.qkv_bias
+              else "olmo2" if shape.post_norms else "llama")
     hf = {"architectures": [FAMILY_TO_ARCH[family]], "model_type": family,
           "vocab_size": shape.vocab, "hidden_size": shape.hidden,
           "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,

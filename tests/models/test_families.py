@@ -105,3 +105,20 @@ def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
     transformers.Phi3ForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor=0.5"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3"])
+def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
+    from rlloom.perf.model.shapes import model_shape
+    from rlloom.perf.search.planner import _tp_applies
+    save_family(tmp_path, name)
+    model, shape = load_model(tmp_path), model_shape(str(tmp_path))
+    cfg = model.config
+    held = sum(p.numel() for p in model.parameters())
+    # the priced count leaves out OLMo2's whole-head q/k norm vectors, 216 of 72,072 here
+    qk_norms = cfg.num_layers * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim \
+        if cfg.qk_norm_whole else 0
+    assert shape.params == cfg.num_params == held - qk_norms
+    assert (shape.n_experts, shape.moe_ffn) == (cfg.n_experts, cfg.moe_intermediate_size)
+    # the planner offers TP where the runtime runs it
+    assert _tp_applies(2, shape) == (name != "olmo2")

@@ -27,6 +27,7 @@ class ModelShape:
     n_experts: int = 0
     experts_per_token: int = 0
     moe_ffn: int = 0
+    post_norms: bool = False  # OLMo2's norms after the sublayers (not split by TP yet)
 
     @property
     def moe(self) -> bool:
@@ -135,21 +136,29 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelShape":
-        """Read a Hugging Face `config.json` (Llama / Qwen2 / Qwen3 / Qwen3-MoE style keys)."""
+        """Read a Hugging Face `config.json`: a supported family's with the runtime's own
+        reader of its fields (rlloom/models/families), another's from the keys most
+        families share."""
+        from rlloom.models.families import FAMILIES
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        n_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
         model_type = cfg.get("model_type", "")
+        fam = FAMILIES[model_type].read(cfg, None) if model_type in FAMILIES else {}
+        n_experts = fam.get("n_experts",
+                            cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
         return cls(
             name=name or cfg.get("_name_or_path", model_type),
             layers=cfg["num_hidden_layers"], hidden=hidden, ffn=cfg["intermediate_size"],
             heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=fam.get("qkv_bias", bool(cfg.get("attention_bias", False))),
             n_experts=n_experts,
             experts_per_token=cfg.get("num_experts_per_tok", 0) if n_experts else 0,
-            moe_ffn=cfg.get("moe_intermediate_size", cfg["intermediate_size"]) if n_experts else 0)
+            moe_ffn=fam.get("moe_intermediate_size", cfg.get("moe_intermediate_size",
+                                                            cfg["intermediate_size"]))
+            if n_experts else 0,
+            post_norms=fam.get("post_norms", False))
 
 
 def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int,
