@@ -88,6 +88,9 @@ class AlgoSection(Strict):
     overlong_cache: int = Field(16, ge=1, description="soft overlong penalty ramp, in tokens")
     beta: float = Field(0.1, gt=0, description="DPO inverse temperature")
     preference_loss: Literal["dpo", "ipo"] = Field("dpo", description="offline preference loss")
+    routing_replay: Literal["none", "replay"] = Field(
+        "none", description="MoE: replay in training the experts each token was routed to "
+        "while generated (R3), so the ratio compares one network; logs routing_agreement")
 
     @model_validator(mode="before")
     @classmethod

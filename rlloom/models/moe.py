@@ -9,7 +9,8 @@ policy loss only (as Hugging Face does unless `output_router_logits` is set).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -71,9 +72,11 @@ def split_expert_inputs(flat: torch.Tensor, weights: torch.Tensor,
     return _SumGrads.apply(flat, tp_group), _SumGrads.apply(weights, tp_group)
 
 
-def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine weights [tokens, k] and expert indices [tokens, k] from logits [tokens, experts].
+def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool,
+          forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine weights [tokens, k] and expert indices [tokens, k] from logits [tokens, experts]:
+    the top k, or the experts `forced` [tokens, k] names (routing replay; -1: the top k), each
+    weighted by its router probability.
 
     The softmax runs in at least fp32 like the reference, but keeps fp64 in fp64 so parity
     tests of parallel layouts can be tight.
@@ -81,9 +84,58 @@ def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool
     probs = router_logits.softmax(-1, dtype=torch.promote_types(router_logits.dtype,
                                                                  torch.float32))
     weights, experts = probs.topk(k, dim=-1)
+    if forced is not None:
+        experts = torch.where(forced >= 0, forced, experts)
+        weights = probs.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(router_logits.dtype), experts
+
+
+class Routes:
+    """The experts each token was routed to, shared by a model's MoE blocks for one pass:
+    recorded while generating (`recorded`, each block's last [tokens, k]), or replayed while
+    training (`replay` [batch, seq, moe layers, k] in the input's token order, -1 where none
+    was recorded; `order` the packed order of the pass's tokens, set by the backbone).
+    `matched` / `counted` count the tokens whose own top k equals the replayed set."""
+
+    def __init__(self, replay: torch.Tensor | None = None) -> None:
+        self.replay, self.order = replay, None
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.matched = self.counted = 0
+
+    def choose(self, index: int, logits: torch.Tensor, k: int, norm_topk_prob: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of MoE layer `index`'s flat tokens from their router logits."""
+        if self.replay is None:
+            weights, experts = route(logits, k, norm_topk_prob)
+            self.recorded[index] = experts.detach()
+            return weights, experts
+        forced = self.replay[:, :, index]
+        if self.order is not None:
+            forced = forced.gather(1, self.order[..., None].expand(-1, -1, k))
+        forced = forced.reshape(-1, k).to(torch.long)
+        own = logits.topk(k, dim=-1).indices  # softmax keeps the order: the same top k
+        known = (forced >= 0).all(-1)
+        same = (own.sort(-1).values == forced.sort(-1).values).all(-1)
+        self.matched += (same & known).sum()
+        self.counted += known.sum()
+        return route(logits, k, norm_topk_prob, forced)
+
+
+@contextmanager
+def routing(model: nn.Module, replay: torch.Tensor | None = None) -> Iterator[Routes]:
+    """Every MoE block of `model` records its routing (`replay` None) or replays `replay`
+    for the duration; the backbone tells them how its pass packs the tokens."""
+    routes = Routes(replay)
+    users = [m for m in model.modules() if hasattr(m, "routes")]
+    for m in users:
+        m.routes = routes
+    try:
+        yield routes
+    finally:
+        for m in users:
+            m.routes = None
 
 
 def run_experts(experts: Iterable[tuple[int, nn.Module]], x: torch.Tensor,
@@ -108,22 +160,32 @@ def rows_by_expert(expert_ids: torch.Tensor, experts: list[int]) -> list[torch.T
     return [(expert_ids == e).nonzero(as_tuple=True)[0] for e in experts]
 
 
+def choose(block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE block's (`MoEBlock`, or its expert-parallel form) routing of its flat tokens:
+    its top k, recorded or replaced by a replay while `routing` is on."""
+    if block.routes is None:
+        return route(logits, block.top_k, block.norm_topk_prob)
+    return block.routes.choose(block.moe_index, logits, block.top_k, block.norm_topk_prob)
+
+
 class MoEBlock(nn.Module):
     """Router `gate` + `experts`; forward maps hidden [batch, seq, d] to [batch, seq, d]."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe_index: int = 0) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
         self.tp_group: dist.ProcessGroup | None = None   # set by tensor parallelism
+        self.moe_index = moe_index                       # among the model's MoE layers
+        self.routes: Routes | None = None                # set by `routing`
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
             for _ in range(cfg.n_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """weights, expert indices  # [tokens, k] for flat tokens x [tokens, d]."""
-        return route(self.gate(x), self.top_k, self.norm_topk_prob)
+        return choose(self, self.gate(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])                       # [tokens, d]

@@ -164,7 +164,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.post_norms:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+        self.mlp = (MoEBlock(cfg, sum(map(cfg.is_moe_layer, range(layer))))
+                    if cfg.is_moe_layer(layer) else MLP(cfg))
 
     def attn_input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.post_norms else self.input_layernorm(x)
@@ -225,6 +226,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.unpack = Unpack()
+        self.routes = None  # an MoE model's `moe.Routes` while `moe.routing` is on
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -250,6 +252,8 @@ class Backbone(nn.Module):
         no layer holds a [seq, seq] tensor (2 B per query-key pair and layer, kept for
         backward, in a masked fused kernel: 2 GiB per layer at 32k tokens)."""
         order = packed_order(attention_mask)
+        if self.routes is not None:  # a replay reads the recorded routes in this order
+            self.routes.order = order
         x = self.embed_tokens(input_ids.gather(1, order))
         cos, sin = rotary_cos_sin(packed_positions(attention_mask, order), self.config, x.dtype)
         masks = window_masks(self.config, input_ids.shape[1], x.device)

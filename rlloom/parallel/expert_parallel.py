@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from rlloom.models.moe import MoEBlock, route, run_experts, split_expert_inputs
+from rlloom.models.moe import MoEBlock, choose, run_experts, split_expert_inputs
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,12 +74,13 @@ class ExpertParallelMoE(nn.Module):
         self.first = rank * self.n_local
         self.gate = block.gate
         self.tp_group = block.tp_group
+        self.moe_index, self.routes = block.moe_index, block.routes
         self.experts = nn.ModuleDict({str(e): block.experts[e]
                                       for e in range(self.first, self.first + self.n_local)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])                                   # [tokens, d]
-        weights, chosen = route(self.gate(flat), self.top_k, self.norm_topk_prob)
+        weights, chosen = choose(self, self.gate(flat))
         flat, weights = split_expert_inputs(flat, weights, self.tp_group)
         # One row per (token, slot), sorted by expert: rows for rank j are then contiguous.
         expert = chosen.reshape(-1)

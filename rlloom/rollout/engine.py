@@ -23,10 +23,12 @@ How one call runs:
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 
+from rlloom.models.moe import routing
 from rlloom.models.transformer import CausalLM, layer_masks, rotary_cos_sin
 from rlloom.perf.model.memory import PREFILL_TOKENS
 from rlloom.rollout.engine_forward import (
@@ -40,6 +42,7 @@ from rlloom.rollout.engine_forward import (
     prompt_groups,
 )
 from rlloom.rollout.generate import Rollout, cat_rollouts, generate, left_pad
+from rlloom.rollout.routes import RouteLog
 from rlloom.rollout.multi_turn import Dialogue
 from rlloom.rollout.sampling import (
     Decode,
@@ -62,6 +65,7 @@ class EngineConfig:
     prefill_tokens: int = PREFILL_TOKENS  # padded prompt tokens per prefill forward
     n_samples: int = 0             # samples per prompt; 0 = detect equal consecutive prompts
     kv_chunk: int = 16             # KV capacity grows by this many positions at a time
+    record_routes: bool = False    # an MoE model's experts per token (rollout/routes.py)
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.kv_budget_bytes, self.n_samples) < 0:
@@ -100,19 +104,24 @@ class Engine:
                 prompt = max(map(len, rows))
                 cfg = self.config
                 wave = kv_slots(self.model, len(rows), prompt, prompt + room, cfg.max_batch,
-                                cfg.kv_budget_bytes, True)
+                                cfg.kv_budget_bytes, True, routes=cfg.record_routes)
                 if cfg.kv_budget_bytes:  # budgets are each rank's own; max_batch is shared
                     wave = agreed(self.model, wave)
                 return cat_rollouts([generate(self.model, rows[i:i + wave],
                                               replace(params, max_new_tokens=room), eos_id,
-                                              pad_id, generator, decode=decode)
+                                              pad_id, generator, decode=decode,
+                                              record_routes=cfg.record_routes)
                                      for i in range(0, len(rows), wave)], pad_id)
             if dialogue is not None:
                 return dialogue.converse(turn, prompts, pad_id)
             return turn(prompts, params.max_new_tokens)
-        with torch.inference_mode():
+        record = self.config.record_routes
+        with torch.inference_mode(), routing(self.model) if record else nullcontext() as routes:
             run = _Run(self.model, prompts, params, eos_id, pad_id, generator, self.config,
                        decode, dialogue)
+            if record:
+                run.log = RouteLog(self.model, routes, run.n + 1,
+                                   run.prompt_width + params.max_new_tokens + 1, run.device)
             run.loop()
         self.forwarded = run.forwarded
         return run.rollout(prompts)
@@ -152,13 +161,17 @@ class _Run:
             self.group_left[g] = self.group_left.get(g, 0) + 1
         self.prefilled: dict[int, tuple[Prefilled, int]] = {}
         self.prompt_len = torch.tensor([len(q) for q in prompts], device=dev)
+        self.prompt_width = max(len(q) for q in prompts)
+        self.log: RouteLog | None = None          # set when routes are recorded
+        self.group_routes: dict[int, torch.Tensor] = {}
 
         # A sequence feeds back at most prompt + t - 1 tokens; a finished one keeps length
         # prompt + t - 1, whose rotary row an idle slot still looks up.
         prompt = max(len(q) for q in prompts)
         max_len = prompt + t
         slots = self.slots = kv_slots(model, n, prompt, max_len, cfg.max_batch,
-                                      cfg.kv_budget_bytes, False, cfg.prefill_tokens)
+                                      cfg.kv_budget_bytes, False, cfg.prefill_tokens,
+                                      cfg.record_routes)
         self.cache = SlotKVCache(model, slots, max_len, cfg.kv_chunk)
         self.fused = [FusedWeights.of(layer) for layer in model.model.layers]
         c = model.config
@@ -275,6 +288,10 @@ class _Run:
         plen = torch.tensor([len(p) for p in prompts], device=self.device)
         batch = prefill_forward(self.model, ids.to(self.device), plen, self.cos, self.sin)
         self.forwarded.prefill += int(plen.sum())
+        if self.log is not None:
+            routed = self.log.taken().view(b, width, self.log.layers, self.log.k)
+            for row, p in enumerate(prompts):
+                self.group_routes[groups[row]] = routed[row, :len(p)]
         for row, g in enumerate(groups):
             self.prefilled[g] = (batch, row)
 
@@ -284,6 +301,10 @@ class _Run:
         logits = decode_forward(self.model, self.fused, self.cache, self.next_tok[:rows],
                                 self.lens[:rows], self.held[:rows], self.width, self.cos,
                                 self.sin)
+        if self.log is not None:  # the token fed is the last sampled: response token gen - 1
+            act = self.active[:rows].bool()
+            self.log.log[self.seq[:rows][act], self.prompt_width + self.gen[:rows][act] - 1] \
+                = self.log.taken()[act]
         self.lens[:rows] += self.active[:rows]
         self.width += 1
         self.forwarded.decode += self.live
@@ -405,6 +426,8 @@ class _Run:
             x = layer(x, cos, sin, masks[i], cache, i)
         self.lens[slot] = end
         self.forwarded.extend += m
+        if self.log is not None:  # a tool's output is not replayed (rollout/routes.py)
+            self.log.routes.recorded.clear()
         return self.model.lm_head(backbone.norm(x[:, -1]))
 
     def _stops(self, toks: list[int], slots: list[int] | None) -> set[int]:
@@ -461,6 +484,14 @@ class _Run:
         finished, injected = torch.tensor(self.finished), None
         if self.dialogue is not None:
             finished, injected = self.dialogue.finished(), self.out_inj[:n, :used].clone()
+        routes = None
+        if self.log is not None:
+            p = self.prompt_width
+            routes = self.log.log[:n, :p + used].clone()
+            for s, g in enumerate(self.group_of):
+                routed = self.group_routes[g]
+                routes[s, p - len(routed):p] = routed
         return Rollout(prompt_ids.to(self.device), prompt_mask.to(self.device),
                        self.out_tok[:n, :used].clone(), mask,
-                       self.out_lp[:n, :used].clone(), finished.to(self.device), injected)
+                       self.out_lp[:n, :used].clone(), finished.to(self.device), injected,
+                       routes)

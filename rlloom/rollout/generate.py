@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
 
 from rlloom.models.cache import KVCache
+from rlloom.models.moe import routing
 from rlloom.models.transformer import CausalLM, kv_dtype, local_kv_heads
+from rlloom.rollout.routes import RouteLog, pad_routes
 from rlloom.rollout.sampling import (
     Decode,
     SamplingParams,
@@ -29,6 +32,9 @@ class Rollout:
     # [n, resp_len] 1 where a tool's result was inserted into the response: read by the model,
     # never trained on (no loss, no KL); None: every response token was sampled
     injected: torch.Tensor | None = None
+    # [n, prompt_len + resp_len, MoE layers, k] experts each token was routed to while
+    # generated (rollout/routes.py; routing replay), -1 where none; None: not recorded
+    routes: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -73,7 +79,9 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([r.finished for r in parts]),
         None if all(r.injected is None for r in parts) else torch.cat(
             [pad(r.injected if r.injected is not None else torch.zeros_like(r.response_mask),
-                 t, 0, False) for r in parts]))
+                 t, 0, False) for r in parts]),
+        None if any(r.routes is None for r in parts) else torch.cat(
+            [pad_routes(r.routes, p, t, r.prompt_ids.shape[1]) for r in parts]))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,31 +107,59 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 @torch.no_grad()
 def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, eos_id: int,
              pad_id: int, generator: torch.Generator | None = None,
-             use_cache: bool = True, decode: Decode | None = None) -> Rollout:
+             use_cache: bool = True, decode: Decode | None = None,
+             record_routes: bool = False) -> Rollout:
     """Sample up to `max_new_tokens` for each prompt, stopping rows at EOS or a stop (token
-    ids or, with `decode`, strings: kept in the response, counted as finished).
+    ids or, with `decode`, strings: kept in the response, counted as finished);
+    `record_routes`: with each token's experts (an MoE model, with the cache).
 
     Without the cache every step re-runs the whole prefix; it exists to check the cache.
     The rollout is on the model's device. Every step samples every row (finished ones are
     masked), so the random stream does not depend on when rows end.
     """
+    if record_routes and not use_cache:
+        raise ValueError("record_routes needs use_cache: each pass must feed the new tokens")
     stops = StopMatcher(params, decode)
-    tails: list[list[int]] = [[] for _ in prompts]
-    p = next(model.parameters())
-    dev = p.device
+    dev = next(model.parameters()).device
     prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
-    n, t_max = len(prompts), params.max_new_tokens
-    cache = (KVCache(model.config, n, prompt_ids.shape[1] + t_max, kv_dtype(model), dev,
+    n, t_max, width = len(prompts), params.max_new_tokens, prompt_ids.shape[1]
+    cache = (KVCache(model.config, n, width + t_max, kv_dtype(model), dev,
                      local_kv_heads(model)) if use_cache else None)
-    out_ids, out_mask, out_lp = outputs(n, t_max, pad_id, dev)
-    live = torch.ones(n, dtype=torch.bool, device=dev)
-    step_ids, step_mask = prompt_ids, prompt_mask
     # [n, vocab]: the tokens each sequence holds, for a repetition penalty
     seen = (seen_tokens(prompts, model.config.vocab_size, dev)
             if params.repetition_penalty != 1.0 else None)
+    with routing(model) if record_routes else nullcontext() as routes:
+        log = RouteLog(model, routes, n, width + t_max, dev) if record_routes else None
+        ids, mask, lp, live = _steps(model, prompts, params, eos_id, pad_id, generator,
+                                     use_cache, stops, cache, seen, log)
+    used = int(mask.sum(0).nonzero().max()) + 1
+    return Rollout(prompt_ids, prompt_mask, ids[:, :used], mask[:, :used], lp[:, :used],
+                   ~live, routes=None if log is None else log.log[:, :width + used])
+
+
+def _steps(model: CausalLM, prompts: list[list[int]], params: SamplingParams, eos_id: int,
+           pad_id: int, generator: torch.Generator | None, use_cache: bool,
+           stops: StopMatcher, cache: KVCache | None, seen: torch.Tensor | None,
+           log: RouteLog | None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`generate`'s decode loop: response ids, mask, log-probs and which rows are live."""
+    tails: list[list[int]] = [[] for _ in prompts]
+    dev = next(model.parameters()).device
+    prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
+    n, t_max, width = len(prompts), params.max_new_tokens, prompt_ids.shape[1]
+    out_ids, out_mask, out_lp = outputs(n, t_max, pad_id, dev)
+    live = torch.ones(n, dtype=torch.bool, device=dev)
+    step_ids, step_mask = prompt_ids, prompt_mask
     for t in range(t_max):
         if use_cache:
             logits = step_logits(model, step_ids, step_mask, cache)
+            if log is not None and t == 0:
+                routed = log.taken().view(n, width, log.layers, log.k)
+                log.log[:, :width] = routed.masked_fill(~prompt_mask.bool()[..., None, None],
+                                                        -1)
+            elif log is not None:  # the token fed: response token t - 1 of the live rows
+                log.log[step_mask[:, 0].bool(), width + t - 1] = \
+                    log.taken()[step_mask[:, 0].bool()]
         else:
             logits = step_logits(model, torch.cat([prompt_ids, out_ids[:, :t]], 1),
                                  torch.cat([prompt_mask, out_mask[:, :t]], 1))
@@ -145,9 +181,7 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
         if not live.any():
             break
         step_ids, step_mask = tokens[:, None], live.long()[:, None]
-    used = int(out_mask.sum(0).nonzero().max()) + 1
-    return Rollout(prompt_ids, prompt_mask, out_ids[:, :used], out_mask[:, :used],
-                   out_lp[:, :used], ~live)
+    return out_ids, out_mask, out_lp, live
 
 
 def outputs(rows: int, t_max: int, pad_id: int, device: torch.device | str

@@ -29,11 +29,13 @@ def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
 
 
 def kv_slots(model: CausalLM, rows: int, prompt: int, max_len: int, max_batch: int,
-             budget: int, plain: bool, prefill_tokens: int = PREFILL_TOKENS) -> int:
+             budget: int, plain: bool, prefill_tokens: int = PREFILL_TOKENS,
+             routes: bool = False) -> int:
     """Sequences of up to `max_len` positions (prompts up to `prompt`) decoded at once: all
     `rows`, at most `max_batch` (0: no cap), and as many as `budget` bytes hold (0: no cap)
     with their KV cache and the forwards' working memory (`perf.model.memory.
-    generation_slots`, which prices the same; `plain`: the plain loop's waves)."""
+    generation_slots`, which prices the same; `plain`: the plain loop's waves; `routes`:
+    routing replay's record is kept too)."""
     slots = min(rows, max_batch or rows)
     if budget:
         per_slot = kv_bytes_per_slot(model, max_len)
@@ -41,10 +43,10 @@ def kv_slots(model: CausalLM, rows: int, prompt: int, max_len: int, max_batch: i
         tp = model.config.num_kv_heads // local_kv_heads(model)
         room = max_len - prompt
         fit = generation_slots(shape, tp, budget, per_slot, prompt, plain, rows, room,
-                               prefill_tokens)
+                               prefill_tokens, routes)
         if fit < 1:
             need = per_slot + generation_transient_bytes(shape, tp, 1, prompt, 1, plain, rows,
-                                                         room, prefill_tokens)
+                                                         room, prefill_tokens, routes)
             raise ValueError(f"one sequence of {max_len} positions needs {need / 2**30:.2f} GiB "
                              f"(its KV cache and the forwards' working memory), the device has "
                              f"{budget / 2**30:.2f} GiB left for generation: shorten "

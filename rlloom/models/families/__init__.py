@@ -11,21 +11,18 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-    from rlloom.models.config import ModelConfig
-
-State = dict[str, "torch.Tensor"]
+# weights (torch tensors) by name; the `cfg` the functions below take is a
+# `rlloom.models.config.ModelConfig` (not imported: that module imports this one)
+State = dict[str, Any]
 
 
 class UnsupportedArchitectureError(ValueError):
     pass
 
 
-def _same(state: State, cfg: "ModelConfig") -> State:
+def _same(state: State, cfg: Any) -> State:
     return state
 
 
@@ -36,11 +33,11 @@ class Family:
     # (config.json, transformers' config object of it) -> ModelConfig fields of this family
     read: Callable[[dict[str, Any], Any], dict[str, Any]]
     # ModelConfig -> the config.json fields this family writes beyond the shared ones
-    write: Callable[["ModelConfig"], dict[str, Any]]
+    write: Callable[[Any], dict[str, Any]]
     moe: bool = False
     # checkpoint weight names -> rlloom's, and back (fused projections split and re-fused)
-    from_checkpoint: Callable[[State, "ModelConfig"], State] = field(default=_same)
-    to_checkpoint: Callable[[State, "ModelConfig"], State] = field(default=_same)
+    from_checkpoint: Callable[[State, Any], State] = field(default=_same)
+    to_checkpoint: Callable[[State, Any], State] = field(default=_same)
     # a PEFT adapter of rlloom's module names loads into this family's transformers model
     peft_names: bool = True
 

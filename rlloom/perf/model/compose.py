@@ -198,7 +198,8 @@ def _scoring_and_training(p: _Placement, wl: Workload, hw: Hardware, stale: bool
         if role in TRAINABLE:
             out.append((p.train_g, cost.training(shape, p.layout(p.train_g, role), wl, hw, role,
                                                  role == "actor",
-                                                 prompts_once=role == "actor" and not shared)))
+                                                 prompts_once=role == "actor" and not shared
+                                                 and not wl.routing_replay)))
     return out
 
 

@@ -150,13 +150,14 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
         fit = int(kv // kv_one)
     else:  # the engine's own rule (`rollout.slot_cache.kv_slots`)
         fit = mem.generation_slots(shape, layout.tp, kv_budget, kv_one, wl.prompt_len, plain,
-                                   per_replica, response)
+                                   per_replica, response, routes=wl.routing_replay)
     concurrent = min(per_replica, fit, cap)
     if concurrent < 1:
         return _infeasible("generation", role, kv_one)
     held = kv_budget if wl.engine == "vllm" else concurrent * kv_one + \
         mem.generation_transient_bytes(shape, layout.tp, concurrent, wl.prompt_len,
-                                       wl.samples, plain, per_replica, response)
+                                       wl.samples, plain, per_replica, response,
+                                       routes=wl.routing_replay)
     # the micro-batch size is the teacher-forced passes' alone: the planner's search over
     # it reuses one simulation
     key = (shape, layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,

@@ -24,6 +24,8 @@ DECODE_B = 14  # a decode step's bytes per slot and vocabulary entry: bf16 logit
 #                copy, log-probs and probabilities (rehearsed: rlloom.rehearsal.generation)
 ROLLOUT_B = 20  # per rollout and response position, what the engine returns: the tokens
 #                 (int64), their log-probs (fp32) and the tool-output marks (int64)
+ROUTE_B = 2  # per position, MoE layer and chosen expert: routing replay's record (int16,
+#              rollout/routes.py), over prompt and response
 VLLM_BATCHED_TOKENS = 16384  # tokens vLLM's LLM class runs per forward on an H100-class GPU
 #                             (its default max_num_batched_tokens there), and profiles
 LOGIT_CHUNK = 1024  # tokens of logits alive at once (models.logprobs.LOGIT_CHUNK_TOKENS)
@@ -290,9 +292,20 @@ def prefill_bytes_per_token(shape: ModelShape, tp: int) -> float:
     return PARAM_B * (3 * f / tp + 3 * shape.hidden)
 
 
+def outputs_bytes(shape: ModelShape, rollouts: int, prompt: int, response: int,
+                  routes: bool = False) -> float:
+    """What generation returns for `rollouts`, held from the start: `ROLLOUT_B` per response
+    position, and with `routes` (routing replay) each position's experts in every layer."""
+    out = float(ROLLOUT_B * rollouts * response)
+    if routes and shape.moe:
+        out += ROUTE_B * rollouts * (prompt + response) * shape.layers * shape.experts_per_token
+    return out
+
+
 def generation_transient_bytes(shape: ModelShape, tp: int, slots: int, prompt: int,
                                samples: int, plain: bool, rollouts: int, response: int,
-                               prefill_tokens: int = PREFILL_TOKENS) -> float:
+                               prefill_tokens: int = PREFILL_TOKENS, routes: bool = False
+                               ) -> float:
     """What generation adds to its weights and KV cache at its peak: the outputs of its
     `rollouts` of up to `response` tokens, and a prefill forward's buffers or a decode
     step's logits over every slot, whichever is larger. The engine
@@ -305,7 +318,7 @@ def generation_transient_bytes(shape: ModelShape, tp: int, slots: int, prompt: i
     else:
         prefill = _engine_prefill_bytes(shape, tp, prompt, min(-(-slots // samples),
                                                                prefill_tokens // prompt))
-    outputs = ROLLOUT_B * rollouts * response
+    outputs = outputs_bytes(shape, rollouts, prompt, response, routes)
     return outputs + max(prefill, DECODE_B * slots * shape.vocab)
 
 
@@ -318,13 +331,13 @@ def _engine_prefill_bytes(shape: ModelShape, tp: int, prompt: int, prompts: int)
 
 def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: float,
                      prompt: int, plain: bool, rollouts: int, response: int,
-                     prefill_tokens: int = PREFILL_TOKENS) -> int:
+                     prefill_tokens: int = PREFILL_TOKENS, routes: bool = False) -> int:
     """The most of `rollouts` one replica generates at once in `budget` bytes: each slot's
     KV cache of `kv_per_slot` beside `generation_transient_bytes` (bounded for any number of
     samples per prompt). The engine (`rollout.slot_cache.kv_slots`) and `cost.generation`
     both size generation with it."""
     per_slot = kv_per_slot + DECODE_B * shape.vocab
-    reserve = float(ROLLOUT_B * rollouts * response)
+    reserve = outputs_bytes(shape, rollouts, prompt, response, routes)
     if plain:
         per_slot += prompt * prefill_bytes_per_token(shape, tp)
     else:

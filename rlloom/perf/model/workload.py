@@ -145,6 +145,9 @@ class Workload:
     turns: int = 1
     tool_latency: Lengths = Lengths("fixed", 0.0)
     tool_result_len: int = 0  # tokens each tool result inserts (counted in `response`)
+    # MoE routing replay (`algo.routing_replay`): generation keeps each token's experts, and
+    # the actor trains without the shared prompt pass (each row replays its own routes)
+    routing_replay: bool = False
 
     @property
     def carries(self) -> bool:

@@ -71,7 +71,8 @@ def dry_run(cfg: RunConfig, hardware_name: str | None, opts: RunOptions | None =
                   micro_batch_tokens=cfg.train.micro_batch_tokens,
                   max_batch=cfg.rollout.max_batch, policy_loss=cfg.algo.policy_loss,
                   partial_tokens=cfg.rollout.partial_tokens, lora_rank=cfg.lora_rank,
-                  turns=cfg.rollout.max_turns)
+                  turns=cfg.rollout.max_turns,
+                  routing_replay=cfg.algo.routing_replay == "replay")
     priced = price(cfg.plan, role_models(shape, run_roles(cfg), critic=critic_shape(cfg.model)), wl,
                    hw)
     lines.append(f"memory per device on {hw.name} ({hw.mem_gib:g} GiB): "

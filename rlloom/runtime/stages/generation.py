@@ -199,6 +199,7 @@ def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list
              n_samples: int, dialogue: Dialogue | None = None) -> Rollout:
     r = cfg.rollout
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    replay = cfg.algo.routing_replay == "replay"  # each token's experts (rollout/routes.py)
     if r.engine == "vllm":
         engine = vllm_engine(policy, tokenizer, cfg)
 
@@ -211,13 +212,14 @@ def _rollout(policy: CausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list
     if r.engine == "plain":
         def turn(rows: list[list[int]], room: int) -> Rollout:
             return generate(policy, rows, replace(params, max_new_tokens=room), eos, pad,
-                            generator, decode=tokenizer.decode)
+                            generator, decode=tokenizer.decode, record_routes=replay)
         if dialogue is not None:
             return dialogue.converse(turn, prompts, pad)
         return turn(prompts, params.max_new_tokens)
     # a sharded model falls back to the plain loop inside the engine
     engine = EngineConfig(max_batch=r.max_batch, n_samples=n_samples,
-                          kv_budget_bytes=kv_budget_bytes(model_device(policy)))
+                          kv_budget_bytes=kv_budget_bytes(model_device(policy)),
+                          record_routes=replay)
     return engine_generate(policy, prompts, params, eos, pad, generator, engine,
                            tokenizer.decode, dialogue)
 

@@ -3,6 +3,7 @@ and KL placement come from the registries by name); Generation is generation.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
 from rlloom.runtime.ranks import RankGroup, Share
 from rlloom.runtime.stages import nonfinite
+from rlloom.rollout.routes import Agreement
 from rlloom.runtime.stages.batch import response_logprobs, response_values
 from rlloom.runtime.stages.experience import Experience
 from rlloom.runtime.stages.generation import Samples
@@ -166,7 +168,9 @@ def optimise(policy: CausalLM | PipelinedModel, optimizer: torch.optim.Optimizer
     pipelined actor trains each micro-batch with a 1F1B schedule (stages/pipelined.py)."""
     r = exp.samples.rollout
     budget = cfg.train.micro_batch_tokens
-    share_prompts = agree is None and not isinstance(policy, ActorCritic)
+    # a replayed row routes its prompt as it was generated, so prompts are not shared
+    share_prompts = (agree is None and not isinstance(policy, ActorCritic)
+                     and cfg.algo.routing_replay == "none")
     totals: dict[str, float] = {}
     updates = skipped = 0
     stop = cfg.train.on_nonfinite == "stop"
@@ -247,30 +251,36 @@ def policy_backward(policy: CausalLM, exp: Experience, idx: torch.Tensor, norm: 
     # chunk's responses are done
     chunks = (prompt_chunks(r.select(idx), micro_batch_tokens) if share_prompts
               else [torch.arange(len(idx), device=idx.device)])
+    replay = Agreement() if a.routing_replay == "replay" else None
     for c, chunk in enumerate(chunks):
         sub = idx[chunk]
         prompts = SharedPrompts(policy, r.select(sub), train=True) if share_prompts else None
         parts = list(micro_rows(exp, sub, micro_batch_tokens, share_prompts, agree))
         for j, (part, rows, mb, t) in enumerate(parts):
-            mask = exp.loss_mask[rows, :t]
-            logp, entropy, values = response_logprobs(policy, mb, cfg.rollout.temperature,
-                                                      with_entropy=True, prompts=prompts, rows=part)
-            loss = objective(logp, entropy, mb.logprobs, exp.advantages[rows, :t], mask,
-                             None if exp.ref_logp is None else exp.ref_logp[rows, :t], sums)
-            if actor_critic:
-                vloss = AGGREGATIONS.get(a.loss_agg)(
-                    value_loss(values, exp.old_values[rows, :t], exp.returns[rows, :t], mask,
-                               a.value_clip), mask, norm)
-                loss = loss + a.vf_coef * vloss
-                sums["value_loss"] += vloss.item()
-            before_backward(policy, last=prompts is None and c == len(chunks) - 1
-                            and j == len(parts) - 1)
-            loss.backward()
+            # forward and backward (whose recompute of checkpointed layers routes again)
+            with replay.of(policy, mb.routes) if replay else nullcontext():
+                mask = exp.loss_mask[rows, :t]
+                logp, entropy, values = response_logprobs(
+                    policy, mb, cfg.rollout.temperature, with_entropy=True, prompts=prompts,
+                    rows=part)
+                loss = objective(logp, entropy, mb.logprobs, exp.advantages[rows, :t], mask,
+                                 None if exp.ref_logp is None else exp.ref_logp[rows, :t],
+                                 sums)
+                if actor_critic:
+                    vloss = AGGREGATIONS.get(a.loss_agg)(
+                        value_loss(values, exp.old_values[rows, :t], exp.returns[rows, :t],
+                                   mask, a.value_clip), mask, norm)
+                    loss = loss + a.vf_coef * vloss
+                    sums["value_loss"] += vloss.item()
+                before_backward(policy, last=prompts is None and c == len(chunks) - 1
+                                and j == len(parts) - 1)
+                loss.backward()
             sums["loss"] += loss.item()
         if prompts is not None:
             before_backward(policy, last=c == len(chunks) - 1)
             prompts.backward()
-    return objective.means(sums)
+    means = objective.means(sums)
+    return {**means, "routing_agreement": replay.value()} if replay else means
 
 
 def critic_backward(critic: ValueModel, exp: Experience, idx: torch.Tensor, norm: LossNorm,

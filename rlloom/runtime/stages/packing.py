@@ -58,6 +58,8 @@ def trim(r: Rollout) -> Rollout:
     the responses). Positions come from the masks, so outputs do not change."""
     p = max(int(r.prompt_mask.sum(1).max()), 1)
     t = max(int(r.response_mask.sum(1).max()), 1)
+    width = r.prompt_ids.shape[1]
     return Rollout(r.prompt_ids[:, -p:], r.prompt_mask[:, -p:], r.response_ids[:, :t],
                    r.response_mask[:, :t], r.logprobs[:, :t], r.finished,
-                   None if r.injected is None else r.injected[:, :t])
+                   None if r.injected is None else r.injected[:, :t],
+                   None if r.routes is None else r.routes[:, width - p:width + t])
