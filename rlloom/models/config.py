@@ -53,6 +53,12 @@ class ModelConfig:
     qk_norm: bool = False          # Qwen3 RMSNorm on per-head queries and keys ...
     qk_norm_whole: bool = False    # ... OLMo2: on all heads' queries and keys at once
     post_norms: bool = False       # OLMo2: x + norm(sublayer(x)), no norm before it
+    sandwich_norms: bool = False   # Gemma2: x + norm(sublayer(norm(x)))
+    norm_offset: bool = False      # Gemma: norms scale by 1 + weight
+    embed_scale: bool = False      # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None     # the scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None   # Gemma2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma2: logits -> cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -111,7 +117,8 @@ class ModelConfig:
         moe = self.n_experts * (3 * d * self.moe_intermediate_size + d)   # experts + router row
         mlp = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + 2 * d) + mlp + embed + d
+        norms = (4 if self.sandwich_norms else 2) * d
+        return self.num_layers * (attn + norms) + mlp + embed + d
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -135,7 +142,7 @@ class ModelConfig:
         types = getattr(norm, "layer_types", None)
         sliding = (tuple(i for i, t in enumerate(types) if t == "sliding_attention") if types
                    else tuple(range(hf["num_hidden_layers"])) if window else ())
-        return cls(
+        shared = dict(
             family=family,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -155,9 +162,9 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            **FAMILIES[family].read(hf, norm),
-            source=dict(hf),
         )
+        # a family's own reading wins (Gemma2 ties its head unless told otherwise)
+        return cls(**{**shared, **FAMILIES[family].read(hf, norm)}, source=dict(hf))
 
     def to_hf(self) -> dict[str, Any]:
         hf: dict[str, Any] = {

@@ -22,16 +22,50 @@ from rlloom.models.moe import MoEBlock
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) times the weight, or (`offset`, Gemma) times 1 + the weight in fp32."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, so bf16 runs match it.
-        x32 = x.float()
+        # Normalise in fp32 like the reference implementation, so bf16 runs match it (and
+        # fp64 in fp64, for the tight tests of parallel layouts).
+        wide = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(wide)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.to(wide))).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The family's RMSNorm over `dim` features (default: the hidden size)."""
+    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's embedding: the rows times sqrt(hidden_size), in the weights' dtype."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
+        return super().forward(ids) * scale.to(self.weight.device)
+
+
+class SoftcappedLinear(nn.Linear):
+    """Gemma2's output head: logits soft-capped to (-cap, cap) by cap * tanh(logits / cap)."""
+
+    def __init__(self, d_in: int, d_out: int, cap: float) -> None:
+        super().__init__(d_in, d_out, bias=False)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return softcap(super().forward(x), self.cap)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
@@ -94,9 +128,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=cfg.o_bias)
         if cfg.qk_norm:  # per head, or (OLMo2) over all heads at once
             whole = cfg.qk_norm_whole
-            self.q_norm = RMSNorm(self.hd * (self.n_heads if whole else 1), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd * (self.n_kv if whole else 1), cfg.rms_norm_eps)
+            self.q_norm = norm(cfg, self.hd * (self.n_heads if whole else 1))
+            self.k_norm = norm(cfg, self.hd * (self.n_kv if whole else 1))
         self.qk_norm, self.qk_norm_whole = cfg.qk_norm, cfg.qk_norm_whole
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd ** -0.5
+        self.softcap = cfg.attn_softcap
 
     def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., heads, hd], k [..., kv, hd] through the q/k norms, if the family has
@@ -132,9 +168,29 @@ class Attention(nn.Module):
             # transformers does. One decoded token's scores are small either way.
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=gqa)
+        if self.softcap is not None:  # no fused kernel caps the scores
+            out = capped_attention(q, k, v, mask, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 is_causal=mask is None, enable_gqa=gqa,
+                                                 scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | CausalBias | None, scale: float, cap: float
+                     ) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the mask and softmax (Gemma2), as
+    SDPA's math would run it: q [b, heads, s, hd], k and v [b, kv, keys, hd]; `mask` None or a
+    CausalBias is causal aligned to the last key."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if mask is None or isinstance(mask, CausalBias):
+        s, keys = q.shape[2], k.shape[2]
+        mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class MLP(nn.Module):
@@ -151,29 +207,35 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm (x + attn(norm(x)), then x + mlp(norm(x))), or with `post_norms` (OLMo2)
-    x + norm(attn(x)), then x + norm(mlp(x)). The engine's decode step reads the same
-    pieces: `attn_input`, `attn_output`, `mlp_input`, `mlp_output`."""
+    """Pre-norm (x + attn(norm(x)), then x + mlp(norm(x))), with `post_norms` (OLMo2)
+    x + norm(attn(x)), then x + norm(mlp(x)), with `sandwich_norms` (Gemma2) both. The
+    engine's decode step reads the same pieces: `attn_input`, `attn_output`, `mlp_input`,
+    `mlp_output`."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.post_norms = cfg.post_norms
+        # norms after the sublayers (OLMo2 alone, Gemma2 beside the ones before them)
+        self.post_norms, self.sandwich = cfg.post_norms or cfg.sandwich_norms, cfg.sandwich_norms
         if not cfg.post_norms:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.input_layernorm = norm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(cfg)
+        if self.post_norms:
+            self.post_feedforward_layernorm = norm(cfg)
         self.mlp = (MoEBlock(cfg, sum(map(cfg.is_moe_layer, range(layer))))
                     if cfg.is_moe_layer(layer) else MLP(cfg))
 
     def attn_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.post_norms else self.input_layernorm(x)
+        return self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
 
     def attn_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return x + (self.post_attention_layernorm(out) if self.post_norms else out)
 
     def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sandwich:
+            return self.pre_feedforward_layernorm(x)
         return x if self.post_norms else self.post_attention_layernorm(x)
 
     def mlp_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -222,9 +284,10 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (ScaledEmbedding if cfg.embed_scale else nn.Embedding)(
+            cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm(cfg)
         self.unpack = Unpack()
         self.routes = None  # an MoE model's `moe.Routes` while `moe.routing` is on
 
@@ -343,7 +406,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                        if cfg.final_softcap is None
+                        else SoftcappedLinear(cfg.hidden_size, cfg.vocab_size, cfg.final_softcap))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -364,7 +429,8 @@ class CausalLM(nn.Module):
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                nn.init.ones_(p)
+                # the identity: 1, or 0 where the norm scales by 1 + weight
+                (nn.init.zeros_ if self.config.norm_offset else nn.init.ones_)(p)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
             else:

@@ -113,6 +113,9 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
             use_local_input=True, output_layouts=(Partial(),),
             desired_output_layouts=(Shard(1),), use_local_output=False)
         _shard_experts(layer.mlp, tp_mesh)
+    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        if hasattr(layer, name):  # Gemma2's norms around the MLP, on the sharded stream
+            plan[name] = SequenceParallel()
     if attn.qk_norm:
         # Per-head norms see only this rank's heads ([b, s, heads/tp, hd], heads on dim
         # 2); a Replicate weight over a head-sharded input makes DTensor sum the weight's

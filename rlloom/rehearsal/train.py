@@ -68,15 +68,20 @@ class Rehearsed:
 
 def model_config(shape: ModelShape) -> ModelConfig:
     """The rlloom model config of a priced shape (Qwen2 with QKV biases, Qwen3-MoE with
-    experts, OLMo2 with norms after the sublayers, Llama otherwise)."""
+    experts, OLMo2 with norms after the sublayers, Gemma2 with capped attention, Llama
+    otherwise)."""
     family = ("qwen3_moe" if shape.moe else "qwen2" if shape.qkv_bias
-              else "olmo2" if shape.post_norms else "llama")
+              else "olmo2" if shape.post_norms else "gemma2" if shape.attn_softcap
+              else "llama")
     hf = {"architectures": [FAMILY_TO_ARCH[family]], "model_type": family,
           "vocab_size": shape.vocab, "hidden_size": shape.hidden,
           "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,
           "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
           "head_dim": shape.head_dim, "tie_word_embeddings": shape.tied_embeddings,
           "max_position_embeddings": 131072}
+    if shape.attn_softcap:  # Gemma2's caps (its checkpoints': 50 and 30)
+        hf.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                  query_pre_attn_scalar=shape.head_dim, hidden_activation="gelu_pytorch_tanh")
     if shape.moe:
         hf.update(num_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
                   moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True)
@@ -85,7 +90,7 @@ def model_config(shape: ModelShape) -> ModelConfig:
 
 def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                   enable_gqa: bool = False) -> torch.Tensor:
+                   enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
     """What SDPA runs on a GPU for rlloom's attention: flash attention for causal packed rows
     and context-parallel shards (grouped KV heads as they are), and for a masked layer (a
     sliding window) the
@@ -97,13 +102,14 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v = (x.to(torch.get_autocast_dtype("cpu")) for x in (q, k, v))
     if attn_mask is None or isinstance(attn_mask, CausalBias):  # a CausalBias: lower-right
         causal = is_causal or attn_mask is not None
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal,
+                                                                  scale=scale)[0]
     bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
     b, h, s, _ = q.shape
     if enable_gqa:
         k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
     return torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias.expand(b, h, s, k.shape[2]), True)[0]
+        q, k, v, bias.expand(b, h, s, k.shape[2]), True, scale=scale)[0]
 
 
 def rehearsed_ranks(layout: Layout) -> list[int]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlloom.models.lora import LoRALinear
-from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks
+from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks, softcap
 from rlloom.rollout.slot_cache import DTensor, SlotKVCache
 
 
@@ -171,8 +171,12 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     # query head h reads kv head h // (heads / kv), as repeat_kv and SDPA's GQA do; the first
     # `width` positions of each (slot, kv head) are a strided view, not a copy
     keys = kc.view(rows * kv, cap, hd)[:, :width]
-    scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2),
-                           alpha=hd ** -0.5)
+    if attn.softcap is None:
+        scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2),
+                               alpha=attn.scale)
+    else:  # capped before the mask, as the training pass does
+        scores = softcap(torch.bmm(q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2))
+                         * attn.scale, attn.softcap) + bias
     probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
     out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
     x = layer.attn_output(x, attn.o_proj(out))

@@ -1,4 +1,5 @@
-"""The families beyond Llama/Qwen/Mistral (rlloom/models/families: Mixtral, OLMo 2, Phi-3)
+"""The families beyond Llama/Qwen/Mistral (rlloom/models/families: Mixtral, OLMo 2, Phi-3,
+Gemma 2)
 against transformers on random-weight checkpoints it saved: logits of a left-padded batch,
 20 greedy tokens through the engine and through the plain cached decode, the export
 reloaded in transformers, and a PEFT adapter where the module names allow one. One TP and
@@ -25,6 +26,11 @@ FAMILIES = {
     "olmo2": (transformers.Olmo2ForCausalLM, {}),
     "phi3": (transformers.Phi3ForCausalLM, {}),
     "phi3_sliding": (transformers.Phi3ForCausalLM, dict(sliding_window=5)),
+    # small caps, so that capping changes the scores and logits; layers alternate a window
+    "gemma2": (transformers.Gemma2ForCausalLM, dict(head_dim=16, sliding_window=6,
+                                                    query_pre_attn_scalar=20,
+                                                    attn_logit_softcapping=3.0,
+                                                    final_logit_softcapping=2.0)),
 }
 
 
@@ -72,10 +78,11 @@ def test_logits_export_and_greedy_decoding_match_transformers(tmp_path, name):
         assert torch.equal(load_model(tmp_path / "out")(ids), ours(ids))
 
 
-def test_peft_loads_an_olmo2_adapter(tmp_path):
+@pytest.mark.parametrize("name", ["olmo2", "gemma2"])
+def test_peft_loads_the_adapter(tmp_path, name):
     peft = pytest.importorskip("peft")
     from rlloom.models.lora import apply_lora, lora_modules, peft_config
-    save_family(tmp_path / "base", "olmo2")
+    save_family(tmp_path / "base", name)
     model = load_model(tmp_path / "base").eval()
     targets = ("q_proj", "k_proj", "o_proj", "up_proj")
     apply_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=targets, seed=3)
@@ -107,7 +114,7 @@ def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
     from rlloom.perf.search.planner import _tp_applies
@@ -122,3 +129,21 @@ def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     assert (shape.n_experts, shape.moe_ffn) == (cfg.n_experts, cfg.moe_intermediate_size)
     # the planner offers TP where the runtime runs it
     assert _tp_applies(2, shape) == (name != "olmo2")
+
+
+def test_capped_attention_is_priced_with_its_scores(tmp_path):
+    """Gemma2's soft-capped scores run without a fused kernel: a layer keeps its [heads,
+    keys] scores per token for backward, SCORE_B bytes each, split over TP's heads."""
+    from rlloom.perf.model import memory as mem
+    from rlloom.perf.model.shapes import model_shape
+    from rlloom.plan import Layout
+    save_family(tmp_path / "gemma2", "gemma2")
+    save_family(tmp_path / "phi3", "phi3")
+    capped, fused = model_shape(str(tmp_path / "gemma2")), model_shape(str(tmp_path / "phi3"))
+    one, tp2 = Layout(), Layout(tp=2)
+    for layout in (one, tp2):
+        grows = (mem.layer_activation_bytes(capped, layout, 4096)
+                 - mem.layer_activation_bytes(capped, layout, 0))
+        assert grows == mem.SCORE_B * 4 / layout.tp * 4096       # 4 heads
+        assert mem.layer_activation_bytes(fused, layout, 4096) == \
+            mem.layer_activation_bytes(fused, layout, 0)

@@ -63,11 +63,17 @@ def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> Mod
                mlp_only_layers=(0,)) if family == "qwen3_moe" else \
         dict(n_experts=4, experts_per_token=2, moe_intermediate_size=16,
              norm_topk_prob=True) if family == "mixtral" else {}
+    # gemma2: norms before and after each sublayer, scaled embeddings, capped scores and
+    # logits, a tied head
+    gemma = dict(sandwich_norms=True, norm_offset=True, embed_scale=True, attn_scale=0.3,
+                 attn_softcap=3.0, final_softcap=5.0, tie_word_embeddings=True,
+                 hidden_act="gelu_pytorch_tanh") if family == "gemma2" else {}
     return ModelConfig(family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
                        head_dim=32 // heads, qkv_bias=family == "qwen2",
                        qk_norm=family in ("qwen3", "qwen3_moe", "olmo2"),
-                       qk_norm_whole=family == "olmo2", post_norms=family == "olmo2", **moe)
+                       qk_norm_whole=family == "olmo2", post_norms=family == "olmo2", **moe,
+                       **gemma)
 
 
 def tiny_model(seed: int = 0, family: str = "qwen3", std: float = 0.2, **shape: int

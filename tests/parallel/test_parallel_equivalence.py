@@ -71,6 +71,8 @@ CASES_2 = {
     "dp2 zero3 olmo2": dict(dp=2, zero=3, family="olmo2"),
     "tp2 sp phi3": dict(tp=2, family="phi3"),
     "dp2 zero3 phi3": dict(dp=2, zero=3, family="phi3"),
+    "tp2 sp gemma2": dict(tp=2, family="gemma2"),
+    "dp2 zero3 gemma2": dict(dp=2, zero=3, family="gemma2"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),
@@ -244,7 +246,8 @@ def greedy(model: torch.nn.Module, use_cache: bool) -> list[list[int]]:
 
 # Two kv heads per TP rank: a KV cache left at the global four would not fit them.
 GEN_MODEL = dict(seed=3, std=0.3, heads=8, kv_heads=4)
-GEN_FAMILIES = ("qwen3", "qwen3_moe")   # MoE: decode through experts split by features
+GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2")  # MoE: experts split by features; Gemma2:
+#                                              capped scores and logits, sandwich norms
 
 
 def tp_generation(family: str) -> dict[str, list[list[int]]]:

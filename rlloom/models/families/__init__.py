@@ -42,7 +42,8 @@ class Family:
     peft_names: bool = True
 
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3")
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3",
+            "gemma2")
 FAMILIES: dict[str, Family] = {}
 for _name in _MODULES:
     _family = importlib.import_module(f"{__name__}.{_name}").FAMILY

@@ -12,13 +12,8 @@ from dataclasses import dataclass, replace
 
 from rlloom.perf.model import comm
 from rlloom.perf.model import memory as mem
-from rlloom.perf.model.engine_schedule import (
-    EngineSchedule,
-    engine_schedule,
-    queue_lengths,
-    static_schedule,
-    turn_plans,
-)
+from rlloom.perf.model.engine_schedule import (EngineSchedule, engine_schedule, queue_lengths,
+                                               static_schedule, turn_plans)
 from rlloom.perf.model.hardware import Hardware
 from rlloom.perf.model.model_state import offload_copy_s, optimizer_s
 from rlloom.perf.model.partial_pool import pool_steps
@@ -413,7 +408,8 @@ def forward(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role:
                + _exposed_dp(dp_s, work, shape.layers / layout.pp, hw))
     comm_s += dp_s
     memory_s += act_s
-    transient = mem.inference_bytes(shape, layout, wl.micro_batch * wl.max_context, logits)
+    rows = wl.micro_batch
+    transient = mem.inference_bytes(shape, layout, rows * wl.max_context, logits, wl.max_context)
     return StageCost("assessment", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      forward_depth(shape, wl.max_context), compute_s, memory_s, comm_s, seconds,
                      transient, dispatch_s=host_s)
@@ -486,7 +482,8 @@ def training(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, role
     comm_s += dp_s
     memory_s += act_s + update_s
     transient = mem.training_transient_bytes(
-        shape, layout, pipeline_rows(wl.micro_batch, layout.pp) * wl.max_context, logits, lora)
+        shape, layout, pipeline_rows(wl.micro_batch, layout.pp) * wl.max_context, logits, lora,
+        wl.max_context)
     depth = passes * forward_depth(shape, wl.max_context) + _log2(wl.tokens)
     return StageCost("training", role, flops * layout.dp, memory_s * hw.mem_bw * hw.mem_eff,
                      depth, compute_s, memory_s, comm_s, seconds, transient, dispatch_s=host_s)

@@ -164,7 +164,19 @@ def zero3_gathered_bytes(shape: ModelShape, layout: Layout) -> float:
     return PARAM_B * (params_per_device(shape, layout) - (shape.layers / layout.pp - 2) * layer)
 
 
-def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
+# per attention score element a capped (unfused) attention keeps for backward: the bf16
+# product, its cap, the masked scores, the fp32 softmax and its bf16 copy
+SCORE_B = 12
+
+
+def score_bytes(shape: ModelShape, layout: Layout, context: float) -> float:
+    """Per token and layer: the [heads, context] scores an attention without a fused kernel
+    (Gemma2's soft-capped) holds, its heads split by TP; none for the fused kernels."""
+    return SCORE_B * shape.heads / layout.tp * context if shape.attn_softcap else 0.0
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, context: float = 0.0
+                           ) -> float:
     """Bytes one decoder layer keeps for backward per token (rehearsed: tests/perf/
     test_rehearsal.py). Each RMSNorm keeps its input in fp32 (4 d), its normalised output in
     the stream's dtype and the bf16 matmul input (2 d); attention keeps bf16 q, k, v and its
@@ -172,13 +184,15 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     fp32 log-sum-exp per head; the SwiGLU keeps its four f-wide bf16 tensors (gate, up, the
     activation and the product). The routed experts' width is experts_per_token x moe_ffn.
     TP splits the widths, and the norms' tensors by sequence
-    (its sequence parallelism) but not the bf16 matmul inputs, which it gathers."""
+    (its sequence parallelism) but not the bf16 matmul inputs, which it gathers. Capped
+    attention adds its scores over a row of `context` keys (`score_bytes`)."""
     stream = stream_bytes(layout)
     f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
     wide = 4 * shape.q_width + 4 * shape.kv_width + 8 * f + 4 * shape.heads
     # TP's sequence-parallel norms keep their share of the sequence; the matmul inputs they
     # feed are gathered whole
-    dense = (2 * (4 + stream) / layout.tp + 4) * shape.hidden + wide / layout.tp
+    dense = ((shape.layer_norms * (4 + stream) / layout.tp + 4) * shape.hidden
+             + wide / layout.tp + score_bytes(shape, layout, context))
     if not shape.moe:
         return dense
     # `models.moe.run_experts` on every routed copy of a token (k of them, whole on every TP
@@ -190,14 +204,14 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
-                     lora: bool = False) -> float:
+                     lora: bool = False, context: float = 0.0) -> float:
     """Training activations per device for one micro-batch of `tokens` (before CP split).
     With checkpointing each layer keeps only its input (the stream's dtype); during a
     layer's backward its recompute and the gradients of those tensors exist. A pipeline
     splits the micro-batch into pp pieces, and under 1F1B its first stage holds all pp of
     them for its L/pp layers: L layers' worth of one piece."""
     t = tokens / layout.cp / layout.pp
-    full_layer = t * layer_activation_bytes(shape, layout)
+    full_layer = t * layer_activation_bytes(shape, layout, context)
     head = _logit_bytes(shape, t, LOGIT_TRAIN_B) if logits else 0.0
     if not layout.activation_checkpointing:  # the head's backward comes first, all layers held
         return full_layer * shape.layers + head
@@ -219,14 +233,14 @@ def checkpointed_input_bytes(shape: ModelShape, layout: Layout, tokens: float) -
 
 
 def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
-                             lora_rank: int = 0) -> float:
+                             lora_rank: int = 0, context: float = 0.0) -> float:
     """What one training micro-batch adds to the resident state at its peak: activations and
     working weight copies, less the gradients the resident state counts whole. Backward frees
     activations as it fills gradients, so the peak holds the larger of the two, not their
     sum (rehearsed: within 0.1% at every ZeRO stage on Qwen2.5-7B). A pipeline's first
     stage fills its gradients in the first piece's backward, the other pp - 1 pieces'
     activations still held (1F1B)."""
-    acts = activation_bytes(shape, layout, tokens, logits, bool(lora_rank))
+    acts = activation_bytes(shape, layout, tokens, logits, bool(lora_rank), context)
     working = working_weight_bytes(shape, layout)
     grads = model_state_bytes(shape, layout, True, (0, GRAD_B, 0), lora_rank)
     waiting = (layout.pp - 1) / layout.pp  # of the pieces, when the gradients appear
@@ -259,13 +273,15 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
                grads_held + waiting * inputs + rest + recast) - grads
 
 
-def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool) -> float:
+def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
+                    context: float = 0.0) -> float:
     """Forward-only buffers (rehearsed, `rlloom.rehearsal.train.rehearse_scoring`): a layer's
     few hidden-size tensors and its FFN intermediate per token, or later the head's chunk of
     logits, whichever is larger (the layers' are freed before the head runs), beside the
     final hidden states the head reads; at ZeRO-3 the weights gathered meanwhile."""
     t = tokens / layout.cp
-    hidden = t * PARAM_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
+    hidden = t * (PARAM_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
+                  + score_bytes(shape, layout, context))
     head = _logit_bytes(shape, t, LOGIT_INFER_B) if logits else 0.0
     gathered = zero3_gathered_bytes(shape, layout) if layout.zero == 3 and layout.dp > 1 \
         else 0.0

@@ -28,6 +28,8 @@ class ModelShape:
     experts_per_token: int = 0
     moe_ffn: int = 0
     post_norms: bool = False  # OLMo2's norms after the sublayers (not split by TP yet)
+    layer_norms: int = 2      # RMSNorms per layer (Gemma2's before and after each sublayer: 4)
+    attn_softcap: bool = False  # Gemma2's capped scores: attention without a fused kernel
 
     @property
     def moe(self) -> bool:
@@ -78,10 +80,10 @@ class ModelShape:
     @cached_property
     def params(self) -> int:
         """|M|. Adds to the plain L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
-        QKV biases, MoE experts and router, two RMSNorm vectors per layer plus a final one,
+        QKV biases, MoE experts and router, the RMSNorm vectors of each layer plus a final one,
         and a separate output embedding when it is not tied."""
         d = self.hidden
-        per_layer = self.attn_params + self.mlp_params + 2 * d
+        per_layer = self.attn_params + self.mlp_params + self.layer_norms * d
         embeddings = self.vocab * d * (1 if self.tied_embeddings else 2)
         return self.layers * per_layer + embeddings + d
 
@@ -151,14 +153,17 @@ class ModelShape:
             layers=cfg["num_hidden_layers"], hidden=hidden, ffn=cfg["intermediate_size"],
             heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tied_embeddings=bool(fam.get("tie_word_embeddings",
+                                         cfg.get("tie_word_embeddings", False))),
             qkv_bias=fam.get("qkv_bias", bool(cfg.get("attention_bias", False))),
             n_experts=n_experts,
             experts_per_token=cfg.get("num_experts_per_tok", 0) if n_experts else 0,
             moe_ffn=fam.get("moe_intermediate_size", cfg.get("moe_intermediate_size",
                                                             cfg["intermediate_size"]))
             if n_experts else 0,
-            post_norms=fam.get("post_norms", False))
+            post_norms=fam.get("post_norms", False),
+            layer_norms=4 if fam.get("sandwich_norms") else 2,
+            attn_softcap=fam.get("attn_softcap") is not None)
 
 
 def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int,
