@@ -59,6 +59,7 @@ class ModelConfig:
     attn_scale: float | None = None     # the scores' scale; None: head_dim ** -0.5
     attn_softcap: float | None = None   # Gemma2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma2: logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # Gemma3: the sliding layers' own rotary base
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None

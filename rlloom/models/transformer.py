@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,23 @@ def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [b, seq, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
+                longest: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`rotary_cos_sin` of the model's rotary embedding, and (Gemma3) of its sliding layers'
+    own base after it; `rope_kind` says which a layer reads."""
+    tables = [rotary_cos_sin(positions, cfg, dtype, longest)]
+    if cfg.local_rope_theta is not None:
+        local = replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling={},
+                        local_rope_theta=None)
+        tables.append(rotary_cos_sin(positions, local, dtype, longest))
+    return tables
+
+
+def rope_kind(cfg: ModelConfig, layer: int) -> int:
+    """Which of `rope_tables` decoder layer `layer` reads."""
+    return int(cfg.local_rope_theta is not None and cfg.layer_window(layer) is not None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -303,9 +321,9 @@ class Backbone(nn.Module):
         masks = layer_masks(self.config, mask, past.shape[1])
         cache.append_mask(attention_mask)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config, x.dtype)
+        ropes = rope_tables(positions, self.config, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, masks[i], cache, i)
+            x = layer(x, *ropes[rope_kind(self.config, i)], masks[i], cache, i)
         cache.advance(input_ids.shape[1])
         return matmul_input(self.unpack(self.norm(x), None))
 
@@ -318,10 +336,10 @@ class Backbone(nn.Module):
         if self.routes is not None:  # a replay reads the recorded routes in this order
             self.routes.order = order
         x = self.embed_tokens(input_ids.gather(1, order))
-        cos, sin = rotary_cos_sin(packed_positions(attention_mask, order), self.config, x.dtype)
+        ropes = rope_tables(packed_positions(attention_mask, order), self.config, x.dtype)
         masks = window_masks(self.config, input_ids.shape[1], x.device)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, masks[i], None, i)
+            x = layer(x, *ropes[rope_kind(self.config, i)], masks[i], None, i)
         return matmul_input(self.unpack(self.norm(x), order))
 
 

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.models.transformer import packed_order, packed_positions, rotary_cos_sin, unpack
+from rlloom.models.transformer import (packed_order, packed_positions, rope_kind, rope_tables,
+                                       unpack)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -148,10 +149,10 @@ class ContextParallelBackbone(nn.Module):
         ids, mask = (gather_sequence(t, 1, self.group) for t in (input_ids, attention_mask))
         shard = PackedShard.of(self.config, mask, rank * length, length)
         x = self.embed_tokens(ids.gather(1, shard.order)[:, rank * length:(rank + 1) * length])
-        cos, sin = rotary_cos_sin(shard.positions, self.config, x.dtype, shard.longest)
+        ropes = rope_tables(shard.positions, self.config, x.dtype, shard.longest)
         kv = KVGather(self.group, shard.keys)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, shard.masks[i], kv, i)
+            x = layer(x, *ropes[rope_kind(self.config, i)], shard.masks[i], kv, i)
         return self.unpack(self.norm(x), None)  # packed: `on_shards` unpacks the whole
 
 

@@ -57,7 +57,8 @@ from rlloom.models.transformer import (
     matmul_input,
     packed_order,
     packed_positions,
-    rotary_cos_sin,
+    rope_kind,
+    rope_tables,
     unpack,
     window_masks,
 )
@@ -137,12 +138,12 @@ class StageModule(nn.Module):
                 x = x.gather(1, order)
         if self.is_first:
             x = self.model.embed_tokens(x)
-        cos, sin = rotary_cos_sin(positions, self.config, x.dtype, longest)
+        ropes = rope_tables(positions, self.config, x.dtype, longest)
         if self.tp_mesh is not None:
             x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False
                                    ).redistribute(self.tp_mesh, [Shard(1)])
         for i, layer in self.model.layers.items():
-            x = layer(x, cos, sin, masks[int(i)], cache, int(i))
+            x = layer(x, *ropes[rope_kind(self.config, int(i))], masks[int(i)], cache, int(i))
         if self.tp_mesh is not None:
             x = x.full_tensor()
         if self.is_last:

@@ -81,14 +81,14 @@ def _engine_refill(model: CausalLM, slots: int, rollouts: int, prompt: int, resp
     kv = _local_bytes(run.cache.k + run.cache.v)
     groups = max(1, min(-(-slots // samples), prefill_tokens // prompt))
     batch = prefill_forward(model, torch.ones(groups, prompt, dtype=torch.long),
-                            torch.full((groups,), prompt), run.cos, run.sin)
+                            torch.full((groups,), prompt), run.ropes)
     rows = min(slots, groups * samples)
     run.cache.place(torch.arange(rows), batch.k, batch.v, torch.arange(rows) // samples)
     _sample(batch.logits)
     del batch
     full = torch.full((slots,), prompt + response - 1)
     _sample(decode_forward(model, run.fused, run.cache, run.next_tok, full, run.held + 1,
-                           prompt + response, run.cos, run.sin))
+                           prompt + response, run.ropes))
     return kv
 
 

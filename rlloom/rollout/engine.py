@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlloom.models.moe import routing
-from rlloom.models.transformer import CausalLM, layer_masks, rotary_cos_sin
+from rlloom.models.transformer import CausalLM, layer_masks, rope_kind, rope_tables
 from rlloom.perf.model.memory import PREFILL_TOKENS
 from rlloom.rollout.engine_forward import (
     Forwarded,
@@ -175,8 +175,8 @@ class _Run:
         self.cache = SlotKVCache(model, slots, max_len, cfg.kv_chunk)
         self.fused = [FusedWeights.of(layer) for layer in model.model.layers]
         c = model.config
-        cos, sin = rotary_cos_sin(torch.arange(max_len, device=dev)[None], c, p.dtype)
-        self.cos, self.sin = cos[0, 0], sin[0, 0]                   # [max_len, head_dim]
+        self.ropes = [(cos[0, 0], sin[0, 0]) for cos, sin in     # [max_len, head_dim]
+                      rope_tables(torch.arange(max_len, device=dev)[None], c, p.dtype)]
         self.key_pos = torch.arange(max_len, device=dev)
 
         # One seed per call; each (sequence, step) hashes it into its own uniform, so what a
@@ -286,7 +286,7 @@ class _Run:
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
         plen = torch.tensor([len(p) for p in prompts], device=self.device)
-        batch = prefill_forward(self.model, ids.to(self.device), plen, self.cos, self.sin)
+        batch = prefill_forward(self.model, ids.to(self.device), plen, self.ropes)
         self.forwarded.prefill += int(plen.sum())
         if self.log is not None:
             routed = self.log.taken().view(b, width, self.log.layers, self.log.k)
@@ -299,8 +299,7 @@ class _Run:
         rows = self.rows
         self.cache.ensure(self.width)
         logits = decode_forward(self.model, self.fused, self.cache, self.next_tok[:rows],
-                                self.lens[:rows], self.held[:rows], self.width, self.cos,
-                                self.sin)
+                                self.lens[:rows], self.held[:rows], self.width, self.ropes)
         if self.log is not None:  # the token fed is the last sampled: response token gen - 1
             act = self.active[:rows].bool()
             self.log.log[self.seq[:rows][act], self.prompt_width + self.gen[:rows][act] - 1] \
@@ -417,13 +416,13 @@ class _Run:
         ids = torch.tensor([tokens], device=self.device)
         causal = self.key_pos[:end][None] <= self.key_pos[start:end, None]      # [m, end]
         masks = layer_masks(self.model.config, causal[None, None], start)
-        cos = self.cos[start:end].view(1, 1, m, -1)
-        sin = self.sin[start:end].view(1, 1, m, -1)
+        ropes = [(cos[start:end].view(1, 1, m, -1), sin[start:end].view(1, 1, m, -1))
+                 for cos, sin in self.ropes]
         backbone = self.model.model
         cache = SlotWrite(self.cache, slot, start)
         x = backbone.embed_tokens(ids)
         for i, layer in enumerate(backbone.layers):
-            x = layer(x, cos, sin, masks[i], cache, i)
+            x = layer(x, *ropes[rope_kind(self.model.config, i)], masks[i], cache, i)
         self.lens[slot] = end
         self.forwarded.extend += m
         if self.log is not None:  # a tool's output is not replayed (rollout/routes.py)

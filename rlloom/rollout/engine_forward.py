@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlloom.models.lora import LoRALinear
-from rlloom.models.transformer import MLP, CausalLM, apply_rotary, layer_masks, softcap
+from rlloom.models.transformer import (MLP, CausalLM, apply_rotary, layer_masks, rope_kind,
+                                       softcap)
 from rlloom.rollout.slot_cache import DTensor, SlotKVCache
 
 
@@ -187,11 +188,11 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     return layer.mlp_output(x, layer.mlp.down_proj(layer.mlp.act(gate) * up))
 
 
-def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> Prefilled:
+def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor,
+                    ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> Prefilled:
     """One prefill forward of right-padded prompts `ids` [b, width] of lengths `plen`, rotary
-    tables `cos`, `sin` [positions, head_dim]: each layer's keys and values and the last
-    real position's logits."""
+    tables `ropes` (cos, sin [positions, head_dim] of each `rope_kind`): each layer's keys
+    and values and the last real position's logits."""
     b, width = ids.shape
     # right padding: a real query's keys (itself and before) are all real, so causal
     # attention needs no mask tensor (fused kernels, grouped KV heads as they are) but on
@@ -201,11 +202,12 @@ def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor, cos:
     if model.config.sliding_window is not None:
         pos = torch.arange(width, device=ids.device)
         masks = layer_masks(model.config, (pos[None] <= pos[:, None])[None, None], 0)
-    cos, sin = cos[:width].view(1, 1, width, -1), sin[:width].view(1, 1, width, -1)
+    ropes = [(cos[:width].view(1, 1, width, -1), sin[:width].view(1, 1, width, -1))
+             for cos, sin in ropes]
     backbone, capture = model.model, Capture()
     x = backbone.embed_tokens(ids)
     for i, layer in enumerate(backbone.layers):
-        x = layer(x, cos, sin, masks[i], capture, i)
+        x = layer(x, *ropes[rope_kind(model.config, i)], masks[i], capture, i)
     last = x[torch.arange(b, device=ids.device), plen - 1]
     return Prefilled([k for k, _ in capture.kv], [v for _, v in capture.kv],
                      model.lm_head(backbone.norm(last)))
@@ -213,13 +215,13 @@ def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor, cos:
 
 def decode_forward(model: CausalLM, fused: list[FusedWeights], cache: SlotKVCache,
                    tokens: torch.Tensor, lens: torch.Tensor, held: torch.Tensor, width: int,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One decode step of the first `rows` slots (`tokens`, `lens`, `held`: [rows]), reading
     `width` key positions; the new keys and values go into `cache`; logits [rows, V]."""
     rows, cap = len(tokens), cache.cap
     backbone, c, kv = model.model, model.config, cache.kv_heads
     x = backbone.embed_tokens(tokens)                                     # [rows, hidden]
-    cos, sin = cos[lens][:, None], sin[lens][:, None]                     # [rows, 1, hd]
+    ropes = [(cos[lens][:, None], sin[lens][:, None]) for cos, sin in ropes]  # [rows, 1, hd]
     # computed once per step for every layer: the additive mask over the key positions the
     # step reads (up to the widest held context, not the cache's whole capacity: a long
     # rollout that has ended costs the others nothing) and the new key's index
@@ -237,6 +239,6 @@ def decode_forward(model: CausalLM, fused: list[FusedWeights], cache: SlotKVCach
     index = torch.arange(rows * kv, device=tokens.device) * cap \
         + (lens * held).repeat_interleave(kv)
     for i, (layer, w) in enumerate(zip(backbone.layers, fused)):
-        x = decode_layer(layer, w, x, cos, sin, biases[i], index, cache.k[i][:rows],
-                         cache.v[i][:rows])
+        x = decode_layer(layer, w, x, *ropes[rope_kind(c, i)], biases[i], index,
+                         cache.k[i][:rows], cache.v[i][:rows])
     return model.lm_head(backbone.norm(x))

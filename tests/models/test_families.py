@@ -1,5 +1,5 @@
 """The families beyond Llama/Qwen/Mistral (rlloom/models/families: Mixtral, OLMo 2, Phi-3,
-Gemma 2)
+Gemma 2, Gemma 3)
 against transformers on random-weight checkpoints it saved: logits of a left-padded batch,
 20 greedy tokens through the engine and through the plain cached decode, the export
 reloaded in transformers, and a PEFT adapter where the module names allow one. One TP and
@@ -31,6 +31,12 @@ FAMILIES = {
                                                     query_pre_attn_scalar=20,
                                                     attn_logit_softcapping=3.0,
                                                     final_logit_softcapping=2.0)),
+    # its own rotary base on the sliding layers (a small one, so that it matters)
+    "gemma3": (transformers.Gemma3ForCausalLM, dict(
+        head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
 }
 
 
@@ -78,7 +84,7 @@ def test_logits_export_and_greedy_decoding_match_transformers(tmp_path, name):
         assert torch.equal(load_model(tmp_path / "out")(ids), ours(ids))
 
 
-@pytest.mark.parametrize("name", ["olmo2", "gemma2"])
+@pytest.mark.parametrize("name", ["olmo2", "gemma2", "gemma3"])
 def test_peft_loads_the_adapter(tmp_path, name):
     peft = pytest.importorskip("peft")
     from rlloom.models.lora import apply_lora, lora_modules, peft_config
@@ -114,7 +120,7 @@ def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2"])
+@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
     from rlloom.perf.search.planner import _tp_applies
@@ -122,9 +128,10 @@ def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     model, shape = load_model(tmp_path), model_shape(str(tmp_path))
     cfg = model.config
     held = sum(p.numel() for p in model.parameters())
-    # the priced count leaves out OLMo2's whole-head q/k norm vectors, 216 of 72,072 here
-    qk_norms = cfg.num_layers * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim \
-        if cfg.qk_norm_whole else 0
+    # the priced count leaves out the q/k norm vectors: OLMo2's over all heads (216 of
+    # 72,072 here), Gemma3's per head (96)
+    heads = cfg.num_heads + cfg.num_kv_heads if cfg.qk_norm_whole else 2
+    qk_norms = cfg.num_layers * heads * cfg.head_dim if cfg.qk_norm else 0
     assert shape.params == cfg.num_params == held - qk_norms
     assert (shape.n_experts, shape.moe_ffn) == (cfg.n_experts, cfg.moe_intermediate_size)
     # the planner offers TP where the runtime runs it

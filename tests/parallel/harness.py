@@ -68,12 +68,17 @@ def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> Mod
     gemma = dict(sandwich_norms=True, norm_offset=True, embed_scale=True, attn_scale=0.3,
                  attn_softcap=3.0, final_softcap=5.0, tie_word_embeddings=True,
                  hidden_act="gelu_pytorch_tanh") if family == "gemma2" else {}
+    # gemma3: per-head q/k norms and a sliding first layer with a rotary base of its own
+    if family == "gemma3_text":
+        gemma = dict(sandwich_norms=True, norm_offset=True, embed_scale=True, attn_scale=0.3,
+                     tie_word_embeddings=True, qk_norm=True, local_rope_theta=50.0,
+                     sliding_window=4, sliding_layers=(0,))
     return ModelConfig(family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
                        head_dim=32 // heads, qkv_bias=family == "qwen2",
-                       qk_norm=family in ("qwen3", "qwen3_moe", "olmo2"),
+                       qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
                        qk_norm_whole=family == "olmo2", post_norms=family == "olmo2", **moe,
-                       **gemma)
+                       **{k: v for k, v in gemma.items() if k != "qk_norm"})
 
 
 def tiny_model(seed: int = 0, family: str = "qwen3", std: float = 0.2, **shape: int

@@ -25,12 +25,14 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 def tiny_model() -> CausalLM:
-    # layer 1 attends within a window of 3 keys, which crosses the shard boundary; dynamic
-    # rope past 8 positions makes every shard's rotary depend on the whole sequence's length
+    # layer 1 attends within a window of 3 keys, which crosses the shard boundary, with a
+    # rotary base of its own (Gemma3's local layers); dynamic rope past 8 positions makes
+    # every shard's rotary depend on the whole sequence's length
     cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                       sliding_window=3, sliding_layers=(1,), max_position_embeddings=8,
-                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                      local_rope_theta=50.0)
     model = CausalLM(cfg).double()
     model.init_weights(seed=0, std=0.1)
     return model

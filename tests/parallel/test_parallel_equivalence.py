@@ -73,6 +73,8 @@ CASES_2 = {
     "dp2 zero3 phi3": dict(dp=2, zero=3, family="phi3"),
     "tp2 sp gemma2": dict(tp=2, family="gemma2"),
     "dp2 zero3 gemma2": dict(dp=2, zero=3, family="gemma2"),
+    "tp2 sp gemma3": dict(tp=2, family="gemma3_text"),
+    "dp2 zero3 gemma3": dict(dp=2, zero=3, family="gemma3_text"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),

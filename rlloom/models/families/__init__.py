@@ -43,7 +43,7 @@ class Family:
 
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3",
-            "gemma2")
+            "gemma2", "gemma3_text")
 FAMILIES: dict[str, Family] = {}
 for _name in _MODULES:
     _family = importlib.import_module(f"{__name__}.{_name}").FAMILY

@@ -1,0 +1,45 @@
+"""Gemma 3 (text): Gemma 2's block (norms before and after each sublayer, 1 + weight norms,
+scaled embeddings, query_pre_attn_scalar, tied head, sliding windows by `layer_types`) with an
+RMSNorm on each head's queries and keys, no soft-capping by default, and a rotary base of its
+own on the sliding layers (`rope_parameters.sliding_attention`, 10,000) beside the full
+layers' (`full_attention`, 1,000,000). Scaled rope on the full layers is refused for now."""
+from __future__ import annotations
+
+from typing import Any
+
+from rlloom.models.families import Family, UnsupportedArchitectureError
+from rlloom.models.families.gemma2 import read as gemma2_read
+
+
+def _ropes(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    rope = hf.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6)}
+    local = rope.get("sliding_attention") or {
+        "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    return full, local
+
+
+def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
+    full, local = _ropes(hf)
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        if params.get("rope_type", "default") != "default":
+            raise UnsupportedArchitectureError(
+                f"Gemma3 with rope_type {params['rope_type']!r} on its {kind} layers is not "
+                "supported yet; rlloom implements Gemma3's default rotary bases")
+    return {**gemma2_read(hf, norm), "qk_norm": True, "rope_theta": full["rope_theta"],
+            "rope_scaling": {}, "local_rope_theta": local["rope_theta"]}
+
+
+def write(cfg: Any) -> dict[str, Any]:
+    return {"attention_bias": cfg.qkv_bias, "attn_logit_softcapping": cfg.attn_softcap,
+            "final_logit_softcapping": cfg.final_softcap,
+            "layer_types": ["sliding_attention" if i in cfg.sliding_layers
+                            else "full_attention" for i in range(cfg.num_layers)],
+            "sliding_window": cfg.sliding_window,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": cfg.local_rope_theta}}}
+
+
+FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", read, write)
