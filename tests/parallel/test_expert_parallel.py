@@ -172,3 +172,42 @@ def _ep_cp_body():
 
 def test_ep2_over_dp2_x_cp2_matches_single_process():
     spawn(_ep_cp_body, 4)
+
+
+def _replayed_routes() -> torch.Tensor:
+    """Recorded experts [rows, seq, MoE layers, top k] that differ from the model's own
+    choice: two distinct random experts per token and layer."""
+    g = torch.Generator().manual_seed(7)
+    pick = torch.rand(4, 10, 2, 4, generator=g).argsort(-1)[..., :2]
+    return pick.to(torch.int16)
+
+
+def _ep_replay_body():
+    from rlloom.models.moe import routing
+    rank = dist.get_rank()
+    ids, mask, labels = batch()
+    n_tokens = (labels != -100).sum()
+    routes = _replayed_routes()
+    ref = tiny_moe()
+    with routing(ref, routes) as replayed:
+        ref_loss = loss_of(ref(ids, mask), labels, n_tokens)
+        ref_loss.backward()
+    assert replayed.matched < replayed.counted        # the replay changed the routing
+    model = apply_expert_parallel(tiny_moe())
+    rows = slice(2 * rank, 2 * rank + 2)
+    with routing(model, routes[rows]):               # each rank replays its own rows' routes
+        loss = loss_of(model(ids[rows], mask[rows]), labels[rows], n_tokens)
+        loss.backward()
+    all_reduce_replicated_grads(model)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref_loss.detach(), **TOL)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=name)
+
+
+def test_ep2_replays_recorded_routes_as_one_process():
+    """Routing replay through the expert-parallel block: the same recorded experts give the
+    same loss and gradients (the router's too, through the replayed experts' weights)."""
+    spawn(_ep_replay_body, 2)
