@@ -25,6 +25,9 @@ from rlloom.trl_names import (GENERATION, MAPPED, OPTIMIZER_STEPS, POINTERS, REF
 # the device TRL found when the object was built, not a choice of the user's
 _FROM_THE_MACHINE = {"use_cpu", "dataloader_pin_memory"}
 _RL_NAMES = {*MAPPED, *OPTIMIZER_STEPS, *GENERATION, *REFUSED, "num_iterations", "beta", "seed"}
+# TRL's names `trl_names.rlloom_key` does not map alone (beta depends on the preset; an
+# object's defaults are GRPOConfig's, online)
+_KEYS = {"beta": "algo.kl_coef"}
 # the switch TRL's eval_steps needs (rlloom evaluates every eval.every steps)
 _EVAL_SWITCHES = {"eval_strategy": "steps", "do_eval": True}
 # DPOConfig: TRL's loss_type list -> rlloom's algo.preference_loss
@@ -126,6 +129,9 @@ def rl_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         _pairs_per_step(fields, config, data)
         trl_values = {k: _plain(getattr(config, k)) for k in ("learning_rate",
                                                               "lr_scheduler_type")}
+        # pairs per step (verl's name for train.prompts_per_step): per device x accumulation
+        trl_values["train_batch_size"] = (config.per_device_train_batch_size
+                                          * config.gradient_accumulation_steps)
     else:
         _generation_shape(fields, config)
         trl_values = {**{name: _plain(getattr(config, name))
@@ -149,11 +155,14 @@ def fill_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> None:
     algo = data.get("algo")
     preset = algo if isinstance(algo, str) else (algo or {}).get("name", "grpo")
     chosen = PRESETS[preset].overrides if preset in PRESETS else {}
-    for name, value in defaults.items():
-        section, _, key = (rlloom_key(name) or "").partition(".")
+    def given(key: str) -> bool:
+        section, _, field = key.partition(".")
         node = data.get(section)
-        if name in data or isinstance(node, dict) and key in node or \
-                section == "algo" and key in chosen:
+        return isinstance(node, dict) and field in node or section == "algo" and field in chosen
+    for name, value in defaults.items():
+        # a group size of the user's own makes TRL's generation size mean other prompts
+        if name in data or given(_KEYS.get(name) or rlloom_key(name) or "") or \
+                name == "generation_batch_size" and given("rollout.n_samples"):
             continue
         data[name] = value
 
@@ -177,12 +186,13 @@ def sft_overrides(config: Any) -> list[str]:
     fields = set_fields(config)
     fields.pop("output_dir", None)  # rlloom.sft's `out`
     overrides = [f"{_SFT_NAMES[k]}={fields.pop(k)!r}" for k in list(fields) if k in _SFT_NAMES]
-    batch = {"per_device_train_batch_size", "gradient_accumulation_steps"}
-    if batch & fields.keys():
-        for name in batch:
-            fields.pop(name, None)
-        overrides.append(f"sft.batch_size="
-                         f"{config.per_device_train_batch_size * config.gradient_accumulation_steps}")
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        fields.pop(name, None)
+    # TRL's learning rate and batch hold when left at its defaults (2e-5, 8 per device)
+    if not any(o.startswith("sft.lr=") for o in overrides):
+        overrides.append(f"sft.lr={config.learning_rate!r}")
+    overrides.append(f"sft.batch_size="
+                     f"{config.per_device_train_batch_size * config.gradient_accumulation_steps}")
     if fields:
         raise ConfigError("SFTConfig sets fields rlloom cannot honour: "
                           + "; ".join(_refusal(k) for k in fields))

@@ -130,6 +130,10 @@ def test_an_object_s_trl_defaults_hold_under_the_overrides(capsys, monkeypatch):
         (1e-5, "seq-mean-token-sum-norm", 4)
     with pytest.raises(ConfigError, match="loss_type='bnpo': it normalises by one device's"):
         rlloom.prepare(grpo(loss_type="bnpo"))
+    # an override under rlloom's own name wins over the object's default of that key
+    cfg = rlloom.prepare(grpo(), {"algo.kl_coef": 0.05, "rollout.n_samples": 16}).cfg
+    assert (cfg.algo.kl_coef, cfg.rollout.n_samples, cfg.train.prompts_per_step) == \
+        (0.05, 16, 32)  # TRL's 8 completions are no whole group of 16: rlloom's prompts
 
 
 def test_a_dpoconfig_is_the_dpo_preset(tmp_path):
@@ -141,6 +145,11 @@ def test_a_dpoconfig_is_the_dpo_preset(tmp_path):
     cfg = rlloom.prepare(config, {"data.preference_file": str(pairs)}).cfg
     assert (cfg.algo.name, cfg.algo.beta, cfg.algo.preference_loss) == ("dpo", 0.3, "ipo")
     assert (cfg.train.steps, cfg.train.prompts_per_step) == (10, 8)
+    cfg = rlloom.prepare(trl.DPOConfig(use_cpu=True, per_device_train_batch_size=2),
+                         {"data.preference_file": str(pairs)}).cfg
+    assert (cfg.train.prompts_per_step, cfg.train.lr) == (2, 1e-6)   # TRL's lr holds
+    cfg = rlloom.prepare(trl.DPOConfig(use_cpu=True), {"data.preference_file": str(pairs)}).cfg
+    assert cfg.train.prompts_per_step == 8                           # TRL's 8 per device
     with pytest.raises(ConfigError, match=r"loss_type=\['hinge'\]: rlloom's offline losses"):
         rlloom.prepare(trl.DPOConfig(use_cpu=True, loss_type=["hinge"]))
 
@@ -153,6 +162,8 @@ def test_an_sftconfig_trains_with_rlloom_sft(tmp_path):
                            output_dir=str(out))
     from rlloom.trl_configs import sft_overrides
     assert sft_overrides(config) == ["sft.steps=2", "sft.lr=0.001", "sft.batch_size=8"]
+    # TRL's defaults hold where the object leaves them: 2e-5 and 8 per device
+    assert sft_overrides(trl.SFTConfig(use_cpu=True)) == ["sft.lr=2e-05", "sft.batch_size=8"]
     assert rlloom.sft(config, [o for o in TINY if not o.startswith("sft.")]) == out
     assert (out / "config.json").is_file()
     with pytest.raises(ConfigError, match="an SFTConfig configures supervised fine-tuning"):

@@ -154,3 +154,17 @@ def test_capped_attention_is_priced_with_its_scores(tmp_path):
         assert grows == mem.SCORE_B * 4 / layout.tp * 4096       # 4 heads
         assert mem.layer_activation_bytes(fused, layout, 4096) == \
             mem.layer_activation_bytes(fused, layout, 0)
+        # a generation prefill holds one layer's scores over its prompts at a time
+        assert (mem.prefill_bytes_per_token(capped, layout.tp, 512)
+                - mem.prefill_bytes_per_token(capped, layout.tp)) == mem.SCORE_B * 4 / layout.tp * 512
+
+
+def test_gemma3_with_scaled_rope_in_an_older_config_is_refused():
+    from rlloom.models.config import ModelConfig
+    cfg = transformers.Gemma3TextConfig(**BASE, head_dim=16).to_dict()
+    cfg.pop("rope_parameters")
+    cfg.update(architectures=["Gemma3ForCausalLM"], rope_theta=1e6,
+               rope_scaling={"rope_type": "linear", "factor": 8.0})
+    with pytest.raises(UnsupportedArchitectureError, match="rope_type 'linear' on its "
+                                                           "full_attention layers"):
+        ModelConfig.from_hf(cfg)

@@ -80,6 +80,18 @@ def test_replay_restores_the_samplers_log_probs(model, monkeypatch, how):
     assert 0.2 < agreement < 0.9
 
 
+def test_the_trainers_recomputed_old_log_probs_replay_too(model, monkeypatch):
+    """With the sampler corrected (algo.rollout_is) the trainer's recomputed old log-probs
+    replay the routes as well: they equal the sampler's."""
+    from rlloom.runtime.executor.corrections import Rows, _trainer_logprobs
+    with monkeypatch.context() as m:
+        perturbed(m)
+        r = GENERATORS["engine"](model)
+    with torch.no_grad():
+        recomputed = _trainer_logprobs(r, model, 1.0, Rows())
+    assert (recomputed - r.logprobs)[r.response_mask.bool()].abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("how", sorted(GENERATORS))
 def test_nothing_perturbed_every_token_agrees(model, how):
     r = GENERATORS[how](model)

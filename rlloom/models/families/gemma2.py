@@ -22,8 +22,15 @@ def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
                 tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
+def query_pre_attn_scalar(cfg: Any) -> int | float:
+    """The config field the attention scale came from (an int in transformers' config)."""
+    value = cfg.attn_scale ** -2
+    return round(value) if abs(value - round(value)) < 1e-6 else value
+
+
 def write(cfg: Any) -> dict[str, Any]:
     return {"attention_bias": cfg.qkv_bias, "attn_logit_softcapping": cfg.attn_softcap,
+            "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
             "final_logit_softcapping": cfg.final_softcap,
             "layer_types": ["sliding_attention" if i in cfg.sliding_layers
                             else "full_attention" for i in range(cfg.num_layers)],

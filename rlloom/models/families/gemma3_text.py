@@ -8,30 +8,37 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.families import Family, UnsupportedArchitectureError
+from rlloom.models.families.gemma2 import query_pre_attn_scalar
 from rlloom.models.families.gemma2 import read as gemma2_read
 
 
-def _ropes(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    rope = hf.get("rope_parameters") or {}
-    full = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6)}
+def _ropes(hf: dict[str, Any], norm: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    # transformers' reading (an older config's rope_scaling lands in full_attention there)
+    rope = getattr(norm, "rope_parameters", None) or hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        rope = {**rope, "full_attention": {**rope.get("full_attention", {}), **scaling}}
+    full = {"rope_theta": hf.get("rope_theta", 1e6), **(rope.get("full_attention") or {})}
     local = rope.get("sliding_attention") or {
         "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
     return full, local
 
 
 def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
-    full, local = _ropes(hf)
+    full, local = _ropes(hf, norm)
     for kind, params in (("full_attention", full), ("sliding_attention", local)):
-        if params.get("rope_type", "default") != "default":
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
             raise UnsupportedArchitectureError(
-                f"Gemma3 with rope_type {params['rope_type']!r} on its {kind} layers is not "
-                "supported yet; rlloom implements Gemma3's default rotary bases")
+                f"Gemma3 with rope_type {rope_type!r} on its {kind} layers is not supported "
+                "yet; rlloom implements Gemma3's default rotary bases")
     return {**gemma2_read(hf, norm), "qk_norm": True, "rope_theta": full["rope_theta"],
             "rope_scaling": {}, "local_rope_theta": local["rope_theta"]}
 
 
 def write(cfg: Any) -> dict[str, Any]:
     return {"attention_bias": cfg.qkv_bias, "attn_logit_softcapping": cfg.attn_softcap,
+            "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
             "final_logit_softcapping": cfg.final_softcap,
             "layer_types": ["sliding_attention" if i in cfg.sliding_layers
                             else "full_attention" for i in range(cfg.num_layers)],

@@ -169,10 +169,10 @@ def zero3_gathered_bytes(shape: ModelShape, layout: Layout) -> float:
 SCORE_B = 12
 
 
-def score_bytes(shape: ModelShape, layout: Layout, context: float) -> float:
+def score_bytes(shape: ModelShape, tp: int, context: float) -> float:
     """Per token and layer: the [heads, context] scores an attention without a fused kernel
     (Gemma2's soft-capped) holds, its heads split by TP; none for the fused kernels."""
-    return SCORE_B * shape.heads / layout.tp * context if shape.attn_softcap else 0.0
+    return SCORE_B * shape.heads / tp * context if shape.attn_softcap else 0.0
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, context: float = 0.0
@@ -192,7 +192,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, context: float = 0
     # TP's sequence-parallel norms keep their share of the sequence; the matmul inputs they
     # feed are gathered whole
     dense = ((shape.layer_norms * (4 + stream) / layout.tp + 4) * shape.hidden
-             + wide / layout.tp + score_bytes(shape, layout, context))
+             + wide / layout.tp + score_bytes(shape, layout.tp, context))
     if not shape.moe:
         return dense
     # `models.moe.run_experts` on every routed copy of a token (k of them, whole on every TP
@@ -281,7 +281,7 @@ def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bo
     final hidden states the head reads; at ZeRO-3 the weights gathered meanwhile."""
     t = tokens / layout.cp
     hidden = t * (PARAM_B * (4 * shape.hidden + 2 * max(shape.ffn, shape.moe_ffn) / layout.tp)
-                  + score_bytes(shape, layout, context))
+                  + score_bytes(shape, layout.tp, context))
     head = _logit_bytes(shape, t, LOGIT_INFER_B) if logits else 0.0
     gathered = zero3_gathered_bytes(shape, layout) if layout.zero == 3 and layout.dp > 1 \
         else 0.0
@@ -299,13 +299,14 @@ def kv_bytes_per_rollout(shape: ModelShape, layout: Layout, context: float) -> f
     return shape.kv_bytes_per_token() * context / shards
 
 
-def prefill_bytes_per_token(shape: ModelShape, tp: int) -> float:
+def prefill_bytes_per_token(shape: ModelShape, tp: int, context: float = 0.0) -> float:
     """A generation prefill's buffers per token, no gradients (rehearsed: rlloom.rehearsal.
     generation, within 3% on Qwen2.5-7B): its FFN's three f-wide bf16 tensors alive at once
     (the activation, up and their product) and three hidden-size ones (the residual stream,
-    its norm and the attention's sum)."""
+    its norm and the attention's sum); an unfused (capped) attention's scores over prompts
+    of `context` tokens."""
     f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
-    return PARAM_B * (3 * f / tp + 3 * shape.hidden)
+    return PARAM_B * (3 * f / tp + 3 * shape.hidden) + score_bytes(shape, tp, context)
 
 
 def outputs_bytes(shape: ModelShape, rollouts: int, prompt: int, response: int,
@@ -330,7 +331,7 @@ def generation_transient_bytes(shape: ModelShape, tp: int, slots: int, prompt: i
     of a tensor-parallel model (`plain`) prefills its whole wave of `slots` rows at once,
     into its cache."""
     if plain:
-        prefill = slots * prompt * prefill_bytes_per_token(shape, tp)
+        prefill = slots * prompt * prefill_bytes_per_token(shape, tp, prompt)
     else:
         prefill = _engine_prefill_bytes(shape, tp, prompt, min(-(-slots // samples),
                                                                prefill_tokens // prompt))
@@ -342,7 +343,8 @@ def _engine_prefill_bytes(shape: ModelShape, tp: int, prompt: int, prompts: int)
     """One engine prefill of `prompts` prompts (at least one): its buffers and the keys and
     values it captures until they are placed into slots."""
     tokens = max(1, prompts) * prompt
-    return tokens * (prefill_bytes_per_token(shape, tp) + shape.kv_bytes_per_token() / tp)
+    return tokens * (prefill_bytes_per_token(shape, tp, prompt)
+                     + shape.kv_bytes_per_token() / tp)
 
 
 def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: float,
@@ -355,7 +357,7 @@ def generation_slots(shape: ModelShape, tp: int, budget: float, kv_per_slot: flo
     per_slot = kv_per_slot + DECODE_B * shape.vocab
     reserve = outputs_bytes(shape, rollouts, prompt, response, routes)
     if plain:
-        per_slot += prompt * prefill_bytes_per_token(shape, tp)
+        per_slot += prompt * prefill_bytes_per_token(shape, tp, prompt)
     else:
         reserve += _engine_prefill_bytes(shape, tp, prompt, prefill_tokens // prompt)
     return max(0, min(rollouts, int((budget - reserve) // per_slot)))

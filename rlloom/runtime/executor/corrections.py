@@ -11,6 +11,7 @@ from rlloom.algos.kl import LOG_RATIO_CLAMP
 from rlloom.algos.rollout_correction import mismatch_stats, tis_weights
 from rlloom.parallel.pipeline import PipelinedModel
 from rlloom.rollout.generate import Rollout
+from rlloom.rollout.routes import Agreement
 from rlloom.runtime.ranks import RankGroup, Share
 from rlloom.runtime.stages.experience import Experience
 from rlloom.runtime.stages.online import logprobs_of, rows_scored
@@ -31,8 +32,10 @@ def _trainer_logprobs(r: Rollout, policy: torch.nn.Module | PipelinedModel, temp
     `perf.model.cost.forward` prices them: length-bucketed, shared over data parallelism (a
     forward over whole mini-batches padded to their longest row cost 2-3x the training of a
     step with one long response)."""
-    return rows_scored(lambda mb: logprobs_of(policy, mb, temperature), r, rows.budget,
-                       rows.ranks, rows.share)
+    def score(mb: Rollout) -> torch.Tensor:
+        with Agreement().of(policy, mb.routes):  # routing replay: the generator's experts
+            return logprobs_of(policy, mb, temperature)
+    return rows_scored(score, r, rows.budget, rows.ranks, rows.share)
 
 
 @torch.no_grad()
