@@ -274,7 +274,7 @@ def engine_waves(model: torch.nn.Module) -> dict[str, Any]:
     shape = ModelShape.from_hf_config(model.config.to_hf())
     # the plain loop's rule: every row's outputs, and per row of a wave its KV cache, decode
     # logits and prefill buffers (`memory.generation_slots`)
-    row = per_row + DECODE_B * shape.vocab + prompt * prefill_bytes_per_token(shape, 2)
+    row = per_row + DECODE_B * shape.vocab + prompt * prefill_bytes_per_token(shape, 2, prompt)
     config = EngineConfig(kv_budget_bytes=int(ROLLOUT_B * len(PROMPTS) * 10
                                               + row * (1 + dist.get_rank())) + 1)
     with mock.patch("rlloom.rollout.generate.KVCache", Recorded):
