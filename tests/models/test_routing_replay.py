@@ -9,7 +9,6 @@ import rlloom.models.moe as moe
 from rlloom.config import ConfigError, load_config
 from rlloom.models.config import ModelConfig
 from rlloom.models.logprobs import token_logprobs
-from rlloom.models.moe import routing
 from rlloom.models.transformer import CausalLM
 from rlloom.perf.model import memory as mem
 from rlloom.perf.model.shapes import ModelShape
