@@ -2,7 +2,8 @@
 and routed experts), read from and written to Hugging Face `config.json` dictionaries."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import functools
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlloom.models.families import FAMILIES, UnsupportedArchitectureError
@@ -104,6 +105,14 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ValueError("an MoE model needs moe_intermediate_size > 0 and "
                                  "decoder_sparse_step > 0")
+
+    @functools.cached_property  # read by every forward's rotary tables
+    def local_rope(self) -> "ModelConfig | None":
+        """The config whose default rotary embedding the sliding layers use (Gemma3)."""
+        if self.local_rope_theta is None:
+            return None
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling={},
+                       local_rope_theta=None)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (Hugging Face's Qwen3-MoE rule)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -88,10 +87,8 @@ def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
     """`rotary_cos_sin` of the model's rotary embedding, and (Gemma3) of its sliding layers'
     own base after it; `rope_kind` says which a layer reads."""
     tables = [rotary_cos_sin(positions, cfg, dtype, longest)]
-    if cfg.local_rope_theta is not None:
-        local = replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling={},
-                        local_rope_theta=None)
-        tables.append(rotary_cos_sin(positions, local, dtype, longest))
+    if cfg.local_rope is not None:
+        tables.append(rotary_cos_sin(positions, cfg.local_rope, dtype, longest))
     return tables
 
 

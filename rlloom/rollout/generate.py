@@ -130,23 +130,23 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
             if params.repetition_penalty != 1.0 else None)
     with routing(model) if record_routes else nullcontext() as routes:
         log = RouteLog(model, routes, n, width + t_max, dev) if record_routes else None
-        ids, mask, lp, live = _steps(model, prompts, params, eos_id, pad_id, generator,
-                                     use_cache, stops, cache, seen, log)
+        ids, mask, lp, live = _steps(model, prompt_ids, prompt_mask, params, eos_id, pad_id,
+                                     generator, use_cache, stops, cache, seen, log)
     used = int(mask.sum(0).nonzero().max()) + 1
     return Rollout(prompt_ids, prompt_mask, ids[:, :used], mask[:, :used], lp[:, :used],
                    ~live, routes=None if log is None else log.log[:, :width + used])
 
 
-def _steps(model: CausalLM, prompts: list[list[int]], params: SamplingParams, eos_id: int,
-           pad_id: int, generator: torch.Generator | None, use_cache: bool,
-           stops: StopMatcher, cache: KVCache | None, seen: torch.Tensor | None,
-           log: RouteLog | None
+def _steps(model: CausalLM, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+           params: SamplingParams, eos_id: int, pad_id: int,
+           generator: torch.Generator | None, use_cache: bool, stops: StopMatcher,
+           cache: KVCache | None, seen: torch.Tensor | None, log: RouteLog | None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`generate`'s decode loop: response ids, mask, log-probs and which rows are live."""
-    tails: list[list[int]] = [[] for _ in prompts]
-    dev = next(model.parameters()).device
-    prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
-    n, t_max, width = len(prompts), params.max_new_tokens, prompt_ids.shape[1]
+    """`generate`'s decode loop over the left-padded prompts: response ids, mask, log-probs
+    and which rows are live."""
+    n, width = prompt_ids.shape
+    t_max, dev = params.max_new_tokens, prompt_ids.device
+    tails: list[list[int]] = [[] for _ in range(n)]
     out_ids, out_mask, out_lp = outputs(n, t_max, pad_id, dev)
     live = torch.ones(n, dtype=torch.bool, device=dev)
     step_ids, step_mask = prompt_ids, prompt_mask

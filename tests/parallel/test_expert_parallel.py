@@ -67,19 +67,24 @@ def _ep_body():
     torch.testing.assert_close(logits, ref_logits[rows].detach(), **TOL)
     loss = loss_of(logits, labels[rows], n_tokens)
     loss.backward()
+    names = dict(model.named_parameters())
+    assert set(names) < set(dict(ref.named_parameters()))   # a slice of the full state
+    assert sum(map(is_expert_parameter, names)) == 2 * 2 * 3   # 2 layers x 2 experts x 3
+    _same_step_as(model, loss, ref, ref_loss)
+    gate = model.model.layers[0].mlp.gate.weight
+    assert gate.grad.abs().sum() > 0
+
+
+def _same_step_as(model, loss, ref, ref_loss):
+    """The ranks' summed loss and every gradient of `model` (its replicated ones reduced)
+    equal the one-process `ref`'s."""
     all_reduce_replicated_grads(model)
     total = loss.detach().clone()
     dist.all_reduce(total)
     torch.testing.assert_close(total, ref_loss.detach(), **TOL)
-
     ref_params = dict(ref.named_parameters())
-    names = dict(model.named_parameters())
-    assert set(names) < set(ref_params)                  # a slice of the full state
-    assert sum(map(is_expert_parameter, names)) == 2 * 2 * 3   # 2 layers x 2 experts x 3
-    for name, p in names.items():
+    for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=name)
-    gate = model.model.layers[0].mlp.gate.weight
-    assert gate.grad.abs().sum() > 0
 
 
 def test_ep2_forward_backward_match_single_process():
@@ -198,13 +203,7 @@ def _ep_replay_body():
     with routing(model, routes[rows]):               # each rank replays its own rows' routes
         loss = loss_of(model(ids[rows], mask[rows]), labels[rows], n_tokens)
         loss.backward()
-    all_reduce_replicated_grads(model)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    torch.testing.assert_close(total, ref_loss.detach(), **TOL)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=name)
+    _same_step_as(model, loss, ref, ref_loss)
 
 
 def test_ep2_replays_recorded_routes_as_one_process():

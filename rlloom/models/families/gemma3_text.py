@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.families import Family, UnsupportedArchitectureError
-from rlloom.models.families.gemma2 import query_pre_attn_scalar
 from rlloom.models.families.gemma2 import read as gemma2_read
+from rlloom.models.families.gemma2 import write as gemma2_write
 
 
 def _ropes(hf: dict[str, Any], norm: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -37,16 +37,9 @@ def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
 
 
 def write(cfg: Any) -> dict[str, Any]:
-    return {"attention_bias": cfg.qkv_bias, "attn_logit_softcapping": cfg.attn_softcap,
-            "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
-            "final_logit_softcapping": cfg.final_softcap,
-            "layer_types": ["sliding_attention" if i in cfg.sliding_layers
-                            else "full_attention" for i in range(cfg.num_layers)],
-            "sliding_window": cfg.sliding_window,
-            "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "sliding_attention": {"rope_type": "default",
-                                      "rope_theta": cfg.local_rope_theta}}}
+    return {**gemma2_write(cfg), "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}}
 
 
 FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", read, write)
