@@ -130,8 +130,7 @@ def rl_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         trl_values = {k: _plain(getattr(config, k)) for k in ("learning_rate",
                                                               "lr_scheduler_type")}
         # pairs per step (verl's name for train.prompts_per_step): per device x accumulation
-        trl_values["train_batch_size"] = (config.per_device_train_batch_size
-                                          * config.gradient_accumulation_steps)
+        trl_values["train_batch_size"] = _batch(config)
     else:
         _generation_shape(fields, config)
         trl_values = {**{name: _plain(getattr(config, name))
@@ -167,14 +166,18 @@ def fill_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> None:
         data[name] = value
 
 
+def _batch(config: Any) -> int:
+    """Rows per optimizer step on one device: TRL's per-device batch x its accumulation."""
+    return config.per_device_train_batch_size * config.gradient_accumulation_steps
+
+
 def _pairs_per_step(fields: dict[str, Any], config: Any, data: dict[str, Any]) -> None:
     """A DPO step's pairs: TRL's per-device batch times its accumulation (one device)."""
     batch = {"per_device_train_batch_size", "gradient_accumulation_steps"}
     if batch & fields.keys():
         for name in batch:
             fields.pop(name, None)
-        data.setdefault("train", {})["prompts_per_step"] = (
-            config.per_device_train_batch_size * config.gradient_accumulation_steps)
+        data.setdefault("train", {})["prompts_per_step"] = _batch(config)
 
 
 def sft_overrides(config: Any) -> list[str]:
@@ -191,8 +194,7 @@ def sft_overrides(config: Any) -> list[str]:
     # TRL's learning rate and batch hold when left at its defaults (2e-5, 8 per device)
     if not any(o.startswith("sft.lr=") for o in overrides):
         overrides.append(f"sft.lr={config.learning_rate!r}")
-    overrides.append(f"sft.batch_size="
-                     f"{config.per_device_train_batch_size * config.gradient_accumulation_steps}")
+    overrides.append(f"sft.batch_size={_batch(config)}")
     if fields:
         raise ConfigError("SFTConfig sets fields rlloom cannot honour: "
                           + "; ".join(_refusal(k) for k in fields))
