@@ -6,15 +6,17 @@ import functools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from rlloom.models.families import FAMILIES, UnsupportedArchitectureError
+import re
+
+from rlloom.models.families import FAMILIES, UnsupportedArchitectureError, shared_names
 
 # Hugging Face architecture name -> family (a module of rlloom/models/families each; a
 # family that changes the block adds a flag to ModelConfig below)
 SUPPORTED_ARCHITECTURES = {f.arch: name for name, f in FAMILIES.items()}
 FAMILY_TO_ARCH = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # The same families with one scalar output: reward models and critics.
-SCORING_ARCHITECTURES = {arch.replace("ForCausalLM", "ForSequenceClassification"): family
-                         for arch, family in SUPPORTED_ARCHITECTURES.items()}
+SCORING_ARCHITECTURES = {re.sub("(ForCausalLM|LMHeadModel)$", "ForSequenceClassification", arch):
+                         family for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
 
 # the gate activations the supported families use (transformers' ACT2FN names;
@@ -51,6 +53,9 @@ class ModelConfig:
     qkv_bias: bool = False         # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool = False           # Llama/Qwen3 attention_bias also biases o_proj
     mlp_bias: bool = False
+    layer_norm: bool = False       # GPT-2: LayerNorm with a bias instead of RMSNorm
+    gated_mlp: bool = True         # False (GPT-2): down(act(up(x))), no gate_proj
+    learned_positions: bool = False  # GPT-2: a position table added to the embeddings, no rope
     qk_norm: bool = False          # Qwen3 RMSNorm on per-head queries and keys ...
     qk_norm_whole: bool = False    # ... OLMo2: on all heads' queries and keys at once
     post_norms: bool = False       # OLMo2: x + norm(sublayer(x)), no norm before it
@@ -121,14 +126,17 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        d, hd = self.hidden_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        dense = 3 * d * self.intermediate_size
+        d, hd, f = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = 2 * d * (q + kv) + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        dense = (3 if self.gated_mlp else 2) * d * f + (f + d) * self.mlp_bias
         moe = self.n_experts * (3 * d * self.moe_intermediate_size + d)   # experts + router row
         mlp = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        norms = (4 if self.sandwich_norms else 2) * d
-        return self.num_layers * (attn + norms) + mlp + embed + d
+        positions = self.max_position_embeddings * d if self.learned_positions else 0
+        norm = 2 * d if self.layer_norm else d  # a LayerNorm's bias beside its weight
+        norms = (4 if self.sandwich_norms else 2) * norm
+        return self.num_layers * (attn + norms) + mlp + embed + positions + norm
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -140,11 +148,12 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r}; rlloom supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (and their *ForSequenceClassification "
                 "forms with one label as reward models)")
+        hf = shared_names(hf, family)
         heads = hf["num_attention_heads"]
         # transformers' own config class normalises what checkpoints spell in several ways
         # (rope_scaling vs rope_parameters, Qwen2's use_sliding_window + max_window_layers)
         norm = normalised_hf_config(hf, family)
-        rope = dict(norm.rope_parameters or {})
+        rope = dict(getattr(norm, "rope_parameters", None) or {})  # GPT-2: none
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") == "default":
             rope = {}
@@ -156,7 +165,7 @@ class ModelConfig:
             family=family,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size"),  # GPT-2 reads its n_inner
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -200,6 +209,11 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
         }
         hf.pop("rope_scaling", None)  # rope_parameters holds it
+        if self.learned_positions:
+            for key in ("rope_theta", "rope_parameters"):
+                hf.pop(key)
+        for own, shared in FAMILIES[self.family].hf_names.items():  # GPT-2's names
+            hf[own] = hf.pop(shared)
         hf.update(FAMILIES[self.family].write(self))
         return hf
 

@@ -1,5 +1,5 @@
 """Plain-PyTorch decoder of the supported families (rlloom/models/families: Llama, Qwen2/3,
-Mistral, Phi-3, OLMo 2; dense, and Qwen3-MoE / Mixtral with routed experts).
+Mistral, Phi-3, OLMo 2, Gemma 2/3, GPT-2; dense, and Qwen3-MoE / Mixtral with routed experts).
 
 Module names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`, ...) so a
 state dict loads without renaming. No distributed code lives here (docs/design.md): parallel
@@ -40,17 +40,61 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
-    """The family's RMSNorm over `dim` features (default: the hidden size)."""
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm | nn.LayerNorm:
+    """The family's norm over `dim` features (default: the hidden size): RMSNorm, or GPT-2's
+    LayerNorm."""
+    if cfg.layer_norm:
+        return nn.LayerNorm(dim or cfg.hidden_size, cfg.rms_norm_eps)
     return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
-class ScaledEmbedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    """Token embeddings. Every caller passes the tokens' positions [like ids]: a rotary
+    family ignores them here (they enter attention), GPT-2 adds its learned table's rows."""
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return super().forward(ids)
+
+
+class ScaledEmbedding(Embedding):
     """Gemma's embedding: the rows times sqrt(hidden_size), in the weights' dtype."""
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         scale = torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
         return super().forward(ids) * scale.to(self.weight.device)
+
+
+class PositionedEmbedding(Embedding):
+    """GPT-2's embedding: token rows plus the rows of a learned table of positions."""
+
+    def __init__(self, vocab: int, dim: int, positions: int) -> None:
+        super().__init__(vocab, dim)
+        self.positions = nn.Embedding(positions, dim)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if positions is None:
+            raise ValueError("a model with learned positions embeds tokens with their positions")
+        return super().forward(ids) + self.positions(positions)
+
+
+def check_positions(cfg: ModelConfig, prompt: int, new_tokens: int) -> None:
+    """Refuse a generation longer than a learned position table (GPT-2's 1,024 rows): past
+    it there is no embedding to look up."""
+    if cfg.learned_positions and prompt + new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompts of up to {prompt} tokens plus {new_tokens} new ones exceed the "
+            f"{cfg.max_position_embeddings} positions this {cfg.family} model has learned "
+            "(max_position_embeddings); lower rollout.max_new_tokens (and eval.max_new_tokens)"
+            " or data.max_prompt_tokens")
+
+
+def embedding(cfg: ModelConfig) -> Embedding:
+    if cfg.learned_positions:
+        return PositionedEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings)
+    return (ScaledEmbedding if cfg.embed_scale else Embedding)(cfg.vocab_size, cfg.hidden_size)
 
 
 class SoftcappedLinear(nn.Linear):
@@ -73,7 +117,12 @@ def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
     """cos, sin  # [batch, 1, seq, head_dim] for integer positions [batch, seq], with the
     model's rope scaling. Dynamic NTK scales by the sequence's length, `longest` (default:
     the last position here + 1, as Hugging Face counts a forward pass over these positions;
-    a sequence shard passes its whole sequence's)."""
+    a sequence shard passes its whole sequence's). Learned positions (GPT-2): no rotation,
+    cos 1 and sin 0, which attention does not read."""
+    if cfg.learned_positions:
+        b, s = positions.shape
+        return (torch.ones(b, 1, s, cfg.head_dim, dtype=dtype, device=positions.device),
+                torch.zeros(b, 1, s, cfg.head_dim, dtype=dtype, device=positions.device))
     if longest is None and cfg.rope_scaling.get("rope_type") == "dynamic":
         longest = int(positions.max()) + 1 if positions.numel() else 0  # a device sync
     inv_freq, scale = rope_frequencies(cfg, longest or 0)
@@ -148,6 +197,7 @@ class Attention(nn.Module):
         self.qk_norm, self.qk_norm_whole = cfg.qk_norm, cfg.qk_norm_whole
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd ** -0.5
         self.softcap = cfg.attn_softcap
+        self.rotary = not cfg.learned_positions
 
     def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., heads, hd], k [..., kv, hd] through the q/k norms, if the family has
@@ -168,8 +218,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.n_kv, self.hd)
         v = self.v_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
         q, k = self.normed_qk(q, k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)   # [b, heads, s, hd]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)      # [b, heads, s, hd]
+        if self.rotary:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         gqa = self.n_heads != self.n_kv
@@ -209,15 +260,20 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), or (GPT-2, not `gated_mlp`) down(act(up(x)))."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias)
+        if cfg.gated_mlp:
+            self.gate_proj = nn.Linear(d, f, bias=bias)
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
-        self.act = ACT_FNS[cfg.hidden_act]
+        self.act, self.gated = ACT_FNS[cfg.hidden_act], cfg.gated_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -299,8 +355,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = (ScaledEmbedding if cfg.embed_scale else nn.Embedding)(
-            cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = norm(cfg)
         self.unpack = Unpack()
@@ -317,7 +372,7 @@ class Backbone(nn.Module):
         positions, mask = positions_and_mask(attention_mask, past)
         masks = layer_masks(self.config, mask, past.shape[1])
         cache.append_mask(attention_mask)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids, positions)
         ropes = rope_tables(positions, self.config, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, *ropes[rope_kind(self.config, i)], masks[i], cache, i)
@@ -332,8 +387,9 @@ class Backbone(nn.Module):
         order = packed_order(attention_mask)
         if self.routes is not None:  # a replay reads the recorded routes in this order
             self.routes.order = order
-        x = self.embed_tokens(input_ids.gather(1, order))
-        ropes = rope_tables(packed_positions(attention_mask, order), self.config, x.dtype)
+        positions = packed_positions(attention_mask, order)
+        x = self.embed_tokens(input_ids.gather(1, order), positions)
+        ropes = rope_tables(positions, self.config, x.dtype)
         masks = window_masks(self.config, input_ids.shape[1], x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, *ropes[rope_kind(self.config, i)], masks[i], None, i)

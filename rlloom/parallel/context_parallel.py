@@ -148,7 +148,8 @@ class ContextParallelBackbone(nn.Module):
         # the rows' ids and mask are small: each rank gathers them whole to pack its shard
         ids, mask = (gather_sequence(t, 1, self.group) for t in (input_ids, attention_mask))
         shard = PackedShard.of(self.config, mask, rank * length, length)
-        x = self.embed_tokens(ids.gather(1, shard.order)[:, rank * length:(rank + 1) * length])
+        x = self.embed_tokens(ids.gather(1, shard.order)[:, rank * length:(rank + 1) * length],
+                              shard.positions)
         ropes = rope_tables(shard.positions, self.config, x.dtype, shard.longest)
         kv = KVGather(self.group, shard.keys)
         for i, layer in enumerate(self.layers):

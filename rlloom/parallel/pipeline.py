@@ -137,7 +137,7 @@ class StageModule(nn.Module):
             if self.is_first:
                 x = x.gather(1, order)
         if self.is_first:
-            x = self.model.embed_tokens(x)
+            x = self.model.embed_tokens(x, positions)
         ropes = rope_tables(positions, self.config, x.dtype, longest)
         if self.tp_mesh is not None:
             x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False

@@ -101,10 +101,11 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan.update({
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                       desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
+        if layer.mlp.gated:
+            plan["mlp.gate_proj"] = ColwiseParallel()
     else:
         # An MoE block runs on the whole sequence; each rank's expert slices give a part of
         # its output, summed into this rank's sequence shard by one reduce-scatter.

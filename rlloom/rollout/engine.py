@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlloom.models.moe import routing
-from rlloom.models.transformer import CausalLM, layer_masks, rope_kind, rope_tables
+from rlloom.models.transformer import (CausalLM, check_positions, layer_masks, rope_kind,
+                                      rope_tables)
 from rlloom.perf.model.memory import PREFILL_TOKENS
 from rlloom.rollout.engine_forward import (
     Forwarded,
@@ -169,6 +170,7 @@ class _Run:
         # prompt + t - 1, whose rotary row an idle slot still looks up.
         prompt = max(len(q) for q in prompts)
         max_len = prompt + t
+        check_positions(model.config, prompt, t)
         slots = self.slots = kv_slots(model, n, prompt, max_len, cfg.max_batch,
                                       cfg.kv_budget_bytes, False, cfg.prefill_tokens,
                                       cfg.record_routes)
@@ -420,7 +422,7 @@ class _Run:
                  for cos, sin in self.ropes]
         backbone = self.model.model
         cache = SlotWrite(self.cache, slot, start)
-        x = backbone.embed_tokens(ids)
+        x = backbone.embed_tokens(ids, torch.arange(start, end, device=self.device)[None])
         for i, layer in enumerate(backbone.layers):
             x = layer(x, *ropes[rope_kind(self.model.config, i)], masks[i], cache, i)
         self.lens[slot] = end

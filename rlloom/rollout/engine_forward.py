@@ -104,7 +104,7 @@ class FusedWeights:
         projs = (a.q_proj, a.k_proj, a.v_proj)
         split = tuple(p.weight.shape[0] for p in projs)
         gate_up = None
-        if isinstance(layer.mlp, MLP):
+        if isinstance(layer.mlp, MLP) and layer.mlp.gated:
             gate_up = _fused((layer.mlp.gate_proj, layer.mlp.up_proj))
         return cls(_fused(projs), split, gate_up)
 
@@ -165,7 +165,8 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     q, k, v = _project(layer.attn_input(x), w.qkv).split(w.split, -1)
     heads = w.split[0] // hd
     q, k = attn.normed_qk(q.view(rows, heads, hd), k.view(rows, kv, hd))
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if attn.rotary:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     # the cache keeps the parameters' dtype; autocast may hand lower precision
     kc.view(-1, hd).index_copy_(0, index, k.reshape(rows * kv, hd).to(kc.dtype))
     vc.view(-1, hd).index_copy_(0, index, v.reshape(rows * kv, hd).to(vc.dtype))
@@ -173,10 +174,10 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     # `width` positions of each (slot, kv head) are a strided view, not a copy
     keys = kc.view(rows * kv, cap, hd)[:, :width]
     if attn.softcap is None:
-        scores = torch.baddbmm(bias, q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2),
+        scores = torch.baddbmm(bias, q.reshape(rows * kv, heads // kv, hd), keys.transpose(1, 2),
                                alpha=attn.scale)
     else:  # capped before the mask, as the training pass does
-        scores = softcap(torch.bmm(q.view(rows * kv, heads // kv, hd), keys.transpose(1, 2))
+        scores = softcap(torch.bmm(q.reshape(rows * kv, heads // kv, hd), keys.transpose(1, 2))
                          * attn.scale, attn.softcap) + bias
     probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
     out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
@@ -205,7 +206,7 @@ def prefill_forward(model: CausalLM, ids: torch.Tensor, plen: torch.Tensor,
     ropes = [(cos[:width].view(1, 1, width, -1), sin[:width].view(1, 1, width, -1))
              for cos, sin in ropes]
     backbone, capture = model.model, Capture()
-    x = backbone.embed_tokens(ids)
+    x = backbone.embed_tokens(ids, torch.arange(width, device=ids.device)[None])
     for i, layer in enumerate(backbone.layers):
         x = layer(x, *ropes[rope_kind(model.config, i)], masks[i], capture, i)
     last = x[torch.arange(b, device=ids.device), plen - 1]
@@ -220,7 +221,7 @@ def decode_forward(model: CausalLM, fused: list[FusedWeights], cache: SlotKVCach
     `width` key positions; the new keys and values go into `cache`; logits [rows, V]."""
     rows, cap = len(tokens), cache.cap
     backbone, c, kv = model.model, model.config, cache.kv_heads
-    x = backbone.embed_tokens(tokens)                                     # [rows, hidden]
+    x = backbone.embed_tokens(tokens, lens)                               # [rows, hidden]
     ropes = [(cos[lens][:, None], sin[lens][:, None]) for cos, sin in ropes]  # [rows, 1, hd]
     # computed once per step for every layer: the additive mask over the key positions the
     # step reads (up to the widest held context, not the cache's whole capacity: a long

@@ -9,7 +9,7 @@ import torch
 
 from rlloom.models.cache import KVCache
 from rlloom.models.moe import routing
-from rlloom.models.transformer import CausalLM, kv_dtype, local_kv_heads
+from rlloom.models.transformer import CausalLM, check_positions, kv_dtype, local_kv_heads
 from rlloom.rollout.routes import RouteLog, pad_routes
 from rlloom.rollout.sampling import (
     Decode,
@@ -123,6 +123,7 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, 
     dev = next(model.parameters()).device
     prompt_ids, prompt_mask = (x.to(dev) for x in left_pad(prompts, pad_id))
     n, t_max, width = len(prompts), params.max_new_tokens, prompt_ids.shape[1]
+    check_positions(model.config, width, t_max)
     cache = (KVCache(model.config, n, width + t_max, kv_dtype(model), dev,
                      local_kv_heads(model)) if use_cache else None)
     # [n, vocab]: the tokens each sequence holds, for a repetition penalty

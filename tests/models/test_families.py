@@ -1,5 +1,5 @@
 """The families beyond Llama/Qwen/Mistral (rlloom/models/families: Mixtral, OLMo 2, Phi-3,
-Gemma 2, Gemma 3)
+Gemma 2, Gemma 3, GPT-2)
 against transformers on random-weight checkpoints it saved: logits of a left-padded batch,
 20 greedy tokens through the engine and through the plain cached decode, the export
 reloaded in transformers, and a PEFT adapter where the module names allow one. One TP and
@@ -37,6 +37,9 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+    # GPT-2's config spells the shared fields its own way (the class maps BASE's names), its
+    # MLP is n_inner wide (BASE's intermediate_size is a stray key it ignores, as rlloom must)
+    "gpt2": (transformers.GPT2LMHeadModel, dict(n_inner=80)),
 }
 
 
@@ -44,9 +47,9 @@ def save_family(path, name):
     cls, extra = FAMILIES[name]
     torch.manual_seed(0)
     hf = cls(cls.config_class(**BASE, **extra)).float().eval()
-    with torch.no_grad():  # norms are ones at init: randomise to test them
+    with torch.no_grad():  # norms are ones and biases zeros at init: randomise to test them
         for n, p in hf.named_parameters():
-            if "norm" in n:
+            if "norm" in n or ".ln_" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(path)
     return hf
@@ -120,7 +123,7 @@ def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
     from rlloom.perf.search.planner import _tp_applies
@@ -168,3 +171,21 @@ def test_gemma3_with_scaled_rope_in_an_older_config_is_refused():
     with pytest.raises(UnsupportedArchitectureError, match="rope_type 'linear' on its "
                                                            "full_attention layers"):
         ModelConfig.from_hf(cfg)
+
+
+def test_gpt2_past_its_learned_positions_is_refused_before_generating(tmp_path):
+    save_family(tmp_path, "gpt2")
+    model = load_model(tmp_path).eval()
+    params = SamplingParams(max_new_tokens=120, temperature=0.0)
+    for run in (lambda: engine_generate(model, [[5] * 9], params, eos_id=-1, pad_id=0),
+                lambda: generate(model, [[5] * 9], params, -1, 0)):
+        with pytest.raises(ValueError, match="9 tokens plus 120 new ones exceed the 128 "
+                                             "positions this gpt2 model has learned"):
+            run()
+
+
+def test_gpt2_with_layer_scaled_attention_is_refused(tmp_path):
+    cfg = transformers.GPT2Config(**BASE, scale_attn_by_inverse_layer_idx=True)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="scale_attn_by_inverse_layer_idx"):
+        load_model(tmp_path)

@@ -56,14 +56,16 @@ def test_left_padded_batch_matches_unpadded_rows(tmp_path, family):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    cfg = transformers.DeepseekV3Config(num_hidden_layers=1, hidden_size=16,
+                                        num_attention_heads=2, vocab_size=50)
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError) as e:
         load_model(tmp_path)
-    assert "unsupported architecture ['GPT2LMHeadModel']" in str(e.value)
+    assert "unsupported architecture ['DeepseekV3ForCausalLM']" in str(e.value)
     assert all(arch in str(e.value) for arch in (
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM"))
+        "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel"))
 
 
 def test_missing_model_directory_names_it(tmp_path):

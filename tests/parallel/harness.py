@@ -73,9 +73,16 @@ def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> Mod
         gemma = dict(sandwich_norms=True, norm_offset=True, embed_scale=True, attn_scale=0.3,
                      tie_word_embeddings=True, qk_norm=True, local_rope_theta=50.0,
                      sliding_window=4, sliding_layers=(0,))
+    # gpt2: learned positions, LayerNorms, biases everywhere, a plain MLP, full multi-head
+    # attention, a tied head
+    if family == "gpt2":
+        gemma = dict(layer_norm=True, gated_mlp=False, learned_positions=True, o_bias=True,
+                     mlp_bias=True, tie_word_embeddings=True, hidden_act="gelu_new",
+                     max_position_embeddings=64)
+        kv_heads = heads
     return ModelConfig(family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
-                       head_dim=32 // heads, qkv_bias=family == "qwen2",
+                       head_dim=32 // heads, qkv_bias=family in ("qwen2", "gpt2"),
                        qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
                        qk_norm_whole=family == "olmo2", post_norms=family == "olmo2", **moe,
                        **{k: v for k, v in gemma.items() if k != "qk_norm"})

@@ -75,6 +75,8 @@ CASES_2 = {
     "dp2 zero3 gemma2": dict(dp=2, zero=3, family="gemma2"),
     "tp2 sp gemma3": dict(tp=2, family="gemma3_text"),
     "dp2 zero3 gemma3": dict(dp=2, zero=3, family="gemma3_text"),
+    "tp2 sp gpt2": dict(tp=2, family="gpt2"),
+    "dp2 zero3 gpt2": dict(dp=2, zero=3, family="gpt2"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),
@@ -248,8 +250,9 @@ def greedy(model: torch.nn.Module, use_cache: bool) -> list[list[int]]:
 
 # Two kv heads per TP rank: a KV cache left at the global four would not fit them.
 GEN_MODEL = dict(seed=3, std=0.3, heads=8, kv_heads=4)
-GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2")  # MoE: experts split by features; Gemma2:
-#                                              capped scores and logits, sandwich norms
+# MoE: experts split by features; Gemma2: capped scores and logits, sandwich norms; GPT-2:
+# learned positions, LayerNorms, a plain MLP
+GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2", "gpt2")
 
 
 def tp_generation(family: str) -> dict[str, list[list[int]]]:
@@ -343,9 +346,11 @@ def test_tp_greedy_generation_matches_single_process(world2, family):
         assert got["cache"] == expected, f"rank {rank} with KV cache"
         assert got["no cache"] == expected, f"rank {rank} without KV cache"
         # the engine's budget holds on a sharded model: one row at a time on both ranks (the
-        # smaller budget), each caching its rank's two of the four kv heads
+        # smaller budget), each caching its rank's half of the kv heads (two of four; GPT-2's
+        # full multi-head attention: four of eight)
         assert got["engine"]["ids"] == expected, f"rank {rank}, engine"
-        assert got["engine"]["rows"] == [(1, 2)] * len(PROMPTS), got["engine"]
+        kv = plain.config.num_kv_heads // 2
+        assert got["engine"]["rows"] == [(1, kv)] * len(PROMPTS), got["engine"]
         assert got["engine"]["per row"] == kv_bytes_per_slot(plain, 16) // 2
 
 

@@ -40,10 +40,20 @@ class Family:
     to_checkpoint: Callable[[State, Any], State] = field(default=_same)
     # a PEFT adapter of rlloom's module names loads into this family's transformers model
     peft_names: bool = True
+    # config.json names of this family -> the shared ones (GPT-2's n_embd: hidden_size)
+    hf_names: dict[str, str] = field(default_factory=dict)
+
+
+def shared_names(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """`hf` (a config.json of `family`, a transformers model type) with the family's own
+    names of the shared fields read under the shared names too; its own name wins over a
+    stray shared one."""
+    names = FAMILIES[family].hf_names if family in FAMILIES else {}
+    return {**hf, **{shared: hf[own] for own, shared in names.items() if own in hf}}
 
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3",
-            "gemma2", "gemma3_text")
+            "gemma2", "gemma3_text", "gpt2")
 FAMILIES: dict[str, Family] = {}
 for _name in _MODULES:
     _family = importlib.import_module(f"{__name__}.{_name}").FAMILY

@@ -30,6 +30,8 @@ class ModelShape:
     post_norms: bool = False  # OLMo2's norms after the sublayers (not split by TP yet)
     layer_norms: int = 2      # RMSNorms per layer (Gemma2's before and after each sublayer: 4)
     attn_softcap: bool = False  # Gemma2's capped scores: attention without a fused kernel
+    biases: bool = False      # GPT-2: o_proj, the MLP and every LayerNorm biased too
+    positions: int = 0        # GPT-2: rows of a learned position table
 
     @property
     def moe(self) -> bool:
@@ -49,7 +51,7 @@ class ModelShape:
         """Per layer: Q, K, V, O projections (4 d^2 when there is no GQA)."""
         d = self.hidden
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
-        return 2 * d * self.q_width + 2 * d * self.kv_width + bias
+        return 2 * d * self.q_width + 2 * d * self.kv_width + bias + d * self.biases
 
     def lora_params(self, rank: int) -> int:
         """LoRA adapters of rank `rank` on every projection (q, k, v, o and the MLP's, routed
@@ -61,7 +63,8 @@ class ModelShape:
         return rank * self.layers * (attn + ffn)
 
     def _mlp(self, width: int) -> int:
-        return (3 if self.gated_mlp else 2) * self.hidden * width
+        bias = (width + self.hidden) * self.biases
+        return (3 if self.gated_mlp else 2) * self.hidden * width + bias
 
     @cached_property
     def mlp_params(self) -> int:
@@ -81,11 +84,13 @@ class ModelShape:
     def params(self) -> int:
         """|M|. Adds to the plain L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
         QKV biases, MoE experts and router, the RMSNorm vectors of each layer plus a final one,
-        and a separate output embedding when it is not tied."""
-        d = self.hidden
-        per_layer = self.attn_params + self.mlp_params + self.layer_norms * d
-        embeddings = self.vocab * d * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + embeddings + d
+        and a separate output embedding when it is not tied; GPT-2's biases and position
+        table."""
+        norm = self.hidden * (2 if self.biases else 1)
+        per_layer = self.attn_params + self.mlp_params + self.layer_norms * norm
+        embeddings = (self.vocab * (1 if self.tied_embeddings else 2) + self.positions) \
+            * self.hidden
+        return self.layers * per_layer + embeddings + norm
 
     @cached_property
     def active_matmul_params(self) -> int:
@@ -141,18 +146,21 @@ class ModelShape:
         """Read a Hugging Face `config.json`: a supported family's with the runtime's own
         reader of its fields (rlloom/models/families), another's from the keys most
         families share."""
-        from rlloom.models.families import FAMILIES
+        from rlloom.models.families import FAMILIES, shared_names
+        model_type = cfg.get("model_type", "")
+        cfg = shared_names(cfg, model_type)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        model_type = cfg.get("model_type", "")
         fam = FAMILIES[model_type].read(cfg, None) if model_type in FAMILIES else {}
         n_experts = fam.get("n_experts",
                             cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
         return cls(
             name=name or cfg.get("_name_or_path", model_type),
-            layers=cfg["num_hidden_layers"], hidden=hidden, ffn=cfg["intermediate_size"],
-            heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
+            layers=cfg["num_hidden_layers"], hidden=hidden,
+            ffn=fam.get("intermediate_size", cfg.get("intermediate_size")),
+            heads=heads, kv_heads=fam.get("num_kv_heads", cfg.get("num_key_value_heads", heads)),
+            head_dim=fam.get("head_dim", cfg.get("head_dim") or hidden // heads),
+            vocab=cfg["vocab_size"],
             tied_embeddings=bool(fam.get("tie_word_embeddings",
                                          cfg.get("tie_word_embeddings", False))),
             qkv_bias=fam.get("qkv_bias", bool(cfg.get("attention_bias", False))),
@@ -163,7 +171,9 @@ class ModelShape:
             if n_experts else 0,
             post_norms=fam.get("post_norms", False),
             layer_norms=4 if fam.get("sandwich_norms") else 2,
-            attn_softcap=fam.get("attn_softcap") is not None)
+            attn_softcap=fam.get("attn_softcap") is not None,
+            gated_mlp=fam.get("gated_mlp", True), biases=fam.get("layer_norm", False),
+            positions=cfg["max_position_embeddings"] if fam.get("learned_positions") else 0)
 
 
 def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int,
