@@ -24,7 +24,7 @@ from rlloom.plan import Layout
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-def tiny_model() -> CausalLM:
+def tiny_model(gpt2: bool = False) -> CausalLM:
     # layer 1 attends within a window of 3 keys, which crosses the shard boundary, with a
     # rotary base of its own (Gemma3's local layers); dynamic rope past 8 positions makes
     # every shard's rotary depend on the whole sequence's length
@@ -33,6 +33,12 @@ def tiny_model() -> CausalLM:
                       sliding_window=3, sliding_layers=(1,), max_position_embeddings=8,
                       rope_scaling={"rope_type": "dynamic", "factor": 2.0},
                       local_rope_theta=50.0)
+    if gpt2:  # each shard embeds its packed positions from the learned table
+        cfg = ModelConfig(family="gpt2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+                          layer_norm=True, gated_mlp=False, learned_positions=True,
+                          qkv_bias=True, o_bias=True, mlp_bias=True, hidden_act="gelu_new",
+                          max_position_embeddings=16, tie_word_embeddings=True)
     model = CausalLM(cfg).double()
     model.init_weights(seed=0, std=0.1)
     return model
@@ -70,12 +76,12 @@ def test_a_shard_of_packed_rows_sees_the_keys_up_to_its_own_queries():
     assert torch.equal(unpack(x.gather(1, shard.order), shard.order), x)
 
 
-def _reference():
+def _reference(gpt2: bool = False):
     """The batch, its token count, and the one process's model, logits and loss (backward
     done)."""
     ids, mask, labels = batch()
     n_tokens = (labels != -100).sum()
-    ref = tiny_model()
+    ref = tiny_model(gpt2)
     ref_logits = ref(ids, mask)
     ref_loss = loss_of(ref_logits, labels, n_tokens)
     ref_loss.backward()
@@ -83,9 +89,14 @@ def _reference():
 
 
 def _cp_body():
-    ids, mask, labels, n_tokens, ref, ref_logits, ref_loss = _reference()
+    for gpt2 in (False, True):
+        _cp_matches(gpt2)
 
-    model = apply_context_parallel(tiny_model())
+
+def _cp_matches(gpt2: bool) -> None:
+    ids, mask, labels, n_tokens, ref, ref_logits, ref_loss = _reference(gpt2)
+
+    model = apply_context_parallel(tiny_model(gpt2))
     assert set(model.state_dict()) == set(ref.state_dict())
     # the backbone returns this rank's shard of the packed rows (real tokens first)
     order = packed_order(mask)
