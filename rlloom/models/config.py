@@ -136,6 +136,8 @@ class ModelConfig:
         positions = self.max_position_embeddings * d if self.learned_positions else 0
         norm = 2 * d if self.layer_norm else d  # a LayerNorm's bias beside its weight
         norms = (4 if self.sandwich_norms else 2) * norm
+        if self.qk_norm:  # per head, or (OLMo2) over all heads
+            norms += (self.num_heads + self.num_kv_heads) * hd if self.qk_norm_whole else 2 * hd
         return self.num_layers * (attn + norms) + mlp + embed + positions + norm
 
     @classmethod

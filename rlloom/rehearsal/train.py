@@ -68,20 +68,22 @@ class Rehearsed:
 
 def model_config(shape: ModelShape) -> ModelConfig:
     """The rlloom model config of a priced shape (Qwen2 with QKV biases, Qwen3-MoE with
-    experts, OLMo2 with norms after the sublayers, Gemma2 with capped attention, Llama
-    otherwise)."""
-    family = ("qwen3_moe" if shape.moe else "qwen2" if shape.qkv_bias
-              else "olmo2" if shape.post_norms else "gemma2" if shape.attn_softcap
-              else "llama")
+    experts, OLMo2 with norms after the sublayers, Gemma2 with capped attention, GPT-2 with a
+    plain MLP, Llama otherwise)."""
+    family = ("qwen3_moe" if shape.moe else "gpt2" if not shape.gated_mlp
+              else "qwen2" if shape.qkv_bias else "olmo2" if shape.post_norms
+              else "gemma2" if shape.attn_softcap else "llama")
     hf = {"architectures": [FAMILY_TO_ARCH[family]], "model_type": family,
           "vocab_size": shape.vocab, "hidden_size": shape.hidden,
           "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,
           "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
           "head_dim": shape.head_dim, "tie_word_embeddings": shape.tied_embeddings,
-          "max_position_embeddings": 131072}
+          "max_position_embeddings": shape.positions or 131072}
     if shape.attn_softcap:  # Gemma2's caps (its checkpoints': 50 and 30)
         hf.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                   query_pre_attn_scalar=shape.head_dim, hidden_activation="gelu_pytorch_tanh")
+    if family == "gpt2":
+        hf.update(n_inner=shape.ffn, activation_function="gelu_new")
     if shape.moe:
         hf.update(num_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
                   moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True)

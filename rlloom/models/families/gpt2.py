@@ -25,7 +25,7 @@ def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
             raise UnsupportedArchitectureError(
                 f"GPT-2 with {flag}=true is not supported; rlloom implements GPT-2 as "
                 "released (every layer's scores scaled by head_dim ** -0.5, no cross-attention)")
-    d, heads = hf["n_embd"], hf["n_head"]
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]  # read under the shared names
     return dict(intermediate_size=hf.get("n_inner") or 4 * d, num_kv_heads=heads,
                 head_dim=d // heads, qkv_bias=True, o_bias=True, mlp_bias=True,
                 layer_norm=True, gated_mlp=False, learned_positions=True,

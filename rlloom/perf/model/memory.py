@@ -44,7 +44,7 @@ def params_per_device(shape: ModelShape, layout: Layout) -> float:
     experts."""
     ends = 1 if shape.tied_embeddings or layout.pp > 1 else 2
     p = (shape.layers * layer_params(shape, Layout(tp=layout.tp)) / layout.pp
-         + shape.vocab * shape.hidden * ends + shape.hidden)
+         + (shape.vocab * ends + shape.positions) * shape.hidden + shape.norm_params)
     if shape.moe and layout.ep > 1:
         p -= expert_params_per_device(shape, layout) * (layout.ep - 1)
     return p
@@ -132,7 +132,8 @@ def layer_params(shape: ModelShape, layout: Layout) -> float:
     router = shape.hidden * shape.n_experts
     experts = shape.mlp_params - router if shape.moe else 0.0
     split = shape.attn_params + shape.mlp_params - router - experts * (1 - 1 / layout.ep)
-    return split / layout.tp + 2 * shape.hidden + router
+    norms = shape.layer_norms * shape.norm_params + shape.qk_norm_params
+    return split / layout.tp + norms + router
 
 
 def working_weight_bytes(shape: ModelShape, layout: Layout) -> float:

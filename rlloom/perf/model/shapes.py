@@ -32,6 +32,13 @@ class ModelShape:
     attn_softcap: bool = False  # Gemma2's capped scores: attention without a fused kernel
     biases: bool = False      # GPT-2: o_proj, the MLP and every LayerNorm biased too
     positions: int = 0        # GPT-2: rows of a learned position table
+    qk_norm_params: int = 0   # per layer: Qwen3's per-head q/k norms (2 head_dim), OLMo2's
+    #                           over all heads ((heads + kv_heads) head_dim)
+
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters: RMSNorm's weight, or a LayerNorm's weight and bias."""
+        return self.hidden * (2 if self.biases else 1)
 
     @property
     def moe(self) -> bool:
@@ -86,11 +93,11 @@ class ModelShape:
         QKV biases, MoE experts and router, the RMSNorm vectors of each layer plus a final one,
         and a separate output embedding when it is not tied; GPT-2's biases and position
         table."""
-        norm = self.hidden * (2 if self.biases else 1)
-        per_layer = self.attn_params + self.mlp_params + self.layer_norms * norm
+        per_layer = (self.attn_params + self.mlp_params + self.layer_norms * self.norm_params
+                     + self.qk_norm_params)
         embeddings = (self.vocab * (1 if self.tied_embeddings else 2) + self.positions) \
             * self.hidden
-        return self.layers * per_layer + embeddings + norm
+        return self.layers * per_layer + embeddings + self.norm_params
 
     @cached_property
     def active_matmul_params(self) -> int:
@@ -173,7 +180,18 @@ class ModelShape:
             layer_norms=4 if fam.get("sandwich_norms") else 2,
             attn_softcap=fam.get("attn_softcap") is not None,
             gated_mlp=fam.get("gated_mlp", True), biases=fam.get("layer_norm", False),
-            positions=cfg["max_position_embeddings"] if fam.get("learned_positions") else 0)
+            positions=cfg["max_position_embeddings"] if fam.get("learned_positions") else 0,
+            qk_norm_params=_qk_norm_params(fam, heads, cfg))
+
+
+def _qk_norm_params(fam: dict[str, Any], heads: int, cfg: dict[str, Any]) -> int:
+    if not fam.get("qk_norm"):
+        return 0
+    head_dim = fam.get("head_dim", cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    if fam.get("qk_norm_whole"):
+        return (heads + fam.get("num_kv_heads", cfg.get("num_key_value_heads", heads))) \
+            * head_dim
+    return 2 * head_dim
 
 
 def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int,
