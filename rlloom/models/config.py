@@ -66,6 +66,7 @@ class ModelConfig:
     attn_softcap: float | None = None   # Gemma2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma2: logits -> cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # Gemma3: the sliding layers' own rotary base
+    attn_sinks: bool = False       # gpt-oss: a learned logit per head in each softmax's sum
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -76,6 +77,10 @@ class ModelConfig:
     norm_topk_prob: bool = False   # renormalise the k chosen router probabilities to sum to 1
     decoder_sparse_step: int = 1   # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    router_bias: bool = False      # gpt-oss: the router and ...
+    expert_bias: bool = False      # ... every expert projection biased
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU experts (moe.Expert)
+    swiglu_alpha: float = 1.702
     # the checkpoint's own config.json, written back on export with rlloom's fields on top,
     # so fields rlloom does not read survive a round trip
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -130,7 +135,9 @@ class ModelConfig:
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = 2 * d * (q + kv) + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
         dense = (3 if self.gated_mlp else 2) * d * f + (f + d) * self.mlp_bias
-        moe = self.n_experts * (3 * d * self.moe_intermediate_size + d)   # experts + router row
+        fe = self.moe_intermediate_size   # experts, biases (gpt-oss), router rows and biases
+        moe = self.n_experts * (3 * d * fe + (2 * fe + d) * self.expert_bias + d
+                                + self.router_bias)
         mlp = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         positions = self.max_position_embeddings * d if self.learned_positions else 0
@@ -138,6 +145,7 @@ class ModelConfig:
         norms = (4 if self.sandwich_norms else 2) * norm
         if self.qk_norm:  # per head, or (OLMo2) over all heads
             norms += (self.num_heads + self.num_kv_heads) * hd if self.qk_norm_whole else 2 * hd
+        norms += self.num_heads * self.attn_sinks
         return self.num_layers * (attn + norms) + mlp + embed + positions + norm
 
     @classmethod
@@ -150,6 +158,13 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r}; rlloom supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (and their *ForSequenceClassification "
                 "forms with one label as reward models)")
+        quant = hf.get("quantization_config")
+        if quant:
+            raise UnsupportedArchitectureError(
+                f"this {family} checkpoint is quantised ({quant.get('quant_method', quant)}); "
+                "rlloom trains full-precision weights: dequantise it first, e.g. load it in "
+                "transformers with the quantisation's dequantize option (Mxfp4Config("
+                "dequantize=True) for gpt-oss) and save_pretrained in bf16")
         hf = shared_names(hf, family)
         heads = hf["num_attention_heads"]
         # transformers' own config class normalises what checkpoints spell in several ways

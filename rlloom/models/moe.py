@@ -23,25 +23,35 @@ from rlloom.models.config import ModelConfig
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert (Qwen3-MoE experts have no biases)."""
+    """One SwiGLU expert: act(gate(x)) * up(x) through down, without biases (Qwen3-MoE,
+    Mixtral), or gpt-oss's with biases and a clamped gate: (clamp(up, -limit, limit) + 1) *
+    g * sigmoid(alpha * g) with g = min(gate, limit)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = ACT_FNS[act]
+        hidden, ffn, bias = cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias
+        self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.up_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.down_proj = nn.Linear(ffn, hidden, bias=bias)
+        self.act, self.limit, self.alpha = ACT_FNS[cfg.hidden_act], cfg.swiglu_limit, \
+            cfg.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under tensor parallelism the weights are DTensor shards (gate/up by output features,
         # down by input features): each rank computes its part of the output's sum.
-        gate, up, down = (_local(m.weight) for m in (self.gate_proj, self.up_proj,
-                                                      self.down_proj))
-        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
+        gate, up = (F.linear(x, local(m.weight), local(m.bias))
+                    for m in (self.gate_proj, self.up_proj))
+        if self.limit is None:
+            h = self.act(gate) * up
+        else:
+            g = gate.clamp(max=self.limit)
+            h = (up.clamp(-self.limit, self.limit) + 1) * g * torch.sigmoid(g * self.alpha)
+        return F.linear(h, local(self.down_proj.weight), local(self.down_proj.bias))
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if hasattr(w, "to_local") else w
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a parameter tensor parallelism made a DTensor (else itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _SumGrads(torch.autograd.Function):
@@ -175,13 +185,11 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=cfg.router_bias)
         self.tp_group: dist.ProcessGroup | None = None   # set by tensor parallelism
         self.moe_index = moe_index                       # among the model's MoE layers
         self.routes: Routes | None = None                # set by `routing`
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-            for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """weights, expert indices  # [tokens, k] for flat tokens x [tokens, d]."""

@@ -18,7 +18,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from rlloom.models.activations import ACT_FNS
 from rlloom.models.cache import KVCache
 from rlloom.models.config import ModelConfig, normalised_hf_config
-from rlloom.models.moe import MoEBlock
+from rlloom.models.moe import MoEBlock, local
 
 
 class RMSNorm(nn.Module):
@@ -198,6 +198,9 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd ** -0.5
         self.softcap = cfg.attn_softcap
         self.rotary = not cfg.learned_positions
+        # gpt-oss: each head's sink logit joins its softmax's denominator (tensor
+        # parallelism splits them with the heads)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attn_sinks else None
 
     def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., heads, hd], k [..., kv, hd] through the q/k norms, if the family has
@@ -234,8 +237,8 @@ class Attention(nn.Module):
             # transformers does. One decoded token's scores are small either way.
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
-        if self.softcap is not None:  # no fused kernel caps the scores
-            out = capped_attention(q, k, v, mask, self.scale, self.softcap)
+        if self.softcap is not None or self.sinks is not None:  # no fused kernel for these
+            out = eager_attention(q, k, v, mask, self.scale, self.softcap, local(self.sinks))
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                  is_causal=mask is None, enable_gqa=gqa,
@@ -243,12 +246,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
 
 
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | CausalBias | None, scale: float, cap: float
-                     ) -> torch.Tensor:
-    """Attention whose scores are soft-capped before the mask and softmax (Gemma2), as
-    SDPA's math would run it: q [b, heads, s, hd], k and v [b, kv, keys, hd]; `mask` None or a
-    CausalBias is causal aligned to the last key."""
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | CausalBias | None, scale: float, cap: float | None,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention as SDPA's math would run it, for what no fused kernel here takes: scores
+    soft-capped before the mask and softmax (Gemma2), a sink logit per head [heads] in each
+    softmax whose column is then dropped (gpt-oss). q [b, heads, s, hd], k and v [b, kv,
+    keys, hd]; `mask` None or a CausalBias is causal aligned to the last key."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     if mask is None or isinstance(mask, CausalBias):
@@ -256,7 +260,18 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
     scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    sinks = None if sinks is None else sinks.view(-1, 1)  # [heads, 1]: over the queries
+    return torch.matmul(sink_softmax(scores, sinks).to(q.dtype), v)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the keys (dim -1) of `scores` in fp32 (fp64 kept), with a sink logit
+    in each sum when `sinks` (broadcast to scores.shape[:-1]) is given."""
+    wide = torch.promote_types(scores.dtype, torch.float32)
+    if sinks is None:
+        return scores.softmax(-1, dtype=wide)
+    sink = sinks.to(scores.dtype).unsqueeze(-1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1, dtype=wide)[..., :-1]
 
 
 class MLP(nn.Module):

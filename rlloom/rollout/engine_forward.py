@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlloom.models.lora import LoRALinear
+from rlloom.models.moe import local
 from rlloom.models.transformer import (MLP, CausalLM, apply_rotary, layer_masks, rope_kind,
-                                       softcap)
+                                       sink_softmax, softcap)
 from rlloom.rollout.slot_cache import DTensor, SlotKVCache
 
 
@@ -179,7 +180,9 @@ def decode_layer(layer: nn.Module, w: FusedWeights, x: torch.Tensor, cos: torch.
     else:  # capped before the mask, as the training pass does
         scores = softcap(torch.bmm(q.reshape(rows * kv, heads // kv, hd), keys.transpose(1, 2))
                          * attn.scale, attn.softcap) + bias
-    probs = scores.softmax(-1, dtype=torch.float32).to(x.dtype)
+    sinks = local(attn.sinks)  # query head h's row of this [rows * kv, heads / kv] grid
+    probs = sink_softmax(scores, None if sinks is None else sinks.view(kv, -1).repeat(rows, 1)
+                         ).to(x.dtype)
     out = torch.bmm(probs, vc.view(rows * kv, cap, hd)[:, :width]).view(rows, heads * hd)
     x = layer.attn_output(x, attn.o_proj(out))
     h = layer.mlp_input(x)

@@ -1,5 +1,5 @@
 """The families beyond Llama/Qwen/Mistral (rlloom/models/families: Mixtral, OLMo 2, Phi-3,
-Gemma 2, Gemma 3, GPT-2)
+Gemma 2, Gemma 3, GPT-2, gpt-oss)
 against transformers on random-weight checkpoints it saved: logits of a left-padded batch,
 20 greedy tokens through the engine and through the plain cached decode, the export
 reloaded in transformers, and a PEFT adapter where the module names allow one. One TP and
@@ -40,16 +40,21 @@ FAMILIES = {
     # GPT-2's config spells the shared fields its own way (the class maps BASE's names), its
     # MLP is n_inner wide (BASE's intermediate_size is a stray key it ignores, as rlloom must)
     "gpt2": (transformers.GPT2LMHeadModel, dict(n_inner=80)),
+    # sinks, biased router and experts, clamped SwiGLU, a window on alternate layers, yarn
+    # (small experts and a low clamp, so that clamping changes activations)
+    "gpt_oss": (transformers.GptOssForCausalLM, dict(
+        head_dim=12, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=6, swiglu_limit=0.5, max_position_embeddings=4096)),
 }
 
 
 def save_family(path, name):
     cls, extra = FAMILIES[name]
     torch.manual_seed(0)
-    hf = cls(cls.config_class(**BASE, **extra)).float().eval()
+    hf = cls(cls.config_class(**{**BASE, **extra})).float().eval()
     with torch.no_grad():  # norms are ones and biases zeros at init: randomise to test them
         for n, p in hf.named_parameters():
-            if "norm" in n or ".ln_" in n or n.endswith("bias"):
+            if "norm" in n or ".ln_" in n or "bias" in n:
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(path)
     return hf
