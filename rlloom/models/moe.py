@@ -35,6 +35,7 @@ class Expert(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)
         self.act, self.limit, self.alpha = ACT_FNS[cfg.hidden_act], cfg.swiglu_limit, \
             cfg.swiglu_alpha
+        self.tp_group: dist.ProcessGroup | None = None   # set by tensor parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under tensor parallelism the weights are DTensor shards (gate/up by output features,
@@ -46,7 +47,12 @@ class Expert(nn.Module):
         else:
             g = gate.clamp(max=self.limit)
             h = (up.clamp(-self.limit, self.limit) + 1) * g * torch.sigmoid(g * self.alpha)
-        return F.linear(h, local(self.down_proj.weight), local(self.down_proj.bias))
+        bias = local(self.down_proj.bias)
+        if bias is not None and self.tp_group is not None:
+            # each rank's output is a part of the sum: each adds its share of the whole bias,
+            # whose gradient is then the sum of the shares' (the same on every rank)
+            bias = _SumGrads.apply(bias, self.tp_group) / dist.get_world_size(self.tp_group)
+        return F.linear(h, local(self.down_proj.weight), bias)
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

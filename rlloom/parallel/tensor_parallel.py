@@ -124,18 +124,25 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     parallelize_module(layer, tp_mesh, plan)
+    if attn.sinks is not None:  # gpt-oss: each head's sink goes with the head
+        attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
     _localise_heads(attn, tp_mesh.size())
 
 
 def _shard_experts(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split every expert of an MoE block (a whole one, or this rank's share under expert
-    parallelism) by features over `tp_mesh`, as an MLP is: gate and up by output rows, down
-    by input columns."""
+    parallelism) by features over `tp_mesh`, as an MLP is: gate and up by output rows (and
+    their biases with them), down by input columns; down's bias (gpt-oss) stays whole, and
+    each rank adds its share of it to its part of the output's sum (`Expert`)."""
     for expert in block.experts.values() if isinstance(block.experts, nn.ModuleDict) \
             else block.experts:
         for linear, dim in ((expert.gate_proj, 0), (expert.up_proj, 0), (expert.down_proj, 1)):
             linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, tp_mesh,
                                                            [Shard(dim)]))
+            if linear.bias is not None:
+                linear.bias = nn.Parameter(distribute_tensor(
+                    linear.bias.data, tp_mesh, [Shard(0) if dim == 0 else Replicate()]))
+        expert.tp_group = tp_mesh.get_group()
     block.tp_group = tp_mesh.get_group()
 
 

@@ -67,10 +67,11 @@ class Rehearsed:
 
 
 def model_config(shape: ModelShape) -> ModelConfig:
-    """The rlloom model config of a priced shape (Qwen2 with QKV biases, Qwen3-MoE with
-    experts, OLMo2 with norms after the sublayers, Gemma2 with capped attention, GPT-2 with a
-    plain MLP, Llama otherwise)."""
-    family = ("qwen3_moe" if shape.moe else "gpt2" if not shape.gated_mlp
+    """The rlloom model config of a priced shape (gpt-oss with sinks and experts, Qwen3-MoE
+    with experts, Qwen2 with QKV biases, OLMo2 with norms after the sublayers, Gemma2 with
+    capped attention, GPT-2 with a plain MLP, Llama otherwise)."""
+    family = ("gpt_oss" if shape.attn_sinks else "qwen3_moe" if shape.moe
+              else "gpt2" if not shape.gated_mlp
               else "qwen2" if shape.qkv_bias else "olmo2" if shape.post_norms
               else "gemma2" if shape.attn_softcap else "llama")
     hf = {"architectures": [FAMILY_TO_ARCH[family]], "model_type": family,
@@ -84,7 +85,11 @@ def model_config(shape: ModelShape) -> ModelConfig:
                   query_pre_attn_scalar=shape.head_dim, hidden_activation="gelu_pytorch_tanh")
     if family == "gpt2":
         hf.update(n_inner=shape.ffn, activation_function="gelu_new")
-    if shape.moe:
+    if family == "gpt_oss":  # its experts are intermediate_size wide; no window rehearsed
+        hf.update(num_local_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
+                  intermediate_size=shape.moe_ffn, layer_types=["full_attention"] * shape.layers,
+                  rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    elif shape.moe:
         hf.update(num_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
                   moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True)
     return ModelConfig.from_hf(hf)

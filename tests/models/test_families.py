@@ -128,7 +128,7 @@ def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2"])
+@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2", "gpt_oss"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
     from rlloom.perf.search.planner import _tp_applies
@@ -191,4 +191,15 @@ def test_gpt2_with_layer_scaled_attention_is_refused(tmp_path):
     cfg = transformers.GPT2Config(**BASE, scale_attn_by_inverse_layer_idx=True)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="scale_attn_by_inverse_layer_idx"):
+        load_model(tmp_path)
+
+
+def test_a_quantised_checkpoint_is_refused_with_how_to_dequantise(tmp_path):
+    import json
+    save_family(tmp_path, "gpt_oss")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}   # as the released checkpoints
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError,
+                       match=r"quantised \(mxfp4\).*Mxfp4Config\(dequantize=True\)"):
         load_model(tmp_path)

@@ -65,7 +65,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     assert all(arch in str(e.value) for arch in (
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel"))
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM"))
 
 
 def test_missing_model_directory_names_it(tmp_path):

@@ -80,9 +80,14 @@ def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> Mod
                      mlp_bias=True, tie_word_embeddings=True, hidden_act="gelu_new",
                      max_position_embeddings=64)
         kv_heads = heads
+    # gpt-oss: sinks, biased router and experts with a low clamp, a sliding first layer
+    if family == "gpt_oss":
+        moe = dict(n_experts=4, experts_per_token=2, moe_intermediate_size=16,
+                   norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=0.5)
+        gemma = dict(attn_sinks=True, o_bias=True, sliding_window=4, sliding_layers=(0,))
     return ModelConfig(family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
-                       head_dim=32 // heads, qkv_bias=family in ("qwen2", "gpt2"),
+                       head_dim=32 // heads, qkv_bias=family in ("qwen2", "gpt2", "gpt_oss"),
                        qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
                        qk_norm_whole=family == "olmo2", post_norms=family == "olmo2", **moe,
                        **{k: v for k, v in gemma.items() if k != "qk_norm"})

@@ -77,6 +77,8 @@ CASES_2 = {
     "dp2 zero3 gemma3": dict(dp=2, zero=3, family="gemma3_text"),
     "tp2 sp gpt2": dict(tp=2, family="gpt2"),
     "dp2 zero3 gpt2": dict(dp=2, zero=3, family="gpt2"),
+    "tp2 sp gpt_oss": dict(tp=2, family="gpt_oss"),
+    "dp2 ep2 zero3 gpt_oss": dict(dp=2, ep=2, zero=3, family="gpt_oss"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),
@@ -252,7 +254,7 @@ def greedy(model: torch.nn.Module, use_cache: bool) -> list[list[int]]:
 GEN_MODEL = dict(seed=3, std=0.3, heads=8, kv_heads=4)
 # MoE: experts split by features; Gemma2: capped scores and logits, sandwich norms; GPT-2:
 # learned positions, LayerNorms, a plain MLP
-GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2", "gpt2")
+GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2", "gpt2", "gpt_oss")
 
 
 def tp_generation(family: str) -> dict[str, list[list[int]]]:

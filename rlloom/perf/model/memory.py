@@ -168,12 +168,16 @@ def zero3_gathered_bytes(shape: ModelShape, layout: Layout) -> float:
 # per attention score element a capped (unfused) attention keeps for backward: the bf16
 # product, its cap, the masked scores, the fp32 softmax and its bf16 copy
 SCORE_B = 12
+# gpt-oss's sinks: the fp32 softmax (sink column included) and its bf16 copy
+SINK_SCORE_B = 6
 
 
 def score_bytes(shape: ModelShape, tp: int, context: float) -> float:
     """Per token and layer: the [heads, context] scores an attention without a fused kernel
-    (Gemma2's soft-capped) holds, its heads split by TP; none for the fused kernels."""
-    return SCORE_B * shape.heads / tp * context if shape.attn_softcap else 0.0
+    (Gemma2's soft-capped, gpt-oss's with sinks) holds, its heads split by TP; none for the
+    fused kernels."""
+    per = SCORE_B if shape.attn_softcap else SINK_SCORE_B if shape.attn_sinks else 0
+    return per * shape.heads / tp * context
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, context: float = 0.0

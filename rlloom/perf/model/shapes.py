@@ -30,7 +30,10 @@ class ModelShape:
     post_norms: bool = False  # OLMo2's norms after the sublayers (not split by TP yet)
     layer_norms: int = 2      # RMSNorms per layer (Gemma2's before and after each sublayer: 4)
     attn_softcap: bool = False  # Gemma2's capped scores: attention without a fused kernel
-    biases: bool = False      # GPT-2: o_proj, the MLP and every LayerNorm biased too
+    attn_sinks: bool = False  # gpt-oss's sink logit per head: without a fused kernel too
+    o_bias: bool = False      # o_proj biased (GPT-2, gpt-oss, Llama's attention_bias)
+    mlp_bias: bool = False    # the MLP's, or every expert's and the router's, projections too
+    layer_norm: bool = False  # GPT-2: LayerNorms (a bias beside each weight)
     positions: int = 0        # GPT-2: rows of a learned position table
     qk_norm_params: int = 0   # per layer: Qwen3's per-head q/k norms (2 head_dim), OLMo2's
     #                           over all heads ((heads + kv_heads) head_dim)
@@ -38,7 +41,12 @@ class ModelShape:
     @property
     def norm_params(self) -> int:
         """One norm's parameters: RMSNorm's weight, or a LayerNorm's weight and bias."""
-        return self.hidden * (2 if self.biases else 1)
+        return self.hidden * (2 if self.layer_norm else 1)
+
+    @property
+    def eager_attention(self) -> bool:
+        """Attention whose [heads, keys] scores are materialised (no fused kernel here)."""
+        return self.attn_softcap or self.attn_sinks
 
     @property
     def moe(self) -> bool:
@@ -58,7 +66,8 @@ class ModelShape:
         """Per layer: Q, K, V, O projections (4 d^2 when there is no GQA)."""
         d = self.hidden
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
-        return 2 * d * self.q_width + 2 * d * self.kv_width + bias + d * self.biases
+        return (2 * d * self.q_width + 2 * d * self.kv_width + bias + d * self.o_bias
+                + self.heads * self.attn_sinks)
 
     def lora_params(self, rank: int) -> int:
         """LoRA adapters of rank `rank` on every projection (q, k, v, o and the MLP's, routed
@@ -70,14 +79,14 @@ class ModelShape:
         return rank * self.layers * (attn + ffn)
 
     def _mlp(self, width: int) -> int:
-        bias = (width + self.hidden) * self.biases
+        bias = ((2 if self.gated_mlp else 1) * width + self.hidden) * self.mlp_bias
         return (3 if self.gated_mlp else 2) * self.hidden * width + bias
 
     @cached_property
     def mlp_params(self) -> int:
         """Per layer, all experts counted (what has to be stored)."""
         if self.moe:
-            return self.n_experts * self._mlp(self.moe_ffn) + self.hidden * self.n_experts
+            return self.n_experts * (self._mlp(self.moe_ffn) + self.hidden + self.mlp_bias)
         return self._mlp(self.ffn)
 
     @cached_property
@@ -91,8 +100,8 @@ class ModelShape:
     def params(self) -> int:
         """|M|. Adds to the plain L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
         QKV biases, MoE experts and router, the RMSNorm vectors of each layer plus a final one,
-        and a separate output embedding when it is not tied; GPT-2's biases and position
-        table."""
+        and a separate output embedding when it is not tied; GPT-2's and gpt-oss's biases,
+        gpt-oss's sinks, GPT-2's position table."""
         per_layer = (self.attn_params + self.mlp_params + self.layer_norms * self.norm_params
                      + self.qk_norm_params)
         embeddings = (self.vocab * (1 if self.tied_embeddings else 2) + self.positions) \
@@ -106,8 +115,9 @@ class ModelShape:
 
     def attention_flops(self, context: float) -> float:
         """Attention FLOPs per teacher-forced token: causal attention sees context/2 keys on
-        average, and QK^T and AV give 2 L context q_width."""
-        return 2 * self.layers * context * self.q_width
+        average, and QK^T and AV give 2 L context q_width; an eager attention multiplies
+        every key, masked or not (twice that)."""
+        return 2 * self.layers * context * self.q_width * (2 if self.eager_attention else 1)
 
     def layer_matmul_flops(self) -> float:
         """Forward FLOPs per token of the layers' weight matmuls."""
@@ -179,7 +189,10 @@ class ModelShape:
             post_norms=fam.get("post_norms", False),
             layer_norms=4 if fam.get("sandwich_norms") else 2,
             attn_softcap=fam.get("attn_softcap") is not None,
-            gated_mlp=fam.get("gated_mlp", True), biases=fam.get("layer_norm", False),
+            attn_sinks=fam.get("attn_sinks", False),
+            o_bias=fam.get("o_bias", bool(cfg.get("attention_bias", False))),
+            mlp_bias=fam.get("mlp_bias", False) or fam.get("expert_bias", False),
+            gated_mlp=fam.get("gated_mlp", True), layer_norm=fam.get("layer_norm", False),
             positions=cfg["max_position_embeddings"] if fam.get("learned_positions") else 0,
             qk_norm_params=_qk_norm_params(fam, heads, cfg))
 
