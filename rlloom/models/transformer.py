@@ -147,12 +147,13 @@ def rope_kind(cfg: ModelConfig, layer: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _scaled_frequencies(fields: str, family: str, seq_len: int | None
-                        ) -> tuple[torch.Tensor, float]:
+def _scaled_frequencies(fields: str, seq_len: int | None) -> tuple[torch.Tensor, float]:
     # transformers' rope module costs ~0.5 s to import: only scaled-rope models pay it
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     hf = json.loads(fields)
-    norm = normalised_hf_config(hf, family)
+    # Llama's config class carries every field the rope functions read, in the flat form
+    # they read it in (Gemma3's would nest it by layer type)
+    norm = normalised_hf_config(hf, "llama")
     return ROPE_INIT_FUNCTIONS[hf["rope_parameters"]["rope_type"]](norm, torch.device("cpu"),
                                                                   seq_len)
 
@@ -172,7 +173,7 @@ def rope_frequencies(cfg: ModelConfig, longest: int) -> tuple[torch.Tensor, floa
               "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads,
               "max_position_embeddings": cfg.max_position_embeddings}
-    return _scaled_frequencies(json.dumps(fields, sort_keys=True), cfg.family, seq_len)
+    return _scaled_frequencies(json.dumps(fields, sort_keys=True), seq_len)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,13 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+    # Gemma 3 4B-27B: linear scaling (factor 8) on the full layers only
+    "gemma3_scaled": (transformers.Gemma3ForCausalLM, dict(
+        head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
     # GPT-2's config spells the shared fields its own way (the class maps BASE's names), its
     # MLP is n_inner wide (BASE's intermediate_size is a stray key it ignores, as rlloom must)
     "gpt2": (transformers.GPT2LMHeadModel, dict(n_inner=80)),
@@ -165,14 +172,22 @@ def test_capped_attention_is_priced_with_its_scores(tmp_path):
                 - mem.prefill_bytes_per_token(capped, layout.tp)) == mem.SCORE_B * 4 / layout.tp * 512
 
 
-def test_gemma3_with_scaled_rope_in_an_older_config_is_refused():
+def test_gemma3_reads_the_full_layers_scaling_from_an_older_config():
+    """Gemma 3 4B's config.json as released: rope_scaling and rope_local_base_freq."""
     from rlloom.models.config import ModelConfig
     cfg = transformers.Gemma3TextConfig(**BASE, head_dim=16).to_dict()
     cfg.pop("rope_parameters")
-    cfg.update(architectures=["Gemma3ForCausalLM"], rope_theta=1e6,
+    cfg.update(architectures=["Gemma3ForCausalLM"], rope_theta=1e6, rope_local_base_freq=1e4,
                rope_scaling={"rope_type": "linear", "factor": 8.0})
+    ours = ModelConfig.from_hf(cfg)
+    assert ours.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert (ours.rope_theta, ours.local_rope_theta, ours.local_rope.rope_scaling) == (1e6, 1e4, {})
+    cfg["rope_scaling"] = None
+    cfg["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                    "rope_theta": 1e4}}
     with pytest.raises(UnsupportedArchitectureError, match="rope_type 'linear' on its "
-                                                           "full_attention layers"):
+                                                           "sliding_attention layers"):
         ModelConfig.from_hf(cfg)
 
 

@@ -2,7 +2,8 @@
 scaled embeddings, query_pre_attn_scalar, tied head, sliding windows by `layer_types`) with an
 RMSNorm on each head's queries and keys, no soft-capping by default, and a rotary base of its
 own on the sliding layers (`rope_parameters.sliding_attention`, 10,000) beside the full
-layers' (`full_attention`, 1,000,000). Scaled rope on the full layers is refused for now."""
+layers' (`full_attention`, 1,000,000), which the larger checkpoints scale (linear, factor 8
+for Gemma 3 4B-27B). Scaled rope on the sliding layers is refused (no checkpoint has it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -26,19 +27,22 @@ def _ropes(hf: dict[str, Any], norm: Any) -> tuple[dict[str, Any], dict[str, Any
 
 def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
     full, local = _ropes(hf, norm)
-    for kind, params in (("full_attention", full), ("sliding_attention", local)):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedArchitectureError(
-                f"Gemma3 with rope_type {rope_type!r} on its {kind} layers is not supported "
-                "yet; rlloom implements Gemma3's default rotary bases")
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        raise UnsupportedArchitectureError(
+            f"Gemma3 with rope_type {local_type!r} on its sliding_attention layers is not "
+            "supported; rlloom scales the full_attention layers' rotary embedding only")
+    scaling = {k: v for k, v in full.items() if k not in ("rope_theta", "type")}
+    if scaling.setdefault("rope_type", full.get("type", "default")) == "default":
+        scaling = {}
     return {**gemma2_read(hf, norm), "qk_norm": True, "rope_theta": full["rope_theta"],
-            "rope_scaling": {}, "local_rope_theta": local["rope_theta"]}
+            "rope_scaling": scaling, "local_rope_theta": local["rope_theta"]}
 
 
 def write(cfg: Any) -> dict[str, Any]:
     return {**gemma2_write(cfg), "rope_parameters": {
-        "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "full_attention": {"rope_type": "default", **cfg.rope_scaling,
+                           "rope_theta": cfg.rope_theta},
         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}}
 
 
