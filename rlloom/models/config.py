@@ -23,7 +23,7 @@ SCORING_ARCHITECTURES = {re.sub("(ForCausalLM|LMHeadModel)$", "ForSequenceClassi
 # rlloom.models.activations holds their functions)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 # rotary embeddings: plain, or scaled as Hugging Face's rope_parameters say
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 class CheckpointError(ValueError):
@@ -45,6 +45,7 @@ class ModelConfig:
     # Hugging Face's rope_parameters beyond the default (rope_type llama3, linear, dynamic,
     # yarn with their factors); empty = default rotary embeddings
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (Phi-4)
     hidden_act: str = "silu"       # the MLP's gate activation (SwiGLU with silu by default)
     sliding_window: int | None = None  # keys a query sees on a sliding-attention layer
     sliding_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window
@@ -124,6 +125,16 @@ class ModelConfig:
         return replace(self, rope_theta=self.local_rope_theta, rope_scaling={},
                        local_rope_theta=None)
 
+    @property
+    def rope_by_length(self) -> bool:
+        """Whether the rotary frequencies depend on the sequence's length: dynamic NTK, and
+        longrope's long factors past the original length (Phi-3/3.5)."""
+        return self.rope_scaling.get("rope_type") in ("dynamic", "longrope")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (Hugging Face's Qwen3-MoE rule)."""
         return (self.n_experts > 0 and layer not in self.mlp_only_layers
@@ -172,6 +183,7 @@ class ModelConfig:
         norm = normalised_hf_config(hf, family)
         rope = dict(getattr(norm, "rope_parameters", None) or {})  # GPT-2: none
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope.pop("partial_rotary_factor", None)  # a field of its own (Phi-3 reads it)
         if rope.get("rope_type", "default") == "default":
             rope = {}
         window = getattr(norm, "sliding_window", None)

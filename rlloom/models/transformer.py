@@ -115,15 +115,16 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
                    longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin  # [batch, 1, seq, head_dim] for integer positions [batch, seq], with the
-    model's rope scaling. Dynamic NTK scales by the sequence's length, `longest` (default:
-    the last position here + 1, as Hugging Face counts a forward pass over these positions;
-    a sequence shard passes its whole sequence's). Learned positions (GPT-2): no rotation,
-    cos 1 and sin 0, which attention does not read."""
+    model's rope scaling; head_dim is the rotated dimensions' (`rotary_dim`). Dynamic NTK
+    and longrope scale by the sequence's length, `longest` (default: the last position here
+    + 1, as Hugging Face counts a forward pass over these positions; a sequence shard passes
+    its whole sequence's). Learned positions (GPT-2): no rotation, cos 1 and sin 0, which
+    attention does not read."""
     if cfg.learned_positions:
         b, s = positions.shape
         return (torch.ones(b, 1, s, cfg.head_dim, dtype=dtype, device=positions.device),
                 torch.zeros(b, 1, s, cfg.head_dim, dtype=dtype, device=positions.device))
-    if longest is None and cfg.rope_scaling.get("rope_type") == "dynamic":
+    if longest is None and cfg.rope_by_length:
         longest = int(positions.max()) + 1 if positions.numel() else 0  # a device sync
     inv_freq, scale = rope_frequencies(cfg, longest or 0)
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [b, seq, hd/2]
@@ -159,17 +160,24 @@ def _scaled_frequencies(fields: str, seq_len: int | None) -> tuple[torch.Tensor,
 
 
 def rope_frequencies(cfg: ModelConfig, longest: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim / 2] and the attention scale of the rotary embedding:
-    theta's default, or transformers' scaled ones (llama3, linear, yarn, dynamic) for the
-    config's rope parameters (computed once per distinct setting: this runs every forward)."""
+    """Inverse frequencies [rotary_dim / 2] and the attention scale of the rotary embedding:
+    theta's default, or transformers' scaled ones (llama3, linear, yarn, dynamic, longrope)
+    for the config's rope parameters (computed once per distinct setting: this runs every
+    forward)."""
     kind = cfg.rope_scaling.get("rope_type", "default")
     if kind == "default":
-        hd = cfg.head_dim
-        return 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd), 1.0
-    # dynamic NTK rescales only past the trained length, and then by the current length
-    seq_len = longest if kind == "dynamic" and longest > cfg.max_position_embeddings else None
+        rd = cfg.rotary_dim
+        return 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd), 1.0
+    # dynamic NTK rescales only past the trained length, and then by the current length;
+    # longrope takes its long factors past the original length (one key each side of it)
+    seq_len = None
+    if kind == "dynamic" and longest > cfg.max_position_embeddings:
+        seq_len = longest
+    elif kind == "longrope" and longest > cfg.rope_scaling["original_max_position_embeddings"]:
+        seq_len = cfg.rope_scaling["original_max_position_embeddings"] + 1
     # the fields transformers' rope functions read, and nothing else: the cache's key
-    fields = {"rope_parameters": {**cfg.rope_scaling, "rope_theta": cfg.rope_theta},
+    fields = {"rope_parameters": {**cfg.rope_scaling, "rope_theta": cfg.rope_theta,
+                                  "partial_rotary_factor": cfg.partial_rotary_factor},
               "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads,
               "max_position_embeddings": cfg.max_position_embeddings}
@@ -177,6 +185,11 @@ def rope_frequencies(cfg: ModelConfig, longest: int) -> tuple[torch.Tensor, floa
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] rotated over its first cos.shape[-1] dimensions (all of them but
+    with a partial rotary factor), the rest passed through."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

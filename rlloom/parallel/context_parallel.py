@@ -116,8 +116,7 @@ class PackedShard:
             band = ((k <= q) & (q - k < cfg.sliding_window))[None, None]
             masks = [band if cfg.layer_window(i) else m for i, m in enumerate(masks)]
         # a device sync, so only where the rope needs it
-        longest = (int(attention_mask.sum(1).max())
-                   if cfg.rope_scaling.get("rope_type") == "dynamic" else None)
+        longest = int(attention_mask.sum(1).max()) if cfg.rope_by_length else None
         return cls(order, positions, masks, keys, longest)
 
 

@@ -26,6 +26,15 @@ FAMILIES = {
     "olmo2": (transformers.Olmo2ForCausalLM, {}),
     "phi3": (transformers.Phi3ForCausalLM, {}),
     "phi3_sliding": (transformers.Phi3ForCausalLM, dict(sliding_window=5)),
+    # Phi-3.5's longrope past an original length of 2 (every test sequence is longer: its
+    # long factors throughout, as transformers' generate takes them for a prompt past it;
+    # the short ones below), Phi-4-mini's rotation of 3/4 of each head
+    "phi3_longrope": (transformers.Phi3ForCausalLM, dict(
+        original_max_position_embeddings=2, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
+    "phi3_partial": (transformers.Phi3ForCausalLM, dict(partial_rotary_factor=0.75)),
     # small caps, so that capping changes the scores and logits; layers alternate a window
     "gemma2": (transformers.Gemma2ForCausalLM, dict(head_dim=16, sliding_window=6,
                                                     query_pre_attn_scalar=20,
@@ -128,13 +137,6 @@ def test_olmo2_under_tensor_parallelism_is_refused_with_the_layouts_that_work(tm
         validate_layout(Layout(tp=2), cfg, 2)
 
 
-def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
-    cfg = transformers.Phi3Config(**BASE, partial_rotary_factor=0.5)
-    transformers.Phi3ForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor=0.5"):
-        load_model(tmp_path)
-
-
 @pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2", "gpt_oss"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
@@ -218,3 +220,19 @@ def test_a_quantised_checkpoint_is_refused_with_how_to_dequantise(tmp_path):
     with pytest.raises(UnsupportedArchitectureError,
                        match=r"quantised \(mxfp4\).*Mxfp4Config\(dequantize=True\)"):
         load_model(tmp_path)
+
+
+def test_phi3_longrope_keeps_its_short_factors_up_to_the_original_length(tmp_path):
+    """An original length of 16: a 10-token pass rotates by the short factors, a 21-token
+    one by the long, both as transformers does."""
+    cls, extra = FAMILIES["phi3_longrope"]
+    torch.manual_seed(0)
+    hf = cls(cls.config_class(**{**BASE, **extra, "original_max_position_embeddings": 16}))
+    hf.float().eval().save_pretrained(tmp_path)
+    ours = load_model(tmp_path).eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        for n in (10, 21):
+            assert (ours(ids[:1, :n]) - hf(input_ids=ids[:1, :n]).logits).abs().max() < 1e-5
+        # the factors matter: the first 10 tokens' logits change once the pass is longer
+        assert (ours(ids[:1, :10]) - ours(ids[:1])[:, :10]).abs().max() > 1e-4

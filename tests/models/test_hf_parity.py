@@ -145,8 +145,8 @@ def test_a_bf16_checkpoint_says_so_and_carries_a_generation_config(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"hidden_act": "relu2"}, r"hidden_act='relu2' is not supported; rlloom implements silu, "
                               r"gelu"),
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 6,
-                       "long_factor": [1.0] * 6}}, r"rope_type 'longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}},
+     r"rope_type 'proportional' is not supported"),
 ])
 def test_config_fields_rlloom_does_not_implement_are_refused(tmp_path, change, message):
     import json

@@ -1,25 +1,23 @@
 """Phi-3: Llama (with Mistral's sliding window when set) whose checkpoints fuse q, k and v
 into one `qkv_proj` and gate and up into one `gate_up_proj`; rlloom splits them on load and
-fuses them on export. Rotary embeddings over every dimension only (partial_rotary_factor
-1.0); the 128k checkpoints' longrope is refused."""
+fuses them on export. The 128k checkpoints' (Phi-3-128k, Phi-3.5) longrope switches to its
+long factors once a sequence passes the original length; Phi-4-mini rotates 3/4 of each
+head's dimensions (partial_rotary_factor)."""
 from __future__ import annotations
 
 from typing import Any
 
-from rlloom.models.families import Family, State, UnsupportedArchitectureError
+from rlloom.models.families import Family, State
 
 
 def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
     rope = getattr(norm, "rope_parameters", None) or {}
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedArchitectureError(
-            f"Phi3 with partial_rotary_factor={rope['partial_rotary_factor']} is not supported;"
-            " rlloom rotates every head dimension (Phi-3 and Phi-3.5 use 1.0)")
-    return {}
+    return {"partial_rotary_factor": float(rope.get("partial_rotary_factor", 1.0))}
 
 
 def write(cfg: Any) -> dict[str, Any]:
-    return {"sliding_window": cfg.sliding_window}
+    return {"sliding_window": cfg.sliding_window,
+            "partial_rotary_factor": cfg.partial_rotary_factor}
 
 
 def from_checkpoint(state: State, cfg: Any) -> State:
