@@ -40,10 +40,6 @@ def layout_problems(layout: Layout, cfg: ModelConfig, world_size: int) -> list[s
             fits = [d for d in range(1, n + 1) if n % d == 0]
             problems.append(f"tp={tp} does not divide the model's {what}={n}, which tensor "
                             f"parallelism splits evenly; use tp in {fits}")
-    if tp > 1 and getattr(cfg, "post_norms", False):
-        problems.append(f"tp={tp}: {cfg.family}'s norms after each sublayer and over all "
-                        "heads' queries and keys at once are not split by tensor parallelism "
-                        "yet; use tp=1 (dp, zero, pp and cp split it)")
     if cfg.num_layers % layout.pp:
         problems.append(f"pp={layout.pp} does not divide num_layers={cfg.num_layers}; use a pp "
                         "that divides the number of layers so every stage holds the same count")

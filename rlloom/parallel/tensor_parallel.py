@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -32,7 +34,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from rlloom.models.transformer import MLP, Attention, Backbone
+from rlloom.models.moe import local
+from rlloom.models.transformer import MLP, Attention, Backbone, RMSNorm
 
 
 def backbone_of(model: nn.Module) -> Backbone:
@@ -84,7 +87,6 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
     residual stream as a DTensor sharded on the sequence (dim 1)."""
     attn = layer.self_attn
     plan: dict[str, Any] = {
-        "input_layernorm": SequenceParallel(),
         # Attention(x, cos, sin, mask, cache, layer): only x is sharded.
         # The gathered input stays a DTensor so that backward sums the q, k and v (gate and
         # up) projections' partial input gradients locally and reduce-scatters them once;
@@ -114,10 +116,14 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
             use_local_input=True, output_layouts=(Partial(),),
             desired_output_layouts=(Shard(1),), use_local_output=False)
         _shard_experts(layer.mlp, tp_mesh)
-    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-        if hasattr(layer, name):  # Gemma2's norms around the MLP, on the sharded stream
-            plan[name] = SequenceParallel()
-    if attn.qk_norm:
+    for name in ("input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        if hasattr(layer, name):  # (OLMo2 has no norm before attention; Gemma2 norms
+            plan[name] = SequenceParallel()  # around the MLP too) on the sharded stream
+    if attn.qk_norm_whole:
+        # OLMo2's norms over all heads at once: each rank holds a share of the heads
+        attn.q_norm = WholeHeadsNorm(attn.q_norm, tp_mesh)
+        attn.k_norm = WholeHeadsNorm(attn.k_norm, tp_mesh)
+    elif attn.qk_norm:
         # Per-head norms see only this rank's heads ([b, s, heads/tp, hd], heads on dim
         # 2); a Replicate weight over a head-sharded input makes DTensor sum the weight's
         # gradient over all heads, as the single-process model does.
@@ -127,6 +133,24 @@ def shard_layer(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
     if attn.sinks is not None:  # gpt-oss: each head's sink goes with the head
         attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
     _localise_heads(attn, tp_mesh.size())
+
+
+class WholeHeadsNorm(nn.Module):
+    """OLMo2's RMSNorm over all heads' queries (or keys) on a rank holding a share of the
+    heads: the squares are summed over the TP group (their gradient too), and each rank
+    scales its features by its share of the weight."""
+
+    def __init__(self, norm: RMSNorm, tp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Shard(0)]))
+        self.eps, self.width, self.group = norm.eps, norm.weight.numel(), tp_mesh.get_group()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(wide)
+        squares = all_reduce(x32.pow(2).sum(-1, keepdim=True), group=self.group)
+        x32 = x32 * torch.rsqrt(squares / self.width + self.eps)
+        return local(self.weight) * x32.to(x.dtype)
 
 
 def _shard_experts(block: nn.Module, tp_mesh: DeviceMesh) -> None:

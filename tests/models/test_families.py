@@ -128,15 +128,6 @@ def test_peft_loads_the_adapter(tmp_path, name):
         assert (hf(input_ids=ids).logits - model(ids)).abs().max() < 1e-5
 
 
-def test_olmo2_under_tensor_parallelism_is_refused_with_the_layouts_that_work(tmp_path):
-    from rlloom.parallel.mesh import LayoutError, validate_layout
-    from rlloom.plan import Layout
-    save_family(tmp_path, "olmo2")
-    cfg = load_model(tmp_path).config
-    with pytest.raises(LayoutError, match="olmo2's norms after each sublayer .* use tp=1"):
-        validate_layout(Layout(tp=2), cfg, 2)
-
-
 @pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2", "gpt_oss"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
@@ -150,7 +141,7 @@ def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     assert shape.params == cfg.num_params == held
     assert (shape.n_experts, shape.moe_ffn) == (cfg.n_experts, cfg.moe_intermediate_size)
     # the planner offers TP where the runtime runs it
-    assert _tp_applies(2, shape) == (name != "olmo2")
+    assert _tp_applies(2, shape)
 
 
 def test_capped_attention_is_priced_with_its_scores(tmp_path):

@@ -64,11 +64,12 @@ CASES_2 = {
     "tp2 sp ac": dict(tp=2, activation_checkpointing=True),
     "tp2 sp moe": dict(tp=2, family="qwen3_moe"),
     "dp2 ep2 zero1 moe": dict(dp=2, ep=2, zero=1, family="qwen3_moe"),
-    # the families beyond Llama/Qwen: one TP and one ZeRO-3 layout each (OLMo2's whole-head
-    # norms are refused under TP: tests/parallel/test_layout_validation.py)
+    # the families beyond Llama/Qwen: one TP and one ZeRO-3 layout each (OLMo2's TP sums
+    # its whole-head norms' squares over the ranks)
     "tp2 sp mixtral": dict(tp=2, family="mixtral"),
     "dp2 zero3 mixtral": dict(dp=2, zero=3, family="mixtral"),
     "dp2 zero3 olmo2": dict(dp=2, zero=3, family="olmo2"),
+    "tp2 sp olmo2": dict(tp=2, family="olmo2"),
     "tp2 sp phi3": dict(tp=2, family="phi3"),
     "dp2 zero3 phi3": dict(dp=2, zero=3, family="phi3"),
     "tp2 sp gemma2": dict(tp=2, family="gemma2"),
@@ -254,7 +255,7 @@ def greedy(model: torch.nn.Module, use_cache: bool) -> list[list[int]]:
 GEN_MODEL = dict(seed=3, std=0.3, heads=8, kv_heads=4)
 # MoE: experts split by features; Gemma2: capped scores and logits, sandwich norms; GPT-2:
 # learned positions, LayerNorms, a plain MLP
-GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2", "gpt2", "gpt_oss")
+GEN_FAMILIES = ("qwen3", "qwen3_moe", "gemma2", "gpt2", "gpt_oss", "olmo2")
 
 
 def tp_generation(family: str) -> dict[str, list[list[int]]]:

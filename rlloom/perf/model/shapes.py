@@ -27,7 +27,7 @@ class ModelShape:
     n_experts: int = 0
     experts_per_token: int = 0
     moe_ffn: int = 0
-    post_norms: bool = False  # OLMo2's norms after the sublayers (not split by TP yet)
+    post_norms: bool = False  # OLMo2's norms after the sublayers
     layer_norms: int = 2      # RMSNorms per layer (Gemma2's before and after each sublayer: 4)
     attn_softcap: bool = False  # Gemma2's capped scores: attention without a fused kernel
     attn_sinks: bool = False  # gpt-oss's sink logit per head: without a fused kernel too

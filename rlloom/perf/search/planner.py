@@ -172,10 +172,8 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
 
 
 def _tp_applies(tp: int, shape: ModelShape) -> bool:
-    """TP also shards the KV heads, the MLP and every expert's features, and does not split
-    OLMo2's norms after the sublayers yet (parallel/mesh.layout_problems)."""
-    return (shape.kv_heads % tp == 0 and shape.ffn % tp == 0 and shape.moe_ffn % tp == 0
-            and (tp == 1 or not shape.post_norms))
+    """TP also shards the KV heads, the MLP and every expert's features."""
+    return shape.kv_heads % tp == 0 and shape.ffn % tp == 0 and shape.moe_ffn % tp == 0
 
 
 def _degrees(x: Layout) -> tuple[int, ...]:
