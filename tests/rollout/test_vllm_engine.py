@@ -147,7 +147,7 @@ def test_a_gpu_server_is_given_the_budget_and_its_kv_cache_in_it():
     from rlloom.perf.model.shapes import ModelShape
     from rlloom.rollout.vllm_engine import VLLMError, gpu_memory_args
     cfg = ModelConfig(family="qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512,
-                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64)
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
     model = CausalLM(cfg)
     shape = ModelShape.from_hf_config(cfg.to_hf())
     args = gpu_memory_args(model, 2**30, 2**34, 4096)
