@@ -130,6 +130,7 @@ class ContextParallelBackbone(nn.Module):
         self.embed_tokens, self.layers, self.norm, self.unpack = (
             backbone.embed_tokens, backbone.layers, backbone.norm, backbone.unpack)
         self.group = group
+        self.routes = None  # an MoE model's `moe.Routes` while `moe.routing` is on
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: Any = None) -> torch.Tensor:
@@ -147,6 +148,8 @@ class ContextParallelBackbone(nn.Module):
         # the rows' ids and mask are small: each rank gathers them whole to pack its shard
         ids, mask = (gather_sequence(t, 1, self.group) for t in (input_ids, attention_mask))
         shard = PackedShard.of(self.config, mask, rank * length, length)
+        if self.routes is not None:  # a replay reads this shard's tokens of the packed rows
+            self.routes.order = shard.order[:, rank * length:(rank + 1) * length]
         x = self.embed_tokens(ids.gather(1, shard.order)[:, rank * length:(rank + 1) * length],
                               shard.positions)
         ropes = rope_tables(shard.positions, self.config, x.dtype, shard.longest)

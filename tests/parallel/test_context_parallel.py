@@ -4,11 +4,14 @@ rotary embeddings.
 
 Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from harness import full, loss_of, spawn
 
 from rlloom.models.config import ModelConfig
+from rlloom.models.moe import routing
 from rlloom.models.transformer import CausalLM, packed_order, unpack
 from rlloom.parallel.apply import parallelize
 from rlloom.parallel.context_parallel import (
@@ -24,7 +27,7 @@ from rlloom.plan import Layout
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-def tiny_model(gpt2: bool = False) -> CausalLM:
+def tiny_model(kind: str = "qwen3") -> CausalLM:
     # layer 1 attends within a window of 3 keys, which crosses the shard boundary, with a
     # rotary base of its own (Gemma3's local layers); dynamic rope past 8 positions makes
     # every shard's rotary depend on the whole sequence's length
@@ -33,12 +36,17 @@ def tiny_model(gpt2: bool = False) -> CausalLM:
                       sliding_window=3, sliding_layers=(1,), max_position_embeddings=8,
                       rope_scaling={"rope_type": "dynamic", "factor": 2.0},
                       local_rope_theta=50.0)
-    if gpt2:  # each shard embeds its packed positions from the learned table
+    if kind == "gpt2":  # each shard embeds its packed positions from the learned table
         cfg = ModelConfig(family="gpt2", vocab_size=64, hidden_size=32, intermediate_size=64,
                           num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
                           layer_norm=True, gated_mlp=False, learned_positions=True,
                           qkv_bias=True, o_bias=True, mlp_bias=True, hidden_act="gelu_new",
                           max_position_embeddings=16, tie_word_embeddings=True)
+    if kind == "moe":  # routed experts on both layers, replayed below
+        cfg = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32,
+                          intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, qk_norm=True, n_experts=4, experts_per_token=2,
+                          moe_intermediate_size=16)
     model = CausalLM(cfg).double()
     model.init_weights(seed=0, std=0.1)
     return model
@@ -76,31 +84,48 @@ def test_a_shard_of_packed_rows_sees_the_keys_up_to_its_own_queries():
     assert torch.equal(unpack(x.gather(1, shard.order), shard.order), x)
 
 
-def _reference(gpt2: bool = False):
+def _replayed_routes() -> torch.Tensor:
+    """Recorded experts [rows, seq, MoE layers, top k] unlike the model's own: two distinct
+    random experts per token and layer."""
+    g = torch.Generator().manual_seed(7)
+    return torch.rand(3, 12, 2, 4, generator=g).argsort(-1)[..., :2].to(torch.int16)
+
+
+def _replaying(model, kind: str):
+    return routing(model, _replayed_routes()) if kind == "moe" else nullcontext()
+
+
+def _reference(kind: str = "qwen3"):
     """The batch, its token count, and the one process's model, logits and loss (backward
-    done)."""
+    done; an MoE model's with recorded routes replayed)."""
     ids, mask, labels = batch()
     n_tokens = (labels != -100).sum()
-    ref = tiny_model(gpt2)
-    ref_logits = ref(ids, mask)
-    ref_loss = loss_of(ref_logits, labels, n_tokens)
-    ref_loss.backward()
+    ref = tiny_model(kind)
+    with _replaying(ref, kind) as replayed:
+        ref_logits = ref(ids, mask)
+        ref_loss = loss_of(ref_logits, labels, n_tokens)
+        ref_loss.backward()
+    if kind == "moe":
+        assert replayed.matched < replayed.counted  # the replay changed the routing
     return ids, mask, labels, n_tokens, ref, ref_logits, ref_loss
 
 
 def _cp_body():
-    for gpt2 in (False, True):
-        _cp_matches(gpt2)
+    for kind in ("qwen3", "gpt2", "moe"):
+        _cp_matches(kind)
 
 
-def _cp_matches(gpt2: bool) -> None:
-    ids, mask, labels, n_tokens, ref, ref_logits, ref_loss = _reference(gpt2)
+def _cp_matches(kind: str) -> None:
+    """One sequence-sharded forward and backward of `kind` equal to one process's (an MoE
+    model's replaying the same recorded routes: each shard reads its tokens' routes)."""
+    ids, mask, labels, n_tokens, ref, ref_logits, ref_loss = _reference(kind)
 
-    model = apply_context_parallel(tiny_model(gpt2))
+    model = apply_context_parallel(tiny_model(kind))
     assert set(model.state_dict()) == set(ref.state_dict())
     # the backbone returns this rank's shard of the packed rows (real tokens first)
     order = packed_order(mask)
-    logits = model(shard_sequence(ids), shard_sequence(mask))
+    with _replaying(model, kind):
+        logits = model(shard_sequence(ids), shard_sequence(mask))
     def packed(t):
         index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
         return shard_sequence(t.gather(1, index))
