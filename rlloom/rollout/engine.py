@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlloom.models.moe import routing
-from rlloom.models.transformer import (CausalLM, check_positions, layer_masks, rope_kind,
-                                      rope_tables)
+from rlloom.models.embeddings import check_positions
+from rlloom.models.transformer import CausalLM, layer_masks, rope_kind, rope_tables
 from rlloom.perf.model.memory import PREFILL_TOKENS
 from rlloom.rollout.engine_forward import (
     Forwarded,

@@ -9,7 +9,8 @@ import torch
 
 from rlloom.models.cache import KVCache
 from rlloom.models.moe import routing
-from rlloom.models.transformer import CausalLM, check_positions, kv_dtype, local_kv_heads
+from rlloom.models.embeddings import check_positions
+from rlloom.models.transformer import CausalLM, kv_dtype, local_kv_heads
 from rlloom.rollout.routes import RouteLog, pad_routes
 from rlloom.rollout.sampling import (
     Decode,
