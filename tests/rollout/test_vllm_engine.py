@@ -156,3 +156,43 @@ def test_a_gpu_server_is_given_the_budget_and_its_kv_cache_in_it():
     assert args["kv_cache_memory_bytes"] == int(kv) == int(vllm_kv_bytes(shape, 1, 2**30))
     with pytest.raises(VLLMError, match="one sequence of 4096 positions needs"):
         gpu_memory_args(model, int(2 * cfg.num_params + 16384 * 4608), 2**34, 4096)
+
+
+# vLLM's CPU attention takes head sizes of 32 and up; gpt-oss's vLLM model reads yarn rope
+FAMILY_CONFIGS = {
+    "gpt2": dict(intermediate_size=256, num_kv_heads=2, layer_norm=True, gated_mlp=False,
+                 learned_positions=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                 hidden_act="gelu_new", tie_word_embeddings=True, max_position_embeddings=128),
+    "gpt_oss": dict(intermediate_size=64, num_kv_heads=1, qkv_bias=True, o_bias=True,
+                    attn_sinks=True, n_experts=4, experts_per_token=2, moe_intermediate_size=64,
+                    norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                    sliding_window=8, sliding_layers=(0,), rope_theta=150000.0,
+                    max_position_embeddings=131072, rope_scaling={
+                        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096}),
+}
+
+
+# vLLM's gpt-oss on the CPU differs from transformers (which rlloom matches to 1.2e-7,
+# tests/models/test_families.py) by up to 1.1e-3 in a sampled token's log-prob here: the
+# gap the rollout correction (algo.rollout_is) is for
+@pytest.mark.parametrize("family, tol", [("gpt2", 1e-4), ("gpt_oss", 3e-3)])
+def test_vllm_serves_each_family_as_exported_with_the_trainers_logprobs(vllm_python, family,
+                                                                          tol):
+    """GPT-2's learned positions and Conv1D checkpoint, gpt-oss's sinks, biased experts and
+    fused expert tensors reach vLLM as transformers writes them, and it samples with the
+    log-probs the trainer computes."""
+    cfg = ModelConfig(family=family, vocab_size=len(build_char_tokenizer()), hidden_size=64,
+                      num_layers=2, num_heads=2, head_dim=32, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, **FAMILY_CONFIGS[family])
+    model = CausalLM(cfg)
+    model.init_weights(seed=3, std=0.3)
+    eng = VLLMEngine(model.eval(), build_char_tokenizer(), vllm_python, TEMPERATURE,
+                     max_model_len=128, max_num_seqs=8, seed=0)
+    try:
+        rollout = _sample(eng, 7)
+        assert rollout.response_mask.sum() > 0
+        assert _logprob_error(model, rollout) < tol
+    finally:
+        eng.close()
