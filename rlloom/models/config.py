@@ -255,7 +255,11 @@ class ModelConfig:
                  f"hidden {self.hidden_size}", f"{self.num_heads} heads "
                  f"({self.num_kv_heads} kv) of {self.head_dim}", f"vocab {self.vocab_size}",
                  f"hidden_act {self.hidden_act}",
-                 f"rope {self.rope_scaling.get('rope_type', 'default')} theta {self.rope_theta:g}"]
+                 f"learned positions ({self.max_position_embeddings})" if self.learned_positions
+                 else f"rope {self.rope_scaling.get('rope_type', 'default')} theta "
+                      f"{self.rope_theta:g}"]
+        if self.attn_sinks:
+            parts.append("attention sinks")
         if self.n_experts:
             parts.append(f"{self.n_experts} experts, top {self.experts_per_token}")
         if self.sliding_window is not None:

@@ -187,6 +187,7 @@ def test_gemma3_reads_the_full_layers_scaling_from_an_older_config():
 def test_gpt2_past_its_learned_positions_is_refused_before_generating(tmp_path):
     save_family(tmp_path, "gpt2")
     model = load_model(tmp_path).eval()
+    assert "learned positions (128)" in model.config.describe()  # what a run prints
     params = SamplingParams(max_new_tokens=120, temperature=0.0)
     for run in (lambda: engine_generate(model, [[5] * 9], params, eos_id=-1, pad_id=0),
                 lambda: generate(model, [[5] * 9], params, -1, 0)):
