@@ -24,12 +24,20 @@ PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0)
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = ModelConfig(family="qwen3_moe", vocab_size=50, hidden_size=32, intermediate_size=64,
-                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
-                      n_experts=8, experts_per_token=2, moe_intermediate_size=16,
-                      mlp_only_layers=(0,), eos_token_id=2)
+FAMILIES = {
+    "qwen3_moe": dict(qk_norm=True, mlp_only_layers=(0,)),
+    # sinks in the decode, a biased router, biased clamped experts on every layer
+    "gpt_oss": dict(qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True,
+                    expert_bias=True, swiglu_limit=7.0, norm_topk_prob=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    cfg = ModelConfig(family=request.param, vocab_size=50, hidden_size=32,
+                      intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=8, n_experts=8, experts_per_token=2, moe_intermediate_size=16,
+                      eos_token_id=2, **FAMILIES[request.param])
     m = CausalLM(cfg)
     m.init_weights(0, std=0.3)
     return m.double().eval()
@@ -104,7 +112,8 @@ def test_the_record_is_in_the_rollouts_joined_layout(model):
     b = generate(model, PROMPTS, greedy, 2, 0, record_routes=True)
     assert torch.equal(a.response_ids, b.response_ids)
     p = a.prompt_ids.shape[1]
-    assert a.routes.shape == (4, p + a.response_ids.shape[1], 2, 2)   # 2 MoE layers, top 2
+    layers = sum(map(model.config.is_moe_layer, range(model.config.num_layers)))
+    assert a.routes.shape == (4, p + a.response_ids.shape[1], layers, 2)   # top 2
     # prompt padding has no route, each real prompt token and fed response token has one
     assert (a.routes[:, :p] >= 0).all(-1).all(-1).tolist() == a.prompt_mask.bool().tolist()
     fed = a.response_mask.clone()
