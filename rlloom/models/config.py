@@ -162,6 +162,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         archs = hf.get("architectures") or []
+        text = next((f for f in FAMILIES.values() if f.multimodal_arch in archs), None)
+        if text is not None:  # an image-text checkpoint: its language model
+            hf = {**hf["text_config"], "architectures": [text.arch], "model_type": text.name}
+            archs = hf["architectures"]
         known = {**SUPPORTED_ARCHITECTURES, **SCORING_ARCHITECTURES}
         family = next((known[a] for a in archs if a in known), None)
         if family is None:

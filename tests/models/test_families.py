@@ -228,3 +228,27 @@ def test_phi3_longrope_keeps_its_short_factors_up_to_the_original_length(tmp_pat
             assert (ours(ids[:1, :n]) - hf(input_ids=ids[:1, :n]).logits).abs().max() < 1e-5
         # the factors matter: the first 10 tokens' logits change once the pass is longer
         assert (ours(ids[:1, :10]) - ours(ids[:1])[:, :10]).abs().max() > 1e-4
+
+
+def test_a_gemma3_image_text_checkpoint_trains_as_its_language_model(tmp_path):
+    """Gemma 3 4B-27B as released (`Gemma3ForConditionalGeneration`): its text_config and
+    language_model weights load, the vision tower is left out, text logits equal
+    transformers' own model's, and the export is the text-only Gemma3ForCausalLM."""
+    text = transformers.Gemma3TextConfig(**{**BASE, **FAMILIES["gemma3_scaled"][1]})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=96, boi_token_index=95, eoi_token_index=94)).float().eval()
+    hf.save_pretrained(tmp_path / "src")
+    ours = load_model(tmp_path / "src").eval()
+    assert sum(p.numel() for p in ours.parameters()) < sum(p.numel() for p in hf.parameters())
+    ids, _ = _batch()
+    with torch.no_grad():
+        assert (ours(ids) - hf(input_ids=ids).logits).abs().max() < 1e-5
+        save_checkpoint(ours, None, tmp_path / "out")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert type(back).__name__ == "Gemma3ForCausalLM"
+        assert (back(input_ids=ids).logits - ours(ids)).abs().max() < 1e-5

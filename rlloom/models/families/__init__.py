@@ -42,6 +42,9 @@ class Family:
     peft_names: bool = True
     # config.json names of this family -> the shared ones (GPT-2's n_embd: hidden_size)
     hf_names: dict[str, str] = field(default_factory=dict)
+    # the image-text architecture whose language model this family is (its `text_config`
+    # and `language_model` weights are read, the vision tower left out)
+    multimodal_arch: str | None = None
 
 
 def shared_names(hf: dict[str, Any], family: str) -> dict[str, Any]:

@@ -3,12 +3,15 @@ scaled embeddings, query_pre_attn_scalar, tied head, sliding windows by `layer_t
 RMSNorm on each head's queries and keys, no soft-capping by default, and a rotary base of its
 own on the sliding layers (`rope_parameters.sliding_attention`, 10,000) beside the full
 layers' (`full_attention`, 1,000,000), which the larger checkpoints scale (linear, factor 8
-for Gemma 3 4B-27B). Scaled rope on the sliding layers is refused (no checkpoint has it)."""
+for Gemma 3 4B-27B). Scaled rope on the sliding layers is refused (no checkpoint has it).
+Gemma 3 4B-27B are released as image-text checkpoints (`Gemma3ForConditionalGeneration`):
+rlloom reads their language model (`text_config`, the `language_model` weights) and leaves
+the vision tower and its projector out; the export is the text-only `Gemma3ForCausalLM`."""
 from __future__ import annotations
 
 from typing import Any
 
-from rlloom.models.families import Family, UnsupportedArchitectureError
+from rlloom.models.families import Family, State, UnsupportedArchitectureError
 from rlloom.models.families.gemma2 import read as gemma2_read
 from rlloom.models.families.gemma2 import write as gemma2_write
 
@@ -46,4 +49,25 @@ def write(cfg: Any) -> dict[str, Any]:
         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}}
 
 
-FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", read, write)
+_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."),
+         ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+
+
+def from_checkpoint(state: State, cfg: Any) -> State:
+    out = {}
+    for name, t in state.items():
+        if name.startswith(_VISION):
+            continue
+        for theirs, ours in _TEXT:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                break
+        out[name] = t
+    return out
+
+
+FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", read, write,
+                from_checkpoint=from_checkpoint,
+                multimodal_arch="Gemma3ForConditionalGeneration")
