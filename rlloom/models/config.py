@@ -8,7 +8,8 @@ from typing import Any
 
 import re
 
-from rlloom.models.families import FAMILIES, UnsupportedArchitectureError, shared_names
+from rlloom.models.families import (FAMILIES, UnsupportedArchitectureError, shared_names,
+                                    text_config)
 
 # Hugging Face architecture name -> family (a module of rlloom/models/families each; a
 # family that changes the block adds a flag to ModelConfig below)
@@ -161,11 +162,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        hf = text_config(hf)  # an image-text checkpoint: its language model
         archs = hf.get("architectures") or []
-        text = next((f for f in FAMILIES.values() if f.multimodal_arch in archs), None)
-        if text is not None:  # an image-text checkpoint: its language model
-            hf = {**hf["text_config"], "architectures": [text.arch], "model_type": text.name}
-            archs = hf["architectures"]
         known = {**SUPPORTED_ARCHITECTURES, **SCORING_ARCHITECTURES}
         family = next((known[a] for a in archs if a in known), None)
         if family is None:

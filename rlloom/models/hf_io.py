@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlloom.models.config import CheckpointError, ModelConfig
-from rlloom.models.families import FAMILIES
+from rlloom.models.families import FAMILIES, language_model_state
 from rlloom.models.heads import ValueModel
 from rlloom.models.lora import peft_state
 from rlloom.models.transformer import CausalLM
@@ -88,7 +88,8 @@ def _split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 def _load_into(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
     cfg = model.config
-    state = _split_fused_experts(FAMILIES[cfg.family].from_checkpoint(_read_state(path), cfg))
+    state = language_model_state(_read_state(path))
+    state = _split_fused_experts(FAMILIES[cfg.family].from_checkpoint(state, cfg))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())

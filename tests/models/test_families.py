@@ -230,19 +230,40 @@ def test_phi3_longrope_keeps_its_short_factors_up_to_the_original_length(tmp_pat
         assert (ours(ids[:1, :10]) - ours(ids[:1])[:, :10]).abs().max() > 1e-4
 
 
-def test_a_gemma3_image_text_checkpoint_trains_as_its_language_model(tmp_path):
-    """Gemma 3 4B-27B as released (`Gemma3ForConditionalGeneration`): its text_config and
-    language_model weights load, the vision tower is left out, text logits equal
-    transformers' own model's, and the export is the text-only Gemma3ForCausalLM."""
-    text = transformers.Gemma3TextConfig(**{**BASE, **FAMILIES["gemma3_scaled"][1]})
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2,
-                                             image_size=28, patch_size=14)
+def _image_text(name):
+    """An image-text model whose language model is a family rlloom implements, with a tiny
+    vision tower; its config.json keeps only the text model's non-default fields, as the
+    released checkpoints' do."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    if name == "gemma3":
+        text = transformers.Gemma3TextConfig(**{**BASE, **FAMILIES["gemma3_scaled"][1]})
+        return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+            text_config=text, vision_config=transformers.SiglipVisionConfig(**vision),
+            mm_tokens_per_image=4, image_token_index=96, boi_token_index=95,
+            eoi_token_index=94))
+    text = transformers.MistralConfig(**{**BASE, "sliding_window": 6})
+    return transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=text, image_token_index=96,
+        vision_config=transformers.PixtralVisionConfig(**vision, head_dim=16)))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral3"])
+def test_an_image_text_checkpoint_trains_as_its_language_model(tmp_path, name):
+    """Gemma 3 4B-27B and Mistral Small 3.x as released (`*ForConditionalGeneration`): the
+    language model loads from text_config and the language_model weights, the vision tower
+    is left out, text logits equal transformers' own model's, and the export is the
+    text-only causal LM."""
+    import json
     torch.manual_seed(0)
-    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4,
-        image_token_index=96, boi_token_index=95, eoi_token_index=94)).float().eval()
+    hf = _image_text(name).float().eval()
     hf.save_pretrained(tmp_path / "src")
+    path = tmp_path / "src" / "config.json"
+    cfg = json.loads(path.read_text())
+    defaults = type(hf.config.text_config)().to_dict()
+    cfg["text_config"] = {k: v for k, v in cfg["text_config"].items()
+                          if k == "model_type" or v != defaults.get(k)}
+    path.write_text(json.dumps(cfg))
     ours = load_model(tmp_path / "src").eval()
     assert sum(p.numel() for p in ours.parameters()) < sum(p.numel() for p in hf.parameters())
     ids, _ = _batch()
@@ -250,5 +271,6 @@ def test_a_gemma3_image_text_checkpoint_trains_as_its_language_model(tmp_path):
         assert (ours(ids) - hf(input_ids=ids).logits).abs().max() < 1e-5
         save_checkpoint(ours, None, tmp_path / "out")
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-        assert type(back).__name__ == "Gemma3ForCausalLM"
+        assert type(back).__name__ == {"gemma3": "Gemma3ForCausalLM",
+                                       "mistral3": "MistralForCausalLM"}[name]
         assert (back(input_ids=ids).logits - ours(ids)).abs().max() < 1e-5

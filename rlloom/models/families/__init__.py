@@ -47,6 +47,43 @@ class Family:
     multimodal_arch: str | None = None
 
 
+_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."),
+         ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+
+
+def language_model_state(state: State) -> State:
+    """An image-text checkpoint's language model under a causal LM's names (its vision
+    tower and projector left out); any other checkpoint's state as it is."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith(_VISION):
+            continue
+        for theirs, ours in _TEXT:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                break
+        out[name] = t
+    return out
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of the causal LM inside an image-text checkpoint whose language
+    model a family implements (the head tied as the whole model ties it), else `hf`."""
+    archs = hf.get("architectures") or []
+    family = next((f for f in FAMILIES.values() if f.multimodal_arch in archs), None)
+    if family is None:
+        return hf
+    # released configs list only the text model's non-default fields: transformers' text
+    # config class fills in the rest
+    from transformers import CONFIG_MAPPING
+    given = {k: v for k, v in hf["text_config"].items() if k != "model_type"}
+    tied = hf.get("tie_word_embeddings", given.get("tie_word_embeddings"))
+    return {**CONFIG_MAPPING[family.name](**given).to_dict(), "architectures": [family.arch],
+            "model_type": family.name, "tie_word_embeddings": bool(tied)}
+
+
 def shared_names(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """`hf` (a config.json of `family`, a transformers model type) with the family's own
     names of the shared fields read under the shared names too; its own name wins over a

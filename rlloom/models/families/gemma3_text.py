@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlloom.models.families import Family, State, UnsupportedArchitectureError
+from rlloom.models.families import Family, UnsupportedArchitectureError
 from rlloom.models.families.gemma2 import read as gemma2_read
 from rlloom.models.families.gemma2 import write as gemma2_write
 
@@ -49,25 +49,5 @@ def write(cfg: Any) -> dict[str, Any]:
         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}}
 
 
-_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."),
-         ("language_model.lm_head.", "lm_head."))
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-           "model.multi_modal_projector.")
-
-
-def from_checkpoint(state: State, cfg: Any) -> State:
-    out = {}
-    for name, t in state.items():
-        if name.startswith(_VISION):
-            continue
-        for theirs, ours in _TEXT:
-            if name.startswith(theirs):
-                name = ours + name[len(theirs):]
-                break
-        out[name] = t
-    return out
-
-
 FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", read, write,
-                from_checkpoint=from_checkpoint,
                 multimodal_arch="Gemma3ForConditionalGeneration")

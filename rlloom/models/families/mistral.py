@@ -1,4 +1,6 @@
-"""Mistral: Llama with a sliding window on every layer (`sliding_window`, null = off)."""
+"""Mistral: Llama with a sliding window on every layer (`sliding_window`, null = off). The
+image-text Mistral 3 checkpoints (Mistral Small 3.1/3.2: `Mistral3ForConditionalGeneration`)
+are read as their language model, the vision tower left out."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,4 +17,5 @@ def write(cfg: Any) -> dict[str, Any]:
     return {"sliding_window": cfg.sliding_window, "attention_bias": cfg.qkv_bias}
 
 
-FAMILY = Family("mistral", "MistralForCausalLM", read, write)
+FAMILY = Family("mistral", "MistralForCausalLM", read, write,
+                multimodal_arch="Mistral3ForConditionalGeneration")
