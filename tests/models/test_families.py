@@ -265,7 +265,10 @@ def test_an_image_text_checkpoint_trains_as_its_language_model(tmp_path, name):
                           if k == "model_type" or v != defaults.get(k)}
     path.write_text(json.dumps(cfg))
     ours = load_model(tmp_path / "src").eval()
-    assert sum(p.numel() for p in ours.parameters()) < sum(p.numel() for p in hf.parameters())
+    from rlloom.perf.model.shapes import model_shape
+    held = sum(p.numel() for p in ours.parameters())
+    assert held < sum(p.numel() for p in hf.parameters())
+    assert model_shape(str(tmp_path / "src")).params == held  # `rlloom plan --model` prices it
     ids, _ = _batch()
     with torch.no_grad():
         assert (ours(ids) - hf(input_ids=ids).logits).abs().max() < 1e-5

@@ -163,7 +163,8 @@ class ModelShape:
         """Read a Hugging Face `config.json`: a supported family's with the runtime's own
         reader of its fields (rlloom/models/families), another's from the keys most
         families share."""
-        from rlloom.models.families import FAMILIES, shared_names
+        from rlloom.models.families import FAMILIES, shared_names, text_config
+        cfg = text_config(cfg)  # an image-text checkpoint: its language model
         model_type = cfg.get("model_type", "")
         cfg = shared_names(cfg, model_type)
         heads = cfg["num_attention_heads"]
