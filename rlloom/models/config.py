@@ -47,6 +47,7 @@ class ModelConfig:
     # yarn with their factors); empty = default rotary embeddings
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (Phi-4)
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers without positional embeddings
     hidden_act: str = "silu"       # the MLP's gate activation (SwiGLU with silu by default)
     sliding_window: int | None = None  # keys a query sees on a sliding-attention layer
     sliding_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window
@@ -96,6 +97,7 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         self.mlp_only_layers = tuple(self.mlp_only_layers)
         self.sliding_layers = tuple(self.sliding_layers)
+        self.nope_layers = tuple(self.nope_layers)
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedArchitectureError(
                 f"hidden_act={self.hidden_act!r} is not supported; rlloom implements "

@@ -148,7 +148,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d = cfg.hidden_size
@@ -163,7 +163,8 @@ class Attention(nn.Module):
         self.qk_norm, self.qk_norm_whole = cfg.qk_norm, cfg.qk_norm_whole
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd ** -0.5
         self.softcap = cfg.attn_softcap
-        self.rotary = not cfg.learned_positions
+        # GPT-2's positions are learned; SmolLM3's NoPE layers have none
+        self.rotary = not cfg.learned_positions and layer not in cfg.nope_layers
         # gpt-oss: each head's sink logit joins its softmax's denominator (tensor
         # parallelism splits them with the heads)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attn_sinks else None
@@ -270,7 +271,7 @@ class DecoderLayer(nn.Module):
         self.post_norms, self.sandwich = cfg.post_norms or cfg.sandwich_norms, cfg.sandwich_norms
         if not cfg.post_norms:
             self.input_layernorm = norm(cfg)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = norm(cfg)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(cfg)

@@ -56,6 +56,8 @@ FAMILIES = {
     # GPT-2's config spells the shared fields its own way (the class maps BASE's names), its
     # MLP is n_inner wide (BASE's intermediate_size is a stray key it ignores, as rlloom must)
     "gpt2": (transformers.GPT2LMHeadModel, dict(n_inner=80)),
+    # no rotary embedding on its NoPE layers (every second one here)
+    "smollm3": (transformers.SmolLM3ForCausalLM, dict(no_rope_layer_interval=2)),
     # sinks, biased router and experts, clamped SwiGLU, a window on alternate layers, yarn
     # (small experts and a low clamp, so that clamping changes activations)
     "gpt_oss": (transformers.GptOssForCausalLM, dict(
@@ -128,7 +130,8 @@ def test_peft_loads_the_adapter(tmp_path, name):
         assert (hf(input_ids=ids).logits - model(ids)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2", "gpt_oss",
+                                  "smollm3"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
     from rlloom.perf.search.planner import _tp_applies

@@ -85,6 +85,9 @@ def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> Mod
         moe = dict(n_experts=4, experts_per_token=2, moe_intermediate_size=16,
                    norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=0.5)
         gemma = dict(attn_sinks=True, o_bias=True, sliding_window=4, sliding_layers=(0,))
+    # smollm3: no positional embedding on its second layer, a tied head
+    if family == "smollm3":
+        gemma = dict(nope_layers=(1,), tie_word_embeddings=True)
     return ModelConfig(family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
                        head_dim=32 // heads, qkv_bias=family in ("qwen2", "gpt2", "gpt_oss"),

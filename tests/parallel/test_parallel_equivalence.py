@@ -79,6 +79,8 @@ CASES_2 = {
     "tp2 sp gpt2": dict(tp=2, family="gpt2"),
     "dp2 zero3 gpt2": dict(dp=2, zero=3, family="gpt2"),
     "tp2 sp gpt_oss": dict(tp=2, family="gpt_oss"),
+    "tp2 sp smollm3": dict(tp=2, family="smollm3"),
+    "dp2 zero3 smollm3": dict(dp=2, zero=3, family="smollm3"),
     "dp2 ep2 zero3 gpt_oss": dict(dp=2, ep=2, zero=3, family="gpt_oss"),
 }
 CASES_4 = {
