@@ -1,5 +1,6 @@
 """Plain-PyTorch decoder of the supported families (rlloom/models/families: Llama, Qwen2/3,
-Mistral, Phi-3, OLMo 2, Gemma 2/3, GPT-2; dense, and Qwen3-MoE / Mixtral with routed experts).
+Mistral, Phi-3, OLMo 2, Gemma 2/3, GPT-2, SmolLM3; dense, and Qwen3-MoE / Mixtral / gpt-oss with
+routed experts).
 
 Module names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`, ...) so a
 state dict loads without renaming. No distributed code lives here (docs/design.md): parallel
