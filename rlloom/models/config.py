@@ -148,7 +148,8 @@ class ModelConfig:
         d, hd, f = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = 2 * d * (q + kv) + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
-        dense = (3 if self.gated_mlp else 2) * d * f + (f + d) * self.mlp_bias
+        dense = (3 if self.gated_mlp else 2) * d * f \
+            + ((2 if self.gated_mlp else 1) * f + d) * self.mlp_bias
         fe = self.moe_intermediate_size   # experts, biases (gpt-oss), router rows and biases
         moe = self.n_experts * (3 * d * fe + (2 * fe + d) * self.expert_bias + d
                                 + self.router_bias)

@@ -150,6 +150,10 @@ class ContextParallelBackbone(nn.Module):
         shard = PackedShard.of(self.config, mask, rank * length, length)
         if self.routes is not None:  # a replay reads this shard's tokens of the packed rows
             self.routes.order = shard.order[:, rank * length:(rank + 1) * length]
+            short = mask.shape[1] - self.routes.replay.shape[1]
+            if short > 0:  # `on_shards` padded the rows to a multiple of cp: no routes there
+                self.routes.replay = nn.functional.pad(self.routes.replay,
+                                                       (0, 0, 0, 0, 0, short), value=-1)
         x = self.embed_tokens(ids.gather(1, shard.order)[:, rank * length:(rank + 1) * length],
                               shard.positions)
         ropes = rope_tables(shard.positions, self.config, x.dtype, shard.longest)

@@ -280,3 +280,38 @@ def test_an_image_text_checkpoint_trains_as_its_language_model(tmp_path, name):
         assert type(back).__name__ == {"gemma3": "Gemma3ForCausalLM",
                                        "mistral3": "MistralForCausalLM"}[name]
         assert (back(input_ids=ids).logits - ours(ids)).abs().max() < 1e-5
+
+
+def test_the_released_gpt2_names_load(tmp_path):
+    """openai-community/gpt2 stores GPT2Model's names (`h.0.attn.c_attn.weight`, no
+    `transformer.` prefix), which transformers loads into GPT2LMHeadModel."""
+    from safetensors.torch import load_file, save_file
+    hf = save_family(tmp_path, "gpt2")
+    path = tmp_path / "model.safetensors"
+    save_file({k.removeprefix("transformer."): v.contiguous()
+               for k, v in load_file(path).items()}, path)
+    ours = load_model(tmp_path).eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        assert (ours(ids) - hf(input_ids=ids).logits).abs().max() < 1e-5
+
+
+def test_gemma3_4b_as_released_reads_as_its_language_model():
+    """Gemma 3 4B's config.json as released: text_config lists only what differs from
+    transformers' defaults; the head is tied, generation stops at <end_of_turn> (106) too."""
+    from rlloom.models.config import ModelConfig
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+          "eos_token_id": [1, 106], "vision_config": {"model_type": "siglip_vision_model"},
+          "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                          "model_type": "gemma3_text", "num_hidden_layers": 34,
+                          "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                          "sliding_window": 1024}}
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.tie_word_embeddings, cfg.eos_token_id, cfg.vocab_size) == (True, [1, 106],
+                                                                         262208)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 4, 256)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert len(cfg.sliding_layers) == 29 and cfg.sliding_window == 1024   # 5 of 6 layers
+    assert round(cfg.num_params / 1e6) == 3880   # the language model of "4B"
+    with pytest.raises(UnsupportedArchitectureError, match="quantised"):
+        ModelConfig.from_hf({**hf, "quantization_config": {"quant_method": "bitsandbytes"}})

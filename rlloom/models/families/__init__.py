@@ -79,9 +79,13 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     # config class fills in the rest
     from transformers import CONFIG_MAPPING
     given = {k: v for k, v in hf["text_config"].items() if k != "model_type"}
-    tied = hf.get("tie_word_embeddings", given.get("tie_word_embeddings"))
-    return {**CONFIG_MAPPING[family.name](**given).to_dict(), "architectures": [family.arch],
-            "model_type": family.name, "tie_word_embeddings": bool(tied)}
+    text = CONFIG_MAPPING[family.name](**given).to_dict()
+    # the whole model's own fields win: its head's tying, its token ids (Gemma 3 stops at
+    # <end_of_turn> too), a quantisation (refused)
+    outer = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+             "quantization_config")
+    return {**text, **{k: hf[k] for k in outer if hf.get(k) is not None},
+            "architectures": [family.arch], "model_type": family.name}
 
 
 def shared_names(hf: dict[str, Any], family: str) -> dict[str, Any]:

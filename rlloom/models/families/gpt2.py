@@ -51,6 +51,8 @@ _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 def from_checkpoint(state: State, cfg: Any) -> State:
     out = {}
     for name, t in state.items():
+        if not name.startswith(("transformer.", "lm_head.", "score.")):
+            name = "transformer." + name  # the released checkpoints' (GPT2Model's) names
         if name in _TOP:
             out[_TOP[name]] = t
             continue
