@@ -73,10 +73,10 @@ def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
     + 1, as Hugging Face counts a forward pass over these positions; a sequence shard passes
     its whole sequence's). Learned positions (GPT-2): no rotation, cos 1 and sin 0, which
     attention does not read."""
-    if cfg.learned_positions:
-        b, s = positions.shape
-        return (torch.ones(b, 1, s, cfg.head_dim, dtype=dtype, device=positions.device),
-                torch.zeros(b, 1, s, cfg.head_dim, dtype=dtype, device=positions.device))
+    if cfg.learned_positions:  # views of one element each: nothing allocated per pass
+        shape = (positions.shape[0], 1, positions.shape[1], cfg.head_dim)
+        return tuple(torch.full((), v, dtype=dtype, device=positions.device).expand(shape)
+                     for v in (1.0, 0.0))
     if longest is None and cfg.rope_by_length:
         longest = int(positions.max()) + 1 if positions.numel() else 0  # a device sync
     inv_freq, scale = rope_frequencies(cfg, longest or 0)
