@@ -16,10 +16,14 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", kv_heads: int = 0) -> None:
         """`kv_heads`: the heads this rank stores (under tensor parallelism its share); 0:
-        the config's."""
-        shape = (batch, kv_heads or cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        the config's. Latent attention keeps its latents and rotary keys (`cache_dims`)."""
+        (kh, kd), (vh, vd) = cfg.cache_dims
+        if not cfg.latent:
+            kh = vh = kv_heads or kh
+        self.k = [torch.zeros((batch, kh, max_len, kd), dtype=dtype, device=device)
+                  for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros((batch, vh, max_len, vd), dtype=dtype, device=device)
+                  for _ in range(cfg.num_layers)]
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.length = 0
         self.max_len = max_len

@@ -84,6 +84,21 @@ class ModelConfig:
     expert_bias: bool = False      # ... every expert projection biased
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU experts (moe.Expert)
     swiglu_alpha: float = 1.702
+    # DeepSeek-V3: routing by sigmoid scores plus a per-expert correction bias (choice only),
+    # within the best topk_group of n_group expert groups, weights times a scaling factor
+    moe_scoring: str = "softmax"   # or "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0      # experts every token also runs (one MLP n times as wide)
+    # DeepSeek-V3's multi-head latent attention (kv_lora_rank > 0): keys and values expanded
+    # from a compressed latent (what the KV cache keeps) and a shared rotary key of head_dim
+    # (transformers' head_dim is the rotary part's), queries through a q_lora_rank bottleneck
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0           # 0: one q_proj
+    qk_nope_head_dim: int = 0      # a query/key head's unrotated part ...
+    v_head_dim: int = 0            # ... and a value head's width
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... not halves
     # the checkpoint's own config.json, written back on export with rlloom's fields on top,
     # so fields rlloom does not read survive a round trip
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -119,6 +134,17 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ValueError("an MoE model needs moe_intermediate_size > 0 and "
                                  "decoder_sparse_step > 0")
+            if self.moe_scoring not in ("softmax", "sigmoid"):
+                raise UnsupportedArchitectureError(
+                    f"moe_scoring={self.moe_scoring!r}: rlloom routes by softmax or sigmoid")
+            per_group = self.n_experts // max(self.n_group, 1)
+            if (self.n_group < 1 or self.n_experts % self.n_group
+                    or not 1 <= self.topk_group <= self.n_group
+                    or self.experts_per_token > self.topk_group * per_group):
+                raise ValueError(f"n_group={self.n_group}, topk_group={self.topk_group}: the "
+                                 f"{self.n_experts} experts must split into n_group equal "
+                                 f"groups of which topk_group hold the top "
+                                 f"{self.experts_per_token}")
 
     @functools.cached_property  # read by every forward's rotary tables
     def local_rope(self) -> "ModelConfig | None":
@@ -135,6 +161,25 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type") in ("dynamic", "longrope")
 
     @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's (and key's) head width: the unrotated part and the rotary head_dim."""
+        return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of what a KV cache keeps per token and layer as its "keys" and
+        "values": the KV heads' keys and values, or latent attention's compressed latent and
+        its rotary key (one of each, shared by every head)."""
+        if self.latent:
+            return (1, self.kv_lora_rank), (1, self.head_dim)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -148,16 +193,21 @@ class ModelConfig:
         d, hd, f = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = 2 * d * (q + kv) + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        if self.latent:
+            attn = latent_attention_params(self)
         dense = (3 if self.gated_mlp else 2) * d * f \
             + ((2 if self.gated_mlp else 1) * f + d) * self.mlp_bias
         fe = self.moe_intermediate_size   # experts, biases (gpt-oss), router rows and biases
         moe = self.n_experts * (3 * d * fe + (2 * fe + d) * self.expert_bias + d
                                 + self.router_bias)
+        moe += 3 * d * fe * self.n_shared_experts
         mlp = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         positions = self.max_position_embeddings * d if self.learned_positions else 0
         norm = 2 * d if self.layer_norm else d  # a LayerNorm's bias beside its weight
         norms = (4 if self.sandwich_norms else 2) * norm
+        if self.latent:  # the latents' norms
+            norms += self.kv_lora_rank + self.q_lora_rank
         if self.qk_norm:  # per head, or (OLMo2) over all heads
             norms += (self.num_heads + self.num_kv_heads) * hd if self.qk_norm_whole else 2 * hd
         norms += self.num_heads * self.attn_sinks
@@ -256,9 +306,12 @@ class ModelConfig:
 
     def describe(self) -> str:
         """One line naming what a run trains: family, shape and the settings that matter."""
+        heads = (f"{self.num_heads} heads of {self.qk_head_dim} (latent attention: kv rank "
+                 f"{self.kv_lora_rank}, q rank {self.q_lora_rank or 'none'}, rotary "
+                 f"{self.head_dim})" if self.latent else
+                 f"{self.num_heads} heads ({self.num_kv_heads} kv) of {self.head_dim}")
         parts = [FAMILY_TO_ARCH[self.family], f"{self.num_layers} layers",
-                 f"hidden {self.hidden_size}", f"{self.num_heads} heads "
-                 f"({self.num_kv_heads} kv) of {self.head_dim}", f"vocab {self.vocab_size}",
+                 f"hidden {self.hidden_size}", heads, f"vocab {self.vocab_size}",
                  f"hidden_act {self.hidden_act}",
                  f"learned positions ({self.max_position_embeddings})" if self.learned_positions
                  else f"rope {self.rope_scaling.get('rope_type', 'default')} theta "
@@ -266,7 +319,8 @@ class ModelConfig:
         if self.attn_sinks:
             parts.append("attention sinks")
         if self.n_experts:
-            parts.append(f"{self.n_experts} experts, top {self.experts_per_token}")
+            parts.append(f"{self.n_experts} experts, top {self.experts_per_token}"
+                         + (f", {self.n_shared_experts} shared" if self.n_shared_experts else ""))
         if self.sliding_window is not None:
             parts.append(f"sliding window {self.sliding_window} on layers "
                          f"{list(self.sliding_layers)}")
@@ -275,6 +329,16 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None where it attends to all keys."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+
+def latent_attention_params(cfg: ModelConfig) -> int:
+    """One latent attention's weights (the q and kv latents' norms not counted)."""
+    d, h, rope, nope = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.qk_nope_head_dim
+    qk = h * (nope + rope)
+    q = d * cfg.q_lora_rank + cfg.q_lora_rank * qk if cfg.q_lora_rank else d * qk
+    kv = d * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * h * (nope + cfg.v_head_dim)
+    bias = (cfg.q_lora_rank + cfg.kv_lora_rank + rope + d) * cfg.qkv_bias
+    return q + kv + h * cfg.v_head_dim * d + bias
 
 
 def normalised_hf_config(hf: dict[str, Any], family: str) -> Any:

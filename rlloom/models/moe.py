@@ -1,4 +1,6 @@
-"""Qwen3-MoE sparse block: a softmax top-k router over SwiGLU experts.
+"""Routed-expert blocks: a router over SwiGLU experts, by softmax top k (Qwen3-MoE, Mixtral,
+gpt-oss) or DeepSeek-V3's sigmoid scores chosen within the best expert groups, with shared
+experts every token runs.
 
 Module names mirror the Hugging Face checkpoint on disk (`mlp.gate.weight`,
 `mlp.experts.{i}.gate_proj.weight`, ...), so the block loads without renaming. Plain torch: expert
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,9 +30,11 @@ class Expert(nn.Module):
     Mixtral), or gpt-oss's with biases and a clamped gate: (clamp(up, -limit, limit) + 1) *
     g * sigmoid(alpha * g) with g = min(gate, limit)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ffn: int = 0) -> None:
+        """`ffn`: the hidden width (default: one expert's; DeepSeek's shared experts are one
+        of n_shared_experts times it)."""
         super().__init__()
-        hidden, ffn, bias = cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias
+        hidden, ffn, bias = cfg.hidden_size, ffn or cfg.moe_intermediate_size, cfg.expert_bias
         self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)
@@ -88,24 +93,59 @@ def split_expert_inputs(flat: torch.Tensor, weights: torch.Tensor,
     return _SumGrads.apply(flat, tp_group), _SumGrads.apply(weights, tp_group)
 
 
-def route(router_logits: torch.Tensor, k: int, norm_topk_prob: bool,
-          forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine weights [tokens, k] and expert indices [tokens, k] from logits [tokens, experts]:
-    the top k, or the experts `forced` [tokens, k] names (routing replay; -1: the top k), each
-    weighted by its router probability.
+@dataclass(frozen=True)
+class Routing:
+    """How a block picks its k experts from router logits and weights them: softmax
+    probabilities' top k (Qwen3-MoE, Mixtral, gpt-oss), or DeepSeek-V3's sigmoid scores,
+    chosen by score plus the block's correction bias among the experts of the `topk_group`
+    groups (of `n_group`) whose two best biased scores sum highest, weighted by their
+    unbiased scores; renormalised to sum to 1 when `norm_topk_prob`, times `scale`."""
+    k: int
+    norm_topk_prob: bool
+    sigmoid: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
 
-    The softmax runs in at least fp32 like the reference, but keeps fp64 in fp64 so parity
-    tests of parallel layouts can be tight.
-    """
-    probs = router_logits.softmax(-1, dtype=torch.promote_types(router_logits.dtype,
-                                                                 torch.float32))
-    weights, experts = probs.topk(k, dim=-1)
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Routing":
+        return cls(cfg.experts_per_token, cfg.norm_topk_prob, cfg.moe_scoring == "sigmoid",
+                   cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """In at least fp32 like the references, fp64 kept in fp64 (tight parallel tests)."""
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return wide.sigmoid() if self.sigmoid else wide.softmax(-1)
+
+    def top(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The k chosen experts [tokens, k] of `scores` [tokens, experts]."""
+        if not self.sigmoid:
+            return scores.topk(self.k, dim=-1).indices
+        choice = scores if bias is None else scores + bias.to(scores.dtype)
+        if self.n_group > 1:
+            groups = choice.view(choice.shape[0], self.n_group, -1)
+            best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        return choice.topk(self.k, dim=-1).indices
+
+    def weights(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        w = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        return w * self.scale if self.scale != 1.0 else w
+
+
+def route(router_logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None,
+          forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine weights [tokens, k] and expert indices [tokens, k] from logits [tokens,
+    experts]: `routing`'s choice (with DeepSeek's correction `bias`), or the experts `forced`
+    [tokens, k] names (routing replay; -1: the own choice)."""
+    scores = routing.scores(router_logits)
+    experts = routing.top(scores, bias)
     if forced is not None:
         experts = torch.where(forced >= 0, forced, experts)
-        weights = probs.gather(-1, experts)
-    if norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(router_logits.dtype), experts
+    return routing.weights(scores, experts).to(router_logits.dtype), experts
 
 
 class Routes:
@@ -120,23 +160,24 @@ class Routes:
         self.recorded: dict[int, torch.Tensor] = {}
         self.matched = self.counted = 0
 
-    def choose(self, index: int, logits: torch.Tensor, k: int, norm_topk_prob: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, index: int, logits: torch.Tensor, routing: Routing,
+               bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing of MoE layer `index`'s flat tokens from their router logits."""
         if self.replay is None:
-            weights, experts = route(logits, k, norm_topk_prob)
+            weights, experts = route(logits, routing, bias)
             self.recorded[index] = experts.detach()
             return weights, experts
+        k = routing.k
         forced = self.replay[:, :, index]
         if self.order is not None:
             forced = forced.gather(1, self.order[..., None].expand(-1, -1, k))
         forced = forced.reshape(-1, k).to(torch.long)
-        own = logits.topk(k, dim=-1).indices  # softmax keeps the order: the same top k
+        own = routing.top(routing.scores(logits), bias)
         known = (forced >= 0).all(-1)
         same = (own.sort(-1).values == forced.sort(-1).values).all(-1)
         self.matched += (same & known).sum()
         self.counted += known.sum()
-        return route(logits, k, norm_topk_prob, forced)
+        return route(logits, routing, bias, forced)
 
 
 @contextmanager
@@ -179,23 +220,29 @@ def rows_by_expert(expert_ids: torch.Tensor, experts: list[int]) -> list[torch.T
 def choose(block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An MoE block's (`MoEBlock`, or its expert-parallel form) routing of its flat tokens:
     its top k, recorded or replaced by a replay while `routing` is on."""
+    bias = getattr(block.gate, "e_score_correction_bias", None)
     if block.routes is None:
-        return route(logits, block.top_k, block.norm_topk_prob)
-    return block.routes.choose(block.moe_index, logits, block.top_k, block.norm_topk_prob)
+        return route(logits, block.routing, bias)
+    return block.routes.choose(block.moe_index, logits, block.routing, bias)
 
 
 class MoEBlock(nn.Module):
-    """Router `gate` + `experts`; forward maps hidden [batch, seq, d] to [batch, seq, d]."""
+    """Router `gate` + `experts` (+ `shared_experts`); forward maps hidden [batch, seq, d] to
+    [batch, seq, d]."""
 
     def __init__(self, cfg: ModelConfig, moe_index: int = 0) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
-        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routing = Routing.of(cfg)
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=cfg.router_bias)
+        if self.routing.sigmoid:  # DeepSeek's load-balancing bias: set, not trained
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
         self.tp_group: dist.ProcessGroup | None = None   # set by tensor parallelism
         self.moe_index = moe_index                       # among the model's MoE layers
         self.routes: Routes | None = None                # set by `routing`
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
+        self.shared_experts = (Expert(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """weights, expert indices  # [tokens, k] for flat tokens x [tokens, d]."""
@@ -209,4 +256,5 @@ class MoEBlock(nn.Module):
         token = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.top_k)
         out = run_experts(enumerate(self.experts), flat[token], chosen.reshape(-1))
         out = out * weights.reshape(-1, 1)
-        return torch.zeros_like(flat).index_add(0, token, out).view_as(x)
+        out = torch.zeros_like(flat).index_add(0, token, out).view_as(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

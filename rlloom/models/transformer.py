@@ -1,6 +1,6 @@
 """Plain-PyTorch decoder of the supported families (rlloom/models/families: Llama, Qwen2/3,
-Mistral, Phi-3, OLMo 2, Gemma 2/3, GPT-2, SmolLM3; dense, and Qwen3-MoE / Mixtral / gpt-oss with
-routed experts).
+Mistral, Phi-3, OLMo 2, Gemma 2/3, GPT-2, SmolLM3; dense, and Qwen3-MoE / Mixtral / gpt-oss /
+DeepSeek-V3 with routed experts).
 
 Module names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`, ...) so a
 state dict loads without renaming. No distributed code lives here (docs/design.md): parallel
@@ -20,6 +20,7 @@ from rlloom.models.activations import ACT_FNS
 from rlloom.models.cache import KVCache
 from rlloom.models.config import ModelConfig, normalised_hf_config
 from rlloom.models.embeddings import embedding
+from rlloom.models.mla import LatentAttention
 from rlloom.models.moe import MoEBlock, local
 
 
@@ -272,7 +273,7 @@ class DecoderLayer(nn.Module):
         self.post_norms, self.sandwich = cfg.post_norms or cfg.sandwich_norms, cfg.sandwich_norms
         if not cfg.post_norms:
             self.input_layernorm = norm(cfg)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = LatentAttention(cfg, layer) if cfg.latent else Attention(cfg, layer)
         self.post_attention_layernorm = norm(cfg)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(cfg)
@@ -318,8 +319,10 @@ def matmul_input(x: torch.Tensor) -> torch.Tensor:
 def local_kv_heads(model: nn.Module) -> int:
     """The key/value heads this rank computes and caches: under tensor parallelism its share
     (`parallel.tensor_parallel` localises each attention's head counts), else all."""
-    layers = model.model.layers
-    return layers[0].self_attn.n_kv if len(layers) else model.config.num_kv_heads
+    layers, cfg = model.model.layers, model.config
+    if cfg.latent or not len(layers):  # a latent cache is one shared "head" of each
+        return cfg.cache_dims[0][0]
+    return layers[0].self_attn.n_kv
 
 
 def kv_dtype(model: nn.Module) -> torch.dtype:

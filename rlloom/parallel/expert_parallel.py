@@ -67,9 +67,12 @@ class ExpertParallelMoE(nn.Module):
         if block.n_experts % ep:
             raise ValueError(f"ep={ep} does not divide n_experts={block.n_experts}; use an ep "
                              "that divides the number of experts")
+        if block.shared_experts is not None:
+            raise ValueError("expert parallelism does not place shared experts (DeepSeek-V3) "
+                             "yet: run this model with ep=1")
         self.group, self.ep = group, ep
         self.n_experts, self.top_k = block.n_experts, block.top_k
-        self.norm_topk_prob = block.norm_topk_prob
+        self.routing = block.routing
         self.n_local = block.n_experts // ep
         self.first = rank * self.n_local
         self.gate = block.gate

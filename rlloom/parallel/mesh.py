@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rlloom.models.config import ModelConfig
-from rlloom.plan import Layout
+from rlloom.plan import Layout, unsplit_degrees
 
 # Outermost to innermost. Ranks that differ only in the innermost dimension are adjacent
 # (rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i), so the chattiest group, tensor
@@ -53,6 +53,11 @@ def layout_problems(layout: Layout, cfg: ModelConfig, world_size: int) -> list[s
         if layout.dp % layout.ep:
             problems.append(f"ep={layout.ep} must divide dp={layout.dp}, the ranks experts "
                             "are spread over; change ep or dp")
+    for dim, why in unsplit_degrees(getattr(cfg, "latent", False),
+                                    getattr(cfg, "n_shared_experts", 0) > 0).items():
+        if getattr(layout, dim) > 1:
+            problems.append(f"{dim}={getattr(layout, dim)}: {why}; set {dim}=1 (dp, zero, cp "
+                            "and pp split this model)")
     if layout.zero and layout.dp == 1:
         problems.append(f"zero={layout.zero} shards over data-parallel ranks but dp=1; set "
                         "zero=0 or dp>1")

@@ -69,8 +69,10 @@ class Rehearsed:
 def model_config(shape: ModelShape) -> ModelConfig:
     """The rlloom model config of a priced shape (gpt-oss with sinks and experts, Qwen3-MoE
     with experts, Qwen2 with QKV biases, OLMo2 with norms after the sublayers, Gemma2 with
-    capped attention, GPT-2 with a plain MLP, Llama otherwise)."""
-    family = ("gpt_oss" if shape.attn_sinks else "qwen3_moe" if shape.moe
+    capped attention, GPT-2 with a plain MLP, DeepSeek-V3 with latent attention, Llama
+    otherwise)."""
+    family = ("deepseek_v3" if shape.latent else "gpt_oss" if shape.attn_sinks
+              else "qwen3_moe" if shape.moe
               else "gpt2" if not shape.gated_mlp
               else "qwen2" if shape.qkv_bias else "olmo2" if shape.post_norms
               else "gemma2" if shape.attn_softcap else "llama")
@@ -89,6 +91,13 @@ def model_config(shape: ModelShape) -> ModelConfig:
         hf.update(num_local_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
                   intermediate_size=shape.moe_ffn, layer_types=["full_attention"] * shape.layers,
                   rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    elif family == "deepseek_v3":  # one expert group: the grouping moves no bytes
+        hf.update(qk_nope_head_dim=shape.head_dim - shape.rope_dim,
+                  qk_rope_head_dim=shape.rope_dim, v_head_dim=shape.v_head_dim,
+                  kv_lora_rank=shape.kv_lora_rank, q_lora_rank=shape.q_lora_rank or None,
+                  n_routed_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
+                  moe_intermediate_size=shape.moe_ffn, first_k_dense_replace=shape.dense_layers,
+                  n_shared_experts=shape.shared_ffn // shape.moe_ffn, n_group=1, topk_group=1)
     elif shape.moe:
         hf.update(num_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
                   moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True)
@@ -100,7 +109,7 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
     """What SDPA runs on a GPU for rlloom's attention: flash attention for causal packed rows
     and context-parallel shards (grouped KV heads as they are), and for a masked layer (a
-    sliding window) the
+    sliding window, or values narrower than the queries: latent attention) the
     memory-efficient kernel, which takes the mask as an additive bias in the compute dtype,
     made per call as SDPA converts a boolean mask. Both keep the output and its log-sum-exp
     for backward and have fake-tensor rules for both passes, which the CPU's kernels lack.
@@ -109,6 +118,10 @@ def _gpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v = (x.to(torch.get_autocast_dtype("cpu")) for x in (q, k, v))
     if attn_mask is None or isinstance(attn_mask, CausalBias):  # a CausalBias: lower-right
         causal = is_causal or attn_mask is not None
+        if v.shape[-1] != q.shape[-1]:  # latent attention's narrower values: flash takes
+            # one head width; the memory-efficient kernel keeps the same for backward
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal,
                                                                   scale=scale)[0]
     bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))

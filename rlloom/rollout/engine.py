@@ -99,7 +99,8 @@ class Engine:
             raise ValueError("stop strings need a `decode` callback (token ids -> text)")
         if not is_plain(self.model):
             # A parallel layout (TP / FSDP / replicate) runs inside the modules' own forwards,
-            # which the fast path bypasses: the reference drives those forwards instead, in
+            # which the fast path bypasses (as latent attention's cache of latents does): the
+            # reference drives those forwards instead, in
             # waves of as many rows as the KV budget holds (`perf.model` prices them as such)
             def turn(rows: list[list[int]], room: int) -> Rollout:
                 prompt = max(map(len, rows))

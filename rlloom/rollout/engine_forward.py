@@ -19,8 +19,12 @@ from rlloom.rollout.slot_cache import DTensor, SlotKVCache
 
 
 def is_plain(model: nn.Module) -> bool:
-    """Whether the model's modules run as written: no DTensor parameters and no module hooks
-    (tensor parallelism, FSDP and `replicate` add both)."""
+    """Whether the engine's own decode drives the model: its attention is multi-head over
+    key/value heads (latent attention decodes through its module, over its latents) and its
+    modules run as written: no DTensor parameters and no module hooks (tensor parallelism,
+    FSDP and `replicate` add both)."""
+    if getattr(getattr(model, "config", None), "latent", False):
+        return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return False
     return not any(isinstance(p, DTensor) for p in model.parameters())

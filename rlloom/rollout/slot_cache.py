@@ -25,7 +25,8 @@ def kv_bytes_per_slot(model: CausalLM, max_len: int) -> int:
     together beside the rest: `SlotKVCache.ensure`)."""
     c = model.config
     elem = torch.empty((), dtype=kv_dtype(model)).element_size()
-    return 2 * c.num_layers * local_kv_heads(model) * c.head_dim * max_len * elem
+    (_, kd), (_, vd) = c.cache_dims
+    return c.num_layers * local_kv_heads(model) * (kd + vd) * max_len * elem
 
 
 def kv_slots(model: CausalLM, rows: int, prompt: int, max_len: int, max_batch: int,
@@ -40,7 +41,7 @@ def kv_slots(model: CausalLM, rows: int, prompt: int, max_len: int, max_batch: i
     if budget:
         per_slot = kv_bytes_per_slot(model, max_len)
         shape = ModelShape.from_hf_config(model.config.to_hf())
-        tp = model.config.num_kv_heads // local_kv_heads(model)
+        tp = 1 if model.config.latent else model.config.num_kv_heads // local_kv_heads(model)
         room = max_len - prompt
         fit = generation_slots(shape, tp, budget, per_slot, prompt, plain, rows, room,
                                prefill_tokens, routes)

@@ -17,6 +17,11 @@ from rlloom.rollout.sampling import SamplingParams
 BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DEEPSEEK = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                first_k_dense_replace=1, routed_scaling_factor=2.5, num_key_value_heads=4,
+                max_position_embeddings=128)
 FAMILIES = {
     "mixtral": (transformers.MixtralForCausalLM, dict(num_local_experts=4,
                                                       num_experts_per_tok=2)),
@@ -63,6 +68,15 @@ FAMILIES = {
     "gpt_oss": (transformers.GptOssForCausalLM, dict(
         head_dim=12, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
         sliding_window=6, swiglu_limit=0.5, max_position_embeddings=4096)),
+    # latent attention with a q bottleneck and interleaved rotary pairs, yarn (its mscale
+    # grows the scores' scale), a dense first layer, then sigmoid routing within the best 2
+    # of 4 groups, a correction bias (randomised below), scaled weights, a shared expert
+    "deepseek_v3": (transformers.DeepseekV3ForCausalLM, dict(DEEPSEEK, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    # one q_proj, rotary halves, default rope
+    "deepseek_v3_plain": (transformers.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK, q_lora_rank=None, rope_interleave=False)),
 }
 
 
@@ -74,6 +88,9 @@ def save_family(path, name):
         for n, p in hf.named_parameters():
             if "norm" in n or ".ln_" in n or "bias" in n:
                 p.add_(torch.randn_like(p) * 0.1)
+        for n, b in hf.named_buffers():  # DeepSeek's routing correction, zeros at init
+            if "correction_bias" in n:
+                b.add_(torch.randn_like(b) * 0.1)
     hf.save_pretrained(path)
     return hf
 
@@ -131,7 +148,7 @@ def test_peft_loads_the_adapter(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "olmo2", "phi3", "gemma2", "gemma3", "gpt2", "gpt_oss",
-                                  "smollm3"])
+                                  "smollm3", "deepseek_v3", "deepseek_v3_plain"])
 def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     from rlloom.perf.model.shapes import model_shape
     from rlloom.perf.search.planner import _tp_applies
@@ -143,8 +160,16 @@ def test_the_cost_model_reads_each_family_as_the_runtime_does(tmp_path, name):
     # biases, LayerNorm biases and position table
     assert shape.params == cfg.num_params == held
     assert (shape.n_experts, shape.moe_ffn) == (cfg.n_experts, cfg.moe_intermediate_size)
-    # the planner offers TP where the runtime runs it
-    assert _tp_applies(2, shape)
+    # the planner offers TP where the runtime runs it (not yet DeepSeek's latent attention)
+    assert _tp_applies(2, shape) == (not cfg.latent)
+    if cfg.latent:  # LoRA's default targets there: o_proj (and a q_proj) and the MLPs
+        from rlloom.models.lora import apply_lora
+        apply_lora(model, 4, 8.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "up_proj", "down_proj"), 0)
+        lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+        assert shape.lora_params(4) == lora
+        cache = 3 * (16 + 4) * 2     # layers x (latent + rotary key) x bf16
+        assert shape.kv_bytes_per_token() == cache
 
 
 def test_capped_attention_is_priced_with_its_scores(tmp_path):

@@ -56,16 +56,17 @@ def test_left_padded_batch_matches_unpadded_rows(tmp_path, family):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
-    cfg = transformers.DeepseekV3Config(num_hidden_layers=1, hidden_size=16,
-                                        num_attention_heads=2, vocab_size=50)
-    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)
+    cfg = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                                     num_attention_heads=2, vocab_size=50)
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError) as e:
         load_model(tmp_path)
-    assert "unsupported architecture ['DeepseekV3ForCausalLM']" in str(e.value)
+    assert "unsupported architecture ['GPTNeoXForCausalLM']" in str(e.value)
     assert all(arch in str(e.value) for arch in (
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM"))
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM",
+        "DeepseekV3ForCausalLM"))
 
 
 def test_missing_model_directory_names_it(tmp_path):

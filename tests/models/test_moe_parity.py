@@ -94,7 +94,8 @@ def test_experts_need_the_moe_family():
     from rlloom.models.config import ModelConfig, UnsupportedArchitectureError
 
     with pytest.raises(UnsupportedArchitectureError,
-                       match=r"needs an MoE family \(qwen3_moe, mixtral, gpt_oss\), not 'qwen3'"):
+                       match=r"needs an MoE family \(qwen3_moe, mixtral, gpt_oss, "
+                             r"deepseek_v3\), not 'qwen3'"):
         ModelConfig(family="qwen3", vocab_size=50, hidden_size=16, intermediate_size=32,
                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, n_experts=4,
                     experts_per_token=2, moe_intermediate_size=8)

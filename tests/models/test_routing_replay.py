@@ -29,15 +29,20 @@ FAMILIES = {
     # sinks in the decode, a biased router, biased clamped experts on every layer
     "gpt_oss": dict(qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True,
                     expert_bias=True, swiglu_limit=7.0, norm_topk_prob=True),
+    # latent attention (the plain loop decodes it), grouped sigmoid routing, a shared expert
+    "deepseek_v3": dict(num_kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                        v_head_dim=12, rope_interleave=True, mlp_only_layers=(0,),
+                        moe_scoring="sigmoid", n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model(request):
-    cfg = ModelConfig(family=request.param, vocab_size=50, hidden_size=32,
-                      intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
-                      head_dim=8, n_experts=8, experts_per_token=2, moe_intermediate_size=16,
-                      eos_token_id=2, **FAMILIES[request.param])
+    base = dict(family=request.param, vocab_size=50, hidden_size=32, intermediate_size=64,
+                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, n_experts=8,
+                experts_per_token=2, moe_intermediate_size=16, eos_token_id=2)
+    cfg = ModelConfig(**{**base, **FAMILIES[request.param]})
     m = CausalLM(cfg)
     m.init_weights(0, std=0.3)
     return m.double().eval()
@@ -57,12 +62,12 @@ def perturbed(monkeypatch):
     probabilities: another network's choice, as the replay would face it."""
     real = moe.route
 
-    def route(logits, k, norm, forced=None):
+    def route(logits, routing, bias=None, forced=None):
         if forced is None:
             g = torch.Generator().manual_seed(logits.shape[0])
             forced = (logits + torch.randn(logits.shape, generator=g, dtype=logits.dtype)
-                      ).topk(k, -1).indices
-        return real(logits, k, norm, forced)
+                      ).topk(routing.k, -1).indices
+        return real(logits, routing, bias, forced)
     monkeypatch.setattr(moe, "route", route)
 
 

@@ -85,6 +85,15 @@ def tiny_config(family: str = "qwen3", heads: int = 4, kv_heads: int = 2) -> Mod
         moe = dict(n_experts=4, experts_per_token=2, moe_intermediate_size=16,
                    norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=0.5)
         gemma = dict(attn_sinks=True, o_bias=True, sliding_window=4, sliding_layers=(0,))
+    # deepseek_v3: latent attention (a q bottleneck, interleaved rotary pairs), a dense first
+    # layer, then sigmoid routing within the best 2 of 4 groups, scaled, and a shared expert
+    if family == "deepseek_v3":
+        moe = dict(n_experts=8, experts_per_token=2, moe_intermediate_size=16,
+                   norm_topk_prob=True, mlp_only_layers=(0,), moe_scoring="sigmoid", n_group=4,
+                   topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1)
+        gemma = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, v_head_dim=12,
+                     rope_interleave=True)
+        kv_heads = heads
     # smollm3: no positional embedding on its second layer, a tied head
     if family == "smollm3":
         gemma = dict(nope_layers=(1,), tie_word_embeddings=True)

@@ -1,14 +1,16 @@
 """Context parallelism (cp=2, and cp=2 x tp=2) against one process: logits, loss and
 gradients, with full and sliding-window attention layers and length-dependent (dynamic)
-rotary embeddings.
+rotary embeddings, learned positions (GPT-2), replayed routes and DeepSeek-V3's latent
+attention.
 
 Tolerances (float64): logits, loss and gradients 1e-10 absolute/relative.
 """
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from harness import full, loss_of, spawn
+from harness import full, loss_of, spawn, tiny_config
 
 from rlloom.models.config import ModelConfig
 from rlloom.models.moe import routing
@@ -42,6 +44,8 @@ def tiny_model(kind: str = "qwen3") -> CausalLM:
                           layer_norm=True, gated_mlp=False, learned_positions=True,
                           qkv_bias=True, o_bias=True, mlp_bias=True, hidden_act="gelu_new",
                           max_position_embeddings=16, tie_word_embeddings=True)
+    if kind == "deepseek":  # latent attention, grouped sigmoid routing (replayed), shared expert
+        cfg = replace(tiny_config("deepseek_v3"), vocab_size=64)
     if kind == "moe":  # routed experts on both layers, replayed below
         cfg = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32,
                           intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -92,7 +96,7 @@ def _replayed_routes() -> torch.Tensor:
 
 
 def _replaying(model, kind: str):
-    return routing(model, _replayed_routes()) if kind == "moe" else nullcontext()
+    return routing(model, _replayed_routes()) if kind in ("moe", "deepseek") else nullcontext()
 
 
 def _reference(kind: str = "qwen3"):
@@ -105,13 +109,13 @@ def _reference(kind: str = "qwen3"):
         ref_logits = ref(ids, mask)
         ref_loss = loss_of(ref_logits, labels, n_tokens)
         ref_loss.backward()
-    if kind == "moe":
+    if kind in ("moe", "deepseek"):
         assert replayed.matched < replayed.counted  # the replay changed the routing
     return ids, mask, labels, n_tokens, ref, ref_logits, ref_loss
 
 
 def _cp_body():
-    for kind in ("qwen3", "gpt2", "moe"):
+    for kind in ("qwen3", "gpt2", "moe", "deepseek"):
         _cp_matches(kind)
     _cp_replays_rows_it_pads()
 

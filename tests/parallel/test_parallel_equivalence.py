@@ -82,6 +82,8 @@ CASES_2 = {
     "tp2 sp smollm3": dict(tp=2, family="smollm3"),
     "dp2 zero3 smollm3": dict(dp=2, zero=3, family="smollm3"),
     "dp2 ep2 zero3 gpt_oss": dict(dp=2, ep=2, zero=3, family="gpt_oss"),
+    "dp2 zero3 ac deepseek_v3": dict(dp=2, zero=3, activation_checkpointing=True,
+                                     family="deepseek_v3"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),
@@ -130,11 +132,12 @@ def assert_sharded(model: torch.nn.Module, optim: torch.optim.Optimizer, layout:
                    ) -> None:
     """The layout really splits the work: a passing comparison is not a replicated model."""
     attn = model.model.layers[0].self_attn
-    q = attn.q_proj.weight
     cfg = model.config
+    q = (attn.q_b_proj if cfg.latent else attn.q_proj).weight
     local_rows = q.to_local().shape[0] if hasattr(q, "to_local") else q.shape[0]
     dp_split = layout.dp if layout.zero >= 2 else 1
-    assert local_rows * layout.tp * dp_split == cfg.num_heads * cfg.head_dim
+    q_dim = cfg.qk_head_dim if cfg.latent else cfg.head_dim
+    assert local_rows * layout.tp * dp_split == cfg.num_heads * q_dim
     assert attn.n_heads == cfg.num_heads // layout.tp
     moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     if moe:   # each rank holds its ep share of the experts, each split by tp (and ZeRO)

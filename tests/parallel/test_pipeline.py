@@ -182,6 +182,34 @@ def test_pp2_x_dp2_with_ep2_matches_single_process():
     spawn(_pp_ep_body, 4)
 
 
+def _pp_latent_body():
+    """pp=2 of DeepSeek-V3's blocks (latent attention, a dense first layer, grouped sigmoid
+    routing and a shared expert in the rest): loss and gradients equal one process's."""
+    from dataclasses import replace
+    from harness import tiny_config
+    cfg = replace(tiny_config("deepseek_v3"), vocab_size=64, num_layers=4)
+
+    def deepseek() -> CausalLM:
+        model = CausalLM(cfg).double()
+        model.init_weights(seed=0, std=0.2)
+        return model
+
+    ids, mask, labels = batch()
+    ref_model = deepseek()
+    ref_loss = F.cross_entropy(ref_model(ids, mask).flatten(0, 1), labels.flatten(),
+                               ignore_index=-100, reduction="sum") / (labels != -100).sum()
+    ref_loss.backward()
+    pipe = PipelinedModel(deepseek(), n_microbatches=4)
+    loss = pipe.train_step(ids, mask, labels,
+                           next_token_loss(pipe, (labels != -100).sum().item()))
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    check_grads(pipe.module, ref_model)
+
+
+def test_pp2_of_latent_attention_and_shared_experts_matches_single_process():
+    spawn(_pp_latent_body, 2)
+
+
 def _train_and_clip(pipe, ref_model, ref_loss, ids, mask, labels):
     """One pipelined training step of a tied model: its loss and gradients, and its clipped
     norm (the tied embedding counted once), equal the one process's."""

@@ -97,7 +97,7 @@ def shared_names(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3",
-            "gemma2", "gemma3_text", "gpt2", "gpt_oss", "smollm3")
+            "gemma2", "gemma3_text", "gpt2", "gpt_oss", "smollm3", "deepseek_v3")
 FAMILIES: dict[str, Family] = {}
 for _name in _MODULES:
     _family = importlib.import_module(f"{__name__}.{_name}").FAMILY

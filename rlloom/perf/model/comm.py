@@ -116,13 +116,14 @@ def cp(layout: Layout, shape: ModelShape, tokens: float, forwards: int,
        backward: bool) -> list[Collective]:
     """`parallel.context_parallel` over `tokens` (the whole rows): each of `forwards` passes
     (2 when checkpointing recomputes them) all-gathers every layer's keys (the stream's
-    dtype: rotary runs in it) and values (bf16), a TP rank its own KV heads; backward
+    dtype: rotary runs in it) and values (bf16), a TP rank its own KV heads (latent
+    attention: its latents and rotary keys, `cache_width`); backward
     returns their gradients by all-to-all. The hidden states are gathered whole at the end
     (and their gradient returned)."""
     if layout.cp == 1:
         return []
     span, layers = layout.tp * layout.cp, shape.layers / layout.pp
-    kv = (tokens * shape.kv_width * (mem.stream_bytes(layout) + mem.PARAM_B)
+    kv = (tokens * shape.cache_width / 2 * (mem.stream_bytes(layout) + mem.PARAM_B)
           / min(layout.tp, shape.kv_heads))
     hidden = tokens * shape.hidden * mem.stream_bytes(layout)
     out = [Collective("all_gather", layout.cp, span, forwards * layers * kv + hidden,

@@ -192,8 +192,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, context: float = 0
     (its sequence parallelism) but not the bf16 matmul inputs, which it gathers. Capped
     attention adds its scores over a row of `context` keys (`score_bytes`)."""
     stream = stream_bytes(layout)
-    f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
-    wide = 4 * shape.q_width + 4 * shape.kv_width + 8 * f + 4 * shape.heads
+    wide = 4 * shape.q_width + 4 * shape.kv_width + 8 * shape.active_ffn + 4 * shape.heads
     # TP's sequence-parallel norms keep their share of the sequence; the matmul inputs they
     # feed are gathered whole
     dense = ((shape.layer_norms * (4 + stream) / layout.tp + 4) * shape.hidden
@@ -299,7 +298,7 @@ def _logit_bytes(shape: ModelShape, tokens: float, per_elem: int) -> float:
 
 
 def kv_bytes_per_rollout(shape: ModelShape, layout: Layout, context: float) -> float:
-    """2 L kv_width bf16 elements per token; TP splits KV heads only up to their number."""
+    """L cache_width bf16 elements per token; TP splits KV heads only up to their number."""
     shards = min(layout.tp, shape.kv_heads) * layout.pp
     return shape.kv_bytes_per_token() * context / shards
 
@@ -310,8 +309,8 @@ def prefill_bytes_per_token(shape: ModelShape, tp: int, context: float = 0.0) ->
     (the activation, up and their product) and three hidden-size ones (the residual stream,
     its norm and the attention's sum); an unfused (capped) attention's scores over prompts
     of `context` tokens."""
-    f = shape.experts_per_token * shape.moe_ffn if shape.moe else shape.ffn
-    return PARAM_B * (3 * f / tp + 3 * shape.hidden) + score_bytes(shape, tp, context)
+    return (PARAM_B * (3 * shape.active_ffn / tp + 3 * shape.hidden)
+            + score_bytes(shape, tp, context))
 
 
 def outputs_bytes(shape: ModelShape, rollouts: int, prompt: int, response: int,

@@ -37,6 +37,15 @@ class ModelShape:
     positions: int = 0        # GPT-2: rows of a learned position table
     qk_norm_params: int = 0   # per layer: Qwen3's per-head q/k norms (2 head_dim), OLMo2's
     #                           over all heads ((heads + kv_heads) head_dim)
+    dense_layers: int = 0     # an MoE model's layers with a dense MLP of ffn instead
+    shared_ffn: int = 0       # DeepSeek-V3: the shared experts' width on each MoE layer
+    # DeepSeek-V3's latent attention (kv_lora_rank > 0): head_dim is a query's (and key's)
+    # whole width, rope_dim its rotary part, v_head_dim a value's; the cache keeps the
+    # kv_lora_rank latent and the rope_dim key per token and layer
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def norm_params(self) -> int:
@@ -53,18 +62,57 @@ class ModelShape:
         return self.n_experts > 0
 
     @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
+
+    @property
+    def active_ffn(self) -> float:
+        """The MLP width one token runs through, averaged over the layers: the dense
+        MLP's, or the routed experts' (experts_per_token x moe_ffn) and the shared ones'."""
+        if not self.moe:
+            return self.ffn
+        moe = self.experts_per_token * self.moe_ffn + self.shared_ffn
+        return (self.moe_layers * moe + self.dense_layers * self.ffn) / self.layers
+
+    @property
     def q_width(self) -> int:
         return self.heads * self.head_dim
 
     @property
-    def kv_width(self) -> int:
-        """Width of K (or V) per token per layer; smaller than hidden under GQA."""
+    def v_width(self) -> int:
+        """Width of the values' heads per token and layer."""
+        return self.heads * self.v_head_dim if self.latent else self.kv_width
+
+    @property
+    def kv_width(self) -> float:
+        """Width of K (or V) per token per layer; smaller than hidden under GQA. Latent
+        attention's expanded keys and values: their mean width."""
+        if self.latent:
+            return (self.q_width + self.v_width) / 2
         return self.kv_heads * self.head_dim
+
+    @property
+    def cache_width(self) -> float:
+        """Elements a KV cache keeps per token and layer: keys and values, or latent
+        attention's latent and rotary key."""
+        return self.kv_lora_rank + self.rope_dim if self.latent else 2 * self.kv_width
 
     @cached_property  # read a million times by one planner search
     def attn_params(self) -> int:
         """Per layer: Q, K, V, O projections (4 d^2 when there is no GQA)."""
         d = self.hidden
+        if self.latent:  # the latents' norms beside the projections
+            q = (d + self.q_width + 1) * self.q_lora_rank if self.q_lora_rank \
+                else d * self.q_width
+            kv = (d * (self.kv_lora_rank + self.rope_dim) + self.kv_lora_rank
+                  + self.kv_lora_rank * (self.q_width - self.heads * self.rope_dim
+                                         + self.v_width))
+            bias = (self.q_lora_rank + self.kv_lora_rank + self.rope_dim + d) * self.qkv_bias
+            return q + kv + self.v_width * d + bias
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
         return (2 * d * self.q_width + 2 * d * self.kv_width + bias + d * self.o_bias
                 + self.heads * self.attn_sinks)
@@ -74,30 +122,44 @@ class ModelShape:
         experts' included): r (d_in + d_out) each, the runtime's default `model.lora.targets`."""
         d, mlp = self.hidden, 3 if self.gated_mlp else 2
         attn = 2 * (d + self.q_width) + 2 * (d + self.kv_width)
-        ffn = mlp * (d + self.ffn) if not self.moe else \
-            mlp * (d + self.moe_ffn) * self.n_experts
-        return rank * self.layers * (attn + ffn)
+        if self.latent:  # of q/k/v/o, latent attention has o_proj (and q_proj without a q
+            attn = (d + self.v_width) + (0 if self.q_lora_rank else d + self.q_width)
+        if not self.moe:
+            return rank * self.layers * (attn + mlp * (d + self.ffn))
+        moe = mlp * ((d + self.moe_ffn) * self.n_experts + (d + self.shared_ffn)
+                     * bool(self.shared_ffn))
+        return rank * (self.layers * attn + self.moe_layers * moe
+                       + self.dense_layers * mlp * (d + self.ffn))
 
     def _mlp(self, width: int) -> int:
         bias = ((2 if self.gated_mlp else 1) * width + self.hidden) * self.mlp_bias
         return (3 if self.gated_mlp else 2) * self.hidden * width + bias
 
+    def _per_layer(self, moe: float) -> float:
+        """An MoE layer's `moe` and a dense layer's MLP, averaged over the layers."""
+        return (self.moe_layers * moe + self.dense_layers * self._mlp(self.ffn)) / self.layers
+
     @cached_property
-    def mlp_params(self) -> int:
-        """Per layer, all experts counted (what has to be stored)."""
+    def mlp_params(self) -> float:
+        """Per layer, all experts counted (what has to be stored); averaged over the layers
+        where some are dense."""
         if self.moe:
-            return self.n_experts * (self._mlp(self.moe_ffn) + self.hidden + self.mlp_bias)
+            shared = self._mlp(self.shared_ffn) if self.shared_ffn else 0
+            return self._per_layer(self.n_experts * (self._mlp(self.moe_ffn) + self.hidden
+                                                     + self.mlp_bias) + shared)
         return self._mlp(self.ffn)
 
     @cached_property
-    def active_mlp_params(self) -> int:
-        """Per layer and token: only the routed experts do work."""
+    def active_mlp_params(self) -> float:
+        """Per layer and token: only the routed (and shared) experts do work."""
         if self.moe:
-            return self.experts_per_token * self._mlp(self.moe_ffn) + self.hidden * self.n_experts
+            shared = self._mlp(self.shared_ffn) if self.shared_ffn else 0
+            return self._per_layer(self.experts_per_token * self._mlp(self.moe_ffn)
+                                   + self.hidden * self.n_experts + shared)
         return self._mlp(self.ffn)
 
     @cached_property
-    def params(self) -> int:
+    def params(self) -> float:
         """|M|. Adds to the plain L (4 d^2 + 2 d d_ff) + V d: GQA K/V widths, gated MLPs,
         QKV biases, MoE experts and router, the RMSNorm vectors of each layer plus a final one,
         and a separate output embedding when it is not tied; GPT-2's and gpt-oss's biases,
@@ -106,7 +168,7 @@ class ModelShape:
                      + self.qk_norm_params)
         embeddings = (self.vocab * (1 if self.tied_embeddings else 2) + self.positions) \
             * self.hidden
-        return self.layers * per_layer + embeddings + self.norm_params
+        return round(self.layers * per_layer + embeddings + self.norm_params)
 
     @cached_property
     def active_matmul_params(self) -> int:
@@ -115,9 +177,10 @@ class ModelShape:
 
     def attention_flops(self, context: float) -> float:
         """Attention FLOPs per teacher-forced token: causal attention sees context/2 keys on
-        average, and QK^T and AV give 2 L context q_width; an eager attention multiplies
-        every key, masked or not (twice that)."""
-        return 2 * self.layers * context * self.q_width * (2 if self.eager_attention else 1)
+        average, and QK^T and AV give L context (q_width + v_width); an eager attention
+        multiplies every key, masked or not (twice that)."""
+        return (self.layers * context * (self.q_width + self.v_width)
+                * (2 if self.eager_attention else 1))
 
     def layer_matmul_flops(self) -> float:
         """Forward FLOPs per token of the layers' weight matmuls."""
@@ -126,8 +189,7 @@ class ModelShape:
     def down_proj_flops(self) -> float:
         """Forward FLOPs per token of the layers' last matmul, the MLP's down projection (a
         checkpointed layer's recompute stops before it: backward needs nothing it makes)."""
-        f = self.experts_per_token * self.moe_ffn if self.moe else self.ffn
-        return 2 * self.layers * self.hidden * f
+        return 2 * self.layers * self.hidden * self.active_ffn
 
     @property
     def head_flops(self) -> float:
@@ -140,8 +202,12 @@ class ModelShape:
         return 2 * self.active_matmul_params + self.attention_flops(context) + head
 
     def decode_flops(self, position: float, logits: bool = True) -> float:
-        """FLOPs of one decode step for a token at `position` (attends to all earlier keys)."""
-        attn = 4 * self.layers * position * self.q_width
+        """FLOPs of one decode step for a token at `position` (attends to all earlier keys;
+        latent attention over its latents as they are: `models.mla`'s absorbed form)."""
+        attn = 2 * self.layers * position * (self.q_width + self.v_width)
+        if self.latent:
+            attn = 2 * self.layers * position * self.heads * (2 * self.kv_lora_rank
+                                                               + self.rope_dim)
         head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
         return 2 * self.active_matmul_params + attn + head
 
@@ -151,12 +217,11 @@ class ModelShape:
         eager implementation (tests/perf/test_validate.py recounts them). Attention's scores
         stay inside the fused SDPA kernel, so the context length barely matters."""
         per_d, per_ffn = ACT_PER_LAYER
-        ffn = self.experts_per_token * self.moe_ffn if self.moe else self.ffn
-        return self.layers * (per_d * self.hidden + per_ffn * ffn)
+        return self.layers * (per_d * self.hidden + per_ffn * self.active_ffn)
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
-        """K and V of every layer for one token: 2 L kv_width elements (bf16 by default)."""
-        return 2 * self.layers * self.kv_width * bytes_per_elem
+        """K and V of every layer for one token: L cache_width elements (bf16 by default)."""
+        return round(self.layers * self.cache_width * bytes_per_elem)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelShape":
@@ -177,7 +242,8 @@ class ModelShape:
             layers=cfg["num_hidden_layers"], hidden=hidden,
             ffn=fam.get("intermediate_size", cfg.get("intermediate_size")),
             heads=heads, kv_heads=fam.get("num_kv_heads", cfg.get("num_key_value_heads", heads)),
-            head_dim=fam.get("head_dim", cfg.get("head_dim") or hidden // heads),
+            head_dim=(fam["qk_nope_head_dim"] + fam["head_dim"] if fam.get("kv_lora_rank")
+                      else fam.get("head_dim", cfg.get("head_dim") or hidden // heads)),
             vocab=cfg["vocab_size"],
             tied_embeddings=bool(fam.get("tie_word_embeddings",
                                          cfg.get("tie_word_embeddings", False))),
@@ -195,7 +261,25 @@ class ModelShape:
             mlp_bias=fam.get("mlp_bias", False) or fam.get("expert_bias", False),
             gated_mlp=fam.get("gated_mlp", True), layer_norm=fam.get("layer_norm", False),
             positions=cfg["max_position_embeddings"] if fam.get("learned_positions") else 0,
-            qk_norm_params=_qk_norm_params(fam, heads, cfg))
+            qk_norm_params=_qk_norm_params(fam, heads, cfg),
+            **(_moe_layers(fam, cfg["num_hidden_layers"]) if n_experts else {}),
+            **(_latent(fam) if fam.get("kv_lora_rank") else {}))
+
+
+def _moe_layers(fam: dict[str, Any], layers: int) -> dict[str, int]:
+    """The dense layers of an MoE model (the runtime's `ModelConfig.is_moe_layer` rule) and
+    its shared experts' width."""
+    step, dense = fam.get("decoder_sparse_step", 1), set(fam.get("mlp_only_layers", ()))
+    moe = sum(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return dict(dense_layers=layers - moe,
+                shared_ffn=fam.get("n_shared_experts", 0) * fam.get("moe_intermediate_size", 0))
+
+
+def _latent(fam: dict[str, Any]) -> dict[str, int]:
+    # transformers' head_dim of an MLA model: the rotary part's
+    return dict(rope_dim=fam["head_dim"],
+                kv_lora_rank=fam["kv_lora_rank"], q_lora_rank=fam["q_lora_rank"],
+                v_head_dim=fam["v_head_dim"])
 
 
 def _qk_norm_params(fam: dict[str, Any], heads: int, cfg: dict[str, Any]) -> int:

@@ -1,0 +1,71 @@
+"""DeepSeek-V3 (and the models built on it: DeepSeek-R1, Kimi K2, Moonlight): multi-head
+latent attention (`rlloom.models.mla`: keys and values from a compressed latent, queries
+through a low-rank bottleneck, a rotary part of qk_rope_head_dim laid out in interleaved
+pairs, the scores' scale grown by yarn's mscale_all_dim), dense SwiGLU MLPs on the first
+first_k_dense_replace layers and routed experts on the rest: sigmoid scores, chosen (with a
+per-expert correction bias, `mlp.gate.e_score_correction_bias`, a buffer: set by
+DeepSeek's load balancing, not trained) within the best topk_group of n_group groups,
+renormalised and scaled by routed_scaling_factor, plus n_shared_experts every token runs.
+The released checkpoints' extra multi-token-prediction layer (model.layers.61) is left out,
+as transformers does; their FP8 weights are refused (any quantised checkpoint is)."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from rlloom.models.families import Family, State
+
+
+def softmax_scale(hf: dict[str, Any], rope: dict[str, Any]) -> float:
+    """The scores' scale: 1 / sqrt(q/k head width), times yarn's mscale squared when the
+    rope is scaled with an mscale_all_dim (DeepSeek's reference, and transformers')."""
+    scale = (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5
+    factor, m = rope.get("factor", 1.0), rope.get("mscale_all_dim", 0)
+    if rope.get("rope_type", "default") != "default" and m and factor > 1:
+        scale *= (0.1 * m * math.log(factor) + 1.0) ** 2
+    return scale
+
+
+def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
+    bias = bool(hf.get("attention_bias", False))
+    rope = dict(getattr(norm, "rope_parameters", None) or hf.get("rope_parameters")
+                or hf.get("rope_scaling") or {})
+    return dict(num_kv_heads=hf["num_attention_heads"], head_dim=hf["qk_rope_head_dim"],
+                kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0,
+                qk_nope_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
+                rope_interleave=bool(hf.get("rope_interleave", True)),
+                attn_scale=softmax_scale(hf, rope), qkv_bias=bias, o_bias=bias,
+                n_experts=hf.get("n_routed_experts", 0),
+                experts_per_token=hf.get("num_experts_per_tok", 0),
+                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+                n_shared_experts=hf.get("n_shared_experts") or 0, moe_scoring="sigmoid",
+                n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                mlp_only_layers=tuple(range(hf.get("first_k_dense_replace") or 0)))
+
+
+def write(cfg: Any) -> dict[str, Any]:
+    return {"kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.head_dim,
+            "v_head_dim": cfg.v_head_dim, "rope_interleave": cfg.rope_interleave,
+            "attention_bias": cfg.qkv_bias, "n_routed_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "n_shared_experts": cfg.n_shared_experts, "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "first_k_dense_replace": len(cfg.mlp_only_layers)}
+
+
+def from_checkpoint(state: State, cfg: Any) -> State:
+    """The model's own layers: the multi-token-prediction layers after them dropped."""
+    def kept(name: str) -> bool:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return m is None or int(m[1]) < cfg.num_layers
+    return {name: t for name, t in state.items() if kept(name)}
+
+
+FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", read, write, moe=True,
+                from_checkpoint=from_checkpoint)
