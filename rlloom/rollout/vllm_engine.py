@@ -83,6 +83,12 @@ class VLLMEngine:
                  kv_gib: int = 1, gpu_memory: dict[str, float] | None = None) -> None:
         """`kv_gib`: a CPU server's KV cache; `gpu_memory`: a GPU server's memory arguments
         (`gpu_memory_args`)."""
+        if policy.config.latent:
+            # checked before anything starts: its samples' log-probs were nats off the
+            # trainer's (tests/rollout/test_vllm_engine.py)
+            raise VLLMError("rollout.engine=vllm does not serve latent attention (DeepSeek-V3) "
+                            "yet: vLLM's log-probs of its samples did not match the trainer's "
+                            "in rlloom's check; generate with rollout.engine=rlloom")
         self.policy, self.syncs = policy, 0
         self.last_sync: SyncRecord | None = None
         self._records: list[SyncRecord] = []

@@ -16,7 +16,7 @@ from rlloom.models.config import ModelConfig
 from rlloom.models.tokenizer import build_char_tokenizer
 from rlloom.models.transformer import CausalLM
 from rlloom.rollout.sampling import SamplingParams
-from rlloom.rollout.vllm_engine import VLLMEngine
+from rlloom.rollout.vllm_engine import VLLMEngine, VLLMError
 from rlloom.rollout.vllm_env import config_problems, default_venv, install
 from rlloom.runtime.stages.batch import response_logprobs
 
@@ -145,7 +145,7 @@ def test_a_gpu_server_is_given_the_budget_and_its_kv_cache_in_it():
     one sequence is refused before vLLM starts, naming the fix."""
     from rlloom.perf.model.memory import vllm_kv_bytes
     from rlloom.perf.model.shapes import ModelShape
-    from rlloom.rollout.vllm_engine import VLLMError, gpu_memory_args
+    from rlloom.rollout.vllm_engine import gpu_memory_args
     cfg = ModelConfig(family="qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512,
                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
     model = CausalLM(cfg)
@@ -171,6 +171,14 @@ FAMILY_CONFIGS = {
                         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False,
                         "original_max_position_embeddings": 4096}),
+    # vLLM's MLA on a CPU takes DeepSeek's latent and rotary widths only (512 + 64); its
+    # samples' log-probs were 6-8 nats off the trainer's (as transformers'), with routed
+    # experts or dense MLPs, interleaved rotary pairs or halves: refused
+    "deepseek_v3": dict(intermediate_size=64, num_kv_heads=2, head_dim=64, kv_lora_rank=512,
+                        qk_nope_head_dim=32, v_head_dim=32, rope_interleave=True, n_experts=4,
+                        experts_per_token=2, moe_intermediate_size=32, norm_topk_prob=True,
+                        moe_scoring="sigmoid", n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, n_shared_experts=1, mlp_only_layers=(0,)),
 }
 
 
@@ -184,8 +192,8 @@ def test_vllm_serves_each_family_as_exported_with_the_trainers_logprobs(vllm_pyt
     fused expert tensors reach vLLM as transformers writes them, and it samples with the
     log-probs the trainer computes."""
     cfg = ModelConfig(family=family, vocab_size=len(build_char_tokenizer()), hidden_size=64,
-                      num_layers=2, num_heads=2, head_dim=32, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0, **FAMILY_CONFIGS[family])
+                      num_layers=2, num_heads=2, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, **{"head_dim": 32, **FAMILY_CONFIGS[family]})
     model = CausalLM(cfg)
     model.init_weights(seed=3, std=0.3)
     eng = VLLMEngine(model.eval(), build_char_tokenizer(), vllm_python, TEMPERATURE,
@@ -196,3 +204,13 @@ def test_vllm_serves_each_family_as_exported_with_the_trainers_logprobs(vllm_pyt
         assert _logprob_error(model, rollout) < tol
     finally:
         eng.close()
+
+
+def test_latent_attention_is_refused_before_a_server_starts():
+    """The check runs without vLLM's environment: no server is started."""
+    cfg = ModelConfig(family="deepseek_v3", vocab_size=len(build_char_tokenizer()),
+                      hidden_size=64, num_layers=2, num_heads=2, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0, **FAMILY_CONFIGS["deepseek_v3"])
+    with pytest.raises(VLLMError, match="does not serve latent attention.*rollout.engine=rlloom"):
+        VLLMEngine(CausalLM(cfg), build_char_tokenizer(), "/nonexistent/python", TEMPERATURE,
+                   max_model_len=128, max_num_seqs=8, seed=0)

@@ -56,7 +56,9 @@ def write(cfg: Any) -> dict[str, Any]:
             "n_shared_experts": cfg.n_shared_experts, "n_group": cfg.n_group,
             "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
             "norm_topk_prob": cfg.norm_topk_prob,
-            "first_k_dense_replace": len(cfg.mlp_only_layers)}
+            "first_k_dense_replace": len(cfg.mlp_only_layers),
+            # the released configs' names of this routing, which vLLM reads
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def from_checkpoint(state: State, cfg: Any) -> State:
