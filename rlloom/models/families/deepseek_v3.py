@@ -70,4 +70,4 @@ def from_checkpoint(state: State, cfg: Any) -> State:
 
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", read, write, moe=True,
-                from_checkpoint=from_checkpoint)
+                from_checkpoint=from_checkpoint, peft_names=False)  # experts fused there
