@@ -280,14 +280,13 @@ def unsplit_degrees(latent: bool, shared_experts: bool) -> dict[str, str]:
     """The degrees (layout fields) that must stay 1 for a model whose blocks the executor
     does not split that way yet, each with why: the planner offers none of them, a layout
     that sets one is refused. `latent`: DeepSeek-V3's latent attention; `shared_experts`:
-    its experts every token runs."""
+    its experts every token runs (expert parallelism keeps them on every rank)."""
     out = {}
     if latent:
         out["tp"] = "tensor parallelism does not shard latent attention (DeepSeek-V3) yet"
     if shared_experts:
         out.setdefault("tp", "tensor parallelism does not shard shared experts (DeepSeek-V3) "
                              "yet")
-        out["ep"] = "expert parallelism does not place shared experts (DeepSeek-V3) yet"
     return out
 
 

@@ -67,9 +67,6 @@ class ExpertParallelMoE(nn.Module):
         if block.n_experts % ep:
             raise ValueError(f"ep={ep} does not divide n_experts={block.n_experts}; use an ep "
                              "that divides the number of experts")
-        if block.shared_experts is not None:
-            raise ValueError("expert parallelism does not place shared experts (DeepSeek-V3) "
-                             "yet: run this model with ep=1")
         self.group, self.ep = group, ep
         self.n_experts, self.top_k = block.n_experts, block.top_k
         self.routing = block.routing
@@ -80,6 +77,9 @@ class ExpertParallelMoE(nn.Module):
         self.moe_index, self.routes = block.moe_index, block.routes
         self.experts = nn.ModuleDict({str(e): block.experts[e]
                                       for e in range(self.first, self.first + self.n_local)})
+        # DeepSeek's experts every token runs: on every rank, replicated like the attention
+        # (`is_expert_parameter` leaves `shared_experts` out)
+        self.shared_experts = block.shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])                                   # [tokens, d]
@@ -94,7 +94,8 @@ class ExpertParallelMoE(nn.Module):
         out = run_experts(((int(e), m) for e, m in self.experts.items()), rows, row_expert)
         back = all_to_all(out, send, recv, self.group)                       # [tokens * k, d]
         back = back * weights.reshape(-1)[order, None]
-        return torch.zeros_like(flat).index_add(0, token, back).view_as(x)
+        out = torch.zeros_like(flat).index_add(0, token, back).view_as(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def splits(self, expert: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
         """(rows sent to each ep rank, rows received from each, the local expert of each

@@ -84,6 +84,7 @@ CASES_2 = {
     "dp2 ep2 zero3 gpt_oss": dict(dp=2, ep=2, zero=3, family="gpt_oss"),
     "dp2 zero3 ac deepseek_v3": dict(dp=2, zero=3, activation_checkpointing=True,
                                      family="deepseek_v3"),
+    "dp2 ep2 zero3 deepseek_v3": dict(dp=2, ep=2, zero=3, family="deepseek_v3"),
 }
 CASES_4 = {
     "dp2 x tp2 zero0": dict(dp=2, tp=2, zero=0),

@@ -351,7 +351,7 @@ def _decode_weight_bytes(shape: ModelShape, layout: Layout, wl: Workload, live: 
     if not shape.moe:
         return full
     e, k = shape.n_experts, shape.experts_per_token
-    experts = shape.layers * (shape.mlp_params - shape.hidden * e) * wl.elem_bytes
+    experts = shape.routed_params * wl.elem_bytes
     experts /= layout.tp * layout.pp * layout.ep
     touched = 1 - (1 - k / e) ** live
     return full - experts * (1 - touched)

@@ -56,8 +56,7 @@ def expert_params_per_device(shape: ModelShape, layout: Layout) -> float:
     gradients over the dp / ep ranks that own the same experts."""
     if not shape.moe or layout.ep == 1:
         return 0.0
-    experts = shape.layers * (shape.mlp_params - shape.hidden * shape.n_experts)
-    return experts / (layout.tp * layout.pp * layout.ep)
+    return shape.routed_params / (layout.tp * layout.pp * layout.ep)
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, trainable: bool,
@@ -127,10 +126,9 @@ def stream_bytes(layout: Layout) -> int:
 
 
 def layer_params(shape: ModelShape, layout: Layout) -> float:
-    """One decoder layer's parameters on a device: TP splits its projections (not its norms
-    or router), EP its routed experts."""
-    router = shape.hidden * shape.n_experts
-    experts = shape.mlp_params - router if shape.moe else 0.0
+    """One decoder layer's parameters on a device (averaged over the layers where some are
+    dense): TP splits its projections (not its norms or router), EP its routed experts."""
+    router, experts = shape.router_params, shape.routed_params / shape.layers
     split = shape.attn_params + shape.mlp_params - router - experts * (1 - 1 / layout.ep)
     norms = shape.layer_norms * shape.norm_params + shape.qk_norm_params
     return split / layout.tp + norms + router

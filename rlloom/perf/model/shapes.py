@@ -149,6 +149,17 @@ class ModelShape:
                                                      + self.mlp_bias) + shared)
         return self._mlp(self.ffn)
 
+    @property
+    def routed_params(self) -> float:
+        """Every layer's routed experts (what expert parallelism spreads): not their router,
+        the shared experts or the dense layers' MLPs."""
+        return self.moe_layers * self.n_experts * self._mlp(self.moe_ffn)
+
+    @property
+    def router_params(self) -> float:
+        """Per layer, averaged over the layers: the routers' weights and biases."""
+        return self.moe_layers * self.n_experts * (self.hidden + self.mlp_bias) / self.layers
+
     @cached_property
     def active_mlp_params(self) -> float:
         """Per layer and token: only the routed (and shared) experts do work."""
