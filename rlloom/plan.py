@@ -265,15 +265,21 @@ def lora_problems(layouts: dict[str, Layout]) -> list[str]:
             "(with any ZeRO stage) and cp there"]
 
 
-def engine_problems(engine: str, plan: Plan) -> list[str]:
+def engine_problems(engine: str, plan: Plan, latent: bool = False) -> list[str]:
     """Why `rollout.engine` cannot generate in the plan's generation layout (empty when it
-    can): vLLM's server holds a whole copy of the policy per generation replica. The
+    can): vLLM's server holds a whole copy of the policy per generation replica, and does
+    not serve latent attention (`latent`: DeepSeek-V3) as the trainer scores it. The
     runtime and the planner both ask."""
+    problems = []
     if engine == "vllm" and generation_layout(plan).tp > 1:
-        return ["rollout.engine=vllm runs whole copies of the policy; a tensor-parallel "
-                "generation layout runs on rlloom's engine: set the generation (or actor) "
-                "layout's tp=1, or rollout.engine=rlloom"]
-    return []
+        problems.append("rollout.engine=vllm runs whole copies of the policy; a "
+                        "tensor-parallel generation layout runs on rlloom's engine: set the "
+                        "generation (or actor) layout's tp=1, or rollout.engine=rlloom")
+    if engine == "vllm" and latent:
+        problems.append("rollout.engine=vllm does not serve latent attention (DeepSeek-V3) "
+                        "yet: vLLM's log-probs of its samples did not match the trainer's in "
+                        "rlloom's check; generate with rollout.engine=rlloom")
+    return problems
 
 
 def unsplit_degrees(latent: bool, shared_experts: bool) -> dict[str, str]:

@@ -26,6 +26,9 @@ from torch.nn.attention.bias import causal_lower_right
 from rlloom.models.config import ModelConfig
 
 
+LATENT_EPS = 1e-6
+
+
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., d] rotated in pairs (x0, x1), (x2, x3), ... by the angles of `cos`/`sin`'s
     first half (the rotary tables hold each angle twice), written out as DeepSeek's
@@ -42,19 +45,21 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        from rlloom.models.transformer import norm
+        from rlloom.models.transformer import RMSNorm
         d, h = cfg.hidden_size, cfg.num_heads
         self.n_heads, self.rank, self.rope = h, cfg.kv_lora_rank, cfg.head_dim
         self.nope, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         qk = h * cfg.qk_head_dim
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.qkv_bias)
-            self.q_a_layernorm = norm(cfg, cfg.q_lora_rank)
+            # the latents' norms take DeepSeek's eps whatever rms_norm_eps says (as
+            # transformers builds them)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, qk, bias=False)
         else:
             self.q_proj = nn.Linear(d, qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=cfg.qkv_bias)
-        self.kv_a_layernorm = norm(cfg, self.rank)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_EPS)
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=cfg.qkv_bias)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.qk_head_dim ** -0.5

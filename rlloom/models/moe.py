@@ -226,6 +226,31 @@ def choose(block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.
     return block.routes.choose(block.moe_index, logits, block.routing, bias)
 
 
+class CorrectedRouter(nn.Linear):
+    """DeepSeek-V3's router: logits in at least fp32 (autocast's bf16 would move which
+    experts win), beside the per-expert correction bias its choice adds
+    (`e_score_correction_bias`, a buffer set by DeepSeek's load balancing, not trained) that
+    stays in at least fp32 when the model is cast to bf16 (a reference, a generation copy),
+    as transformers and vLLM keep it."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__(hidden, experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(wide), local(self.weight).to(wide))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "CorrectedRouter":
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        moved = self.e_score_correction_bias  # cast, maybe rounded: taken from the original
+        self.e_score_correction_bias = bias.to(
+            moved.device, torch.promote_types(moved.dtype, torch.float32))
+        return self
+
+
 class MoEBlock(nn.Module):
     """Router `gate` + `experts` (+ `shared_experts`); forward maps hidden [batch, seq, d] to
     [batch, seq, d]."""
@@ -234,9 +259,8 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.routing = Routing.of(cfg)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=cfg.router_bias)
-        if self.routing.sigmoid:  # DeepSeek's load-balancing bias: set, not trained
-            self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
+        self.gate = (CorrectedRouter(cfg.hidden_size, cfg.n_experts) if self.routing.sigmoid
+                     else nn.Linear(cfg.hidden_size, cfg.n_experts, bias=cfg.router_bias))
         self.tp_group: dist.ProcessGroup | None = None   # set by tensor parallelism
         self.moe_index = moe_index                       # among the model's MoE layers
         self.routes: Routes | None = None                # set by `routing`

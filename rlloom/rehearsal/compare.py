@@ -57,7 +57,7 @@ def predicted_generation(shape: ModelShape, tp: int, slots: int, rollouts: int, 
     cache at the longest context, and the engine's working memory (`cost.generation`'s
     own terms)."""
     layout = Layout(tp=tp)
-    plain = cost.plain_loop(layout, Workload())
+    plain = cost.plain_loop(layout, Workload(), shape)
     parts = {"weights": mem.PARAM_B * mem.params_per_device(shape, layout),
              "kv": slots * mem.kv_bytes_per_rollout(shape, layout, prompt + response),
              "transient": mem.generation_transient_bytes(shape, tp, slots, prompt, samples,

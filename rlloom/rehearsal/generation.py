@@ -55,7 +55,7 @@ def _rehearse_generation(shape: ModelShape, layout: Layout, rank: int, slots: in
         model = ranks.generating(frozen_bf16(shape), layout)
         weights = _local_bytes(list(model.parameters()))
         with torch.no_grad(), PeakMemory() as mem:
-            if layout.tp > 1:
+            if layout.tp > 1 or shape.latent:  # the engine's plain loop, as it runs them
                 kv = _plain_wave(model, slots, rollouts, prompt, response)
             else:
                 kv = _engine_refill(model, slots, rollouts, prompt, response, samples,

@@ -97,10 +97,12 @@ def model_config(shape: ModelShape) -> ModelConfig:
                   kv_lora_rank=shape.kv_lora_rank, q_lora_rank=shape.q_lora_rank or None,
                   n_routed_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
                   moe_intermediate_size=shape.moe_ffn, first_k_dense_replace=shape.dense_layers,
-                  n_shared_experts=shape.shared_ffn // shape.moe_ffn, n_group=1, topk_group=1)
+                  n_shared_experts=shape.shared_ffn // max(shape.moe_ffn, 1), n_group=1,
+                  topk_group=1, attention_bias=shape.qkv_bias)
     elif shape.moe:
         hf.update(num_experts=shape.n_experts, num_experts_per_tok=shape.experts_per_token,
-                  moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True)
+                  moe_intermediate_size=shape.moe_ffn, norm_topk_prob=True,
+                  mlp_only_layers=list(range(shape.dense_layers)))
     return ModelConfig.from_hf(hf)
 
 

@@ -31,6 +31,7 @@ from rlloom.models.hf_io import save_checkpoint
 from rlloom.models.transformer import CausalLM
 from rlloom.perf.model.memory import vllm_kv_bytes
 from rlloom.perf.model.shapes import ModelShape
+from rlloom.plan import Plan, engine_problems
 from rlloom.rollout.generate import Rollout, left_pad, right_pad
 from rlloom.rollout.sampling import SamplingParams
 from rlloom.rollout.vllm_env import logprobs_mode
@@ -83,12 +84,10 @@ class VLLMEngine:
                  kv_gib: int = 1, gpu_memory: dict[str, float] | None = None) -> None:
         """`kv_gib`: a CPU server's KV cache; `gpu_memory`: a GPU server's memory arguments
         (`gpu_memory_args`)."""
-        if policy.config.latent:
-            # checked before anything starts: its samples' log-probs were nats off the
-            # trainer's (tests/rollout/test_vllm_engine.py)
-            raise VLLMError("rollout.engine=vllm does not serve latent attention (DeepSeek-V3) "
-                            "yet: vLLM's log-probs of its samples did not match the trainer's "
-                            "in rlloom's check; generate with rollout.engine=rlloom")
+        # what the planner asks too, checked before anything starts
+        problems = engine_problems("vllm", Plan(), policy.config.latent)
+        if problems:
+            raise VLLMError("; ".join(problems))
         self.policy, self.syncs = policy, 0
         self.last_sync: SyncRecord | None = None
         self._records: list[SyncRecord] = []

@@ -36,6 +36,22 @@ def test_routing_chooses_within_the_best_groups_by_biased_score():
     assert set(experts[0].tolist()) == {5, 6}
 
 
+def test_routing_keeps_transformers_precision_in_a_bf16_copy(tmp_path):
+    """A bf16 copy (the reference, a generation replica) keeps the correction bias in fp32,
+    as it was loaded, and computes the router's logits in fp32: the same experts as the
+    trained fp32 model wherever bf16 rounding would have moved a choice."""
+    save_family(tmp_path, "deepseek_v3")
+    model = load_model(tmp_path)
+    gate = model.model.layers[1].mlp.gate
+    bias = gate.e_score_correction_bias.clone()
+    copy = load_model(tmp_path).to(torch.bfloat16)
+    kept = copy.model.layers[1].mlp.gate.e_score_correction_bias
+    assert kept.dtype == torch.float32 and torch.equal(kept, bias)
+    x = torch.randn(4, 48)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert gate(x).dtype == torch.float32
+
+
 def test_the_multi_token_prediction_layer_is_left_out(tmp_path):
     """DeepSeek-V3's release holds layer 61 after its 61 layers (eh_proj, its own block):
     transformers skips it, and so does rlloom."""
@@ -61,6 +77,8 @@ def test_layouts_it_does_not_split_are_refused_and_never_offered(tmp_path):
     assert any("tensor parallelism does not shard latent attention" in p for p in problems)
     for runs in (Layout(dp=2, zero=3), Layout(cp=2), Layout(dp=2, ep=2)):
         assert not layout_problems(runs, cfg, runs.world_size)
+    from rlloom.plan import Plan, engine_problems
+    assert engine_problems("vllm", Plan(), latent=True)  # the planner and VLLMEngine ask
     offered = layouts(8, model_shape(str(tmp_path)), hardware("h100"), True, runnable=True)
     assert offered and all(x.tp == 1 for x in offered)
     # (its 3 layers make no even pipeline stages)

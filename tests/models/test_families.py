@@ -74,9 +74,10 @@ FAMILIES = {
     "deepseek_v3": (transformers.DeepseekV3ForCausalLM, dict(DEEPSEEK, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
-    # one q_proj, rotary halves, default rope
+    # one q_proj, rotary halves, default rope; a large rms_norm_eps, which the latent's own
+    # norm does not take (transformers' is 1e-6 there)
     "deepseek_v3_plain": (transformers.DeepseekV3ForCausalLM, dict(
-        DEEPSEEK, q_lora_rank=None, rope_interleave=False)),
+        DEEPSEEK, q_lora_rank=None, rope_interleave=False, rms_norm_eps=0.1)),
 }
 
 

@@ -38,6 +38,18 @@ def test_generation_holds_weights_its_kv_cache_and_the_priced_working_memory(
     assert rows["peak"]["ratio"] == pytest.approx(1.0, abs=0.02)
 
 
+def test_latent_attention_generates_with_a_cache_of_latents_as_priced():
+    """DeepSeek-V3's blocks (Moonlight's widths, 3 layers): the plain loop (as the engine runs
+    latent attention), a cache of kv_lora_rank + rope_dim bf16 values per position and layer
+    (576 here, against 5,120 for its 16 heads' keys and values), and a prefill that expands
+    them into every head's keys and values, priced within 5% (measured 0.98, peak 0.99)."""
+    from tests.perf.test_rehearsal import DEEPSEEK
+    rows = compare_generation(DEEPSEEK, 1, 16, 16, 512, 1536, 4)
+    assert rows["kv"]["rehearsed"] == rows["kv"]["model"] == 16 * 2048 * 3 * 576 * 2
+    assert rows["transient"]["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert rows["peak"]["ratio"] == pytest.approx(1.0, abs=0.02)
+
+
 def test_the_decode_step_prices_fourteen_bytes_per_slot_and_vocabulary_entry():
     """Decode-bound (many slots, short prompts): bf16 logits, their fp32 copy, log-probs and
     probabilities over 152k entries per slot, beside every rollout's outputs (20 B per

@@ -27,26 +27,43 @@ def softmax_scale(hf: dict[str, Any], rope: dict[str, Any]) -> float:
     return scale
 
 
+# transformers' DeepseekV3Config defaults, for a config.json that leaves a field out
+DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True, "first_k_dense_replace": 3, "rope_interleave": True,
+            "attention_bias": False}
+
+
 def read(hf: dict[str, Any], norm: Any) -> dict[str, Any]:
-    bias = bool(hf.get("attention_bias", False))
+    def get(key: str) -> Any:
+        return hf[key] if key in hf else DEFAULTS[key]
+    hf = {**hf, "qk_nope_head_dim": get("qk_nope_head_dim"),
+          "qk_rope_head_dim": get("qk_rope_head_dim")}
+    bias = bool(get("attention_bias"))
     rope = dict(getattr(norm, "rope_parameters", None) or hf.get("rope_parameters")
                 or hf.get("rope_scaling") or {})
-    return dict(num_kv_heads=hf["num_attention_heads"], head_dim=hf["qk_rope_head_dim"],
-                kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0,
-                qk_nope_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
-                rope_interleave=bool(hf.get("rope_interleave", True)),
+    return dict(num_kv_heads=hf["num_attention_heads"], head_dim=get("qk_rope_head_dim"),
+                kv_lora_rank=get("kv_lora_rank"), q_lora_rank=get("q_lora_rank") or 0,
+                qk_nope_head_dim=get("qk_nope_head_dim"), v_head_dim=get("v_head_dim"),
+                rope_interleave=bool(get("rope_interleave")),
                 attn_scale=softmax_scale(hf, rope), qkv_bias=bias, o_bias=bias,
-                n_experts=hf.get("n_routed_experts", 0),
-                experts_per_token=hf.get("num_experts_per_tok", 0),
-                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-                n_shared_experts=hf.get("n_shared_experts") or 0, moe_scoring="sigmoid",
-                n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                mlp_only_layers=tuple(range(hf.get("first_k_dense_replace") or 0)))
+                n_experts=get("n_routed_experts"), experts_per_token=get("num_experts_per_tok"),
+                moe_intermediate_size=get("moe_intermediate_size"),
+                n_shared_experts=get("n_shared_experts") or 0, moe_scoring="sigmoid",
+                n_group=get("n_group") or 1, topk_group=get("topk_group") or 1,
+                routed_scaling_factor=float(get("routed_scaling_factor")),
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                mlp_only_layers=tuple(range(get("first_k_dense_replace") or 0)))
 
 
 def write(cfg: Any) -> dict[str, Any]:
+    if cfg.mlp_only_layers != tuple(range(len(cfg.mlp_only_layers))) \
+            or cfg.decoder_sparse_step != 1:
+        raise ValueError(f"a deepseek_v3 config writes its dense layers as the first "
+                         f"first_k_dense_replace; mlp_only_layers={cfg.mlp_only_layers}, "
+                         f"decoder_sparse_step={cfg.decoder_sparse_step} cannot be written")
     return {"kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
             "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.head_dim,
             "v_head_dim": cfg.v_head_dim, "rope_interleave": cfg.rope_interleave,

@@ -95,7 +95,7 @@ def ep(layout: Layout, shape: ModelShape, tokens: float, per_layer: int) -> list
         return []
     nbytes = tokens * shape.experts_per_token * shape.hidden * mem.stream_bytes(layout)
     span = layout.tp * layout.cp * layout.pp * layout.ep
-    calls = per_layer * shape.layers / layout.pp
+    calls = per_layer * shape.moe_layers / layout.pp
     return [Collective("all_to_all", layout.ep, span, calls * nbytes, calls)]
 
 

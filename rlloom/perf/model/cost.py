@@ -131,7 +131,7 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     kv_one = mem.kv_bytes_per_rollout(shape, layout, wl.max_context)
     cap = wl.max_batch or per_replica
     response = math.ceil(wl.response.max)
-    plain = plain_loop(layout, wl)
+    plain = plain_loop(layout, wl, shape)
     if wl.engine == "vllm":
         # paged: a rollout holds the blocks it has filled, on average its mean context, and
         # the longest one must fit alone (vLLM preempts and recomputes the rest meanwhile;
@@ -162,10 +162,10 @@ def generation(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware,
     return replace(_GEN_CACHE[key], transient_bytes=held)
 
 
-def plain_loop(layout: Layout, wl: Workload) -> bool:
+def plain_loop(layout: Layout, wl: Workload, shape: ModelShape) -> bool:
     """Whether generation runs the engine's plain loop (`rollout.engine.Engine` on a model
-    whose modules tensor parallelism drives) rather than its slots."""
-    return wl.engine == "rlloom" and layout.tp > 1
+    whose modules tensor parallelism drives, or latent attention's) rather than its slots."""
+    return wl.engine == "rlloom" and (layout.tp > 1 or shape.latent)
 
 
 _GEN_CACHE: dict[tuple, StageCost] = {}  # the planner prices the same generation many times
@@ -184,7 +184,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
         weight = per_replica / points
         slots, samples = max(1, round(concurrent / weight)), max(1, round(wl.samples / weight))
         lengths = queue_lengths(wl, points)
-        if plain_loop(layout, wl):
+        if plain_loop(layout, wl, shape):
             # a multi-turn rollout's turns priced as one response (their tool waits left out)
             sched = static_schedule(lengths, slots)
             how = "static waves (a tensor-parallel model runs the plain loop)"
@@ -192,7 +192,7 @@ def _generate(shape: ModelShape, layout: Layout, wl: Workload, hw: Hardware, con
             sched = _single_turn_schedule(lengths, slots, samples)
             how = "continuous batching"
         totals = _schedule_totals(sched, weight, shape, layout, wl, hw)
-        if wl.turns > 1 and not plain_loop(layout, wl):
+        if wl.turns > 1 and not plain_loop(layout, wl, shape):
             # the tools' latencies in decode steps at the single-turn schedule's pace
             step_s = totals[5] / max(sched.decode_steps, 1)
             sched = engine_schedule(lengths, slots, samples,
@@ -253,8 +253,8 @@ def _schedule_totals(sched: EngineSchedule, weight: float, shape: ModelShape, la
             totals[k] += v
     # rlloom's engine dispatches each operator of a decode step (the plain loop: of a whole
     # forward); vLLM replays CUDA graphs
-    dispatch = pp * hw.launch_s * _ops(FORWARD_OPS if plain_loop(layout, wl) else DECODE_OPS,
-                                       shape, layout) if wl.engine == "rlloom" else 0.0
+    ops = FORWARD_OPS if plain_loop(layout, wl, shape) else DECODE_OPS
+    dispatch = pp * hw.launch_s * _ops(ops, shape, layout) if wl.engine == "rlloom" else 0.0
     # the projections (weights read, rows x params of compute) and attention (each row's keys
     # and values read) are separate kernels, each bound by its own roofline: with many rows
     # the projections are compute-bound while attention stays memory-bound

@@ -202,7 +202,9 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, context: float = 0
     # input as its matmuls read it, its output, the combined rows and their weighted
     # product), and per token 14 d of the router's and the combine's buffers (rehearsed:
     # 4 s k d + 13.6 d at k = 4 and 8, s = 2 and 4)
-    return dense + (4 * stream * shape.experts_per_token + 14) * shape.hidden
+    # (averaged over the layers, where some are dense)
+    return dense + ((4 * stream * shape.experts_per_token + 14) * shape.hidden
+                    * shape.moe_layers / shape.layers)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
@@ -306,8 +308,10 @@ def prefill_bytes_per_token(shape: ModelShape, tp: int, context: float = 0.0) ->
     generation, within 3% on Qwen2.5-7B): its FFN's three f-wide bf16 tensors alive at once
     (the activation, up and their product) and three hidden-size ones (the residual stream,
     its norm and the attention's sum); an unfused (capped) attention's scores over prompts
-    of `context` tokens."""
-    return (PARAM_B * (3 * shape.active_ffn / tp + 3 * shape.hidden)
+    of `context` tokens; latent attention's keys and values expanded from its latents."""
+    # latent attention's keys and values expanded from the latents (`models.mla`)
+    expanded = shape.q_width + shape.v_width if shape.latent else 0
+    return (PARAM_B * (3 * shape.active_ffn / tp + 3 * shape.hidden + expanded)
             + score_bytes(shape, tp, context))
 
 
@@ -317,7 +321,8 @@ def outputs_bytes(shape: ModelShape, rollouts: int, prompt: int, response: int,
     position, and with `routes` (routing replay) each position's experts in every layer."""
     out = float(ROLLOUT_B * rollouts * response)
     if routes and shape.moe:
-        out += ROUTE_B * rollouts * (prompt + response) * shape.layers * shape.experts_per_token
+        out += (ROUTE_B * rollouts * (prompt + response) * shape.moe_layers
+                * shape.experts_per_token)
     return out
 
 

@@ -84,8 +84,9 @@ class ModelShape:
 
     @property
     def v_width(self) -> int:
-        """Width of the values' heads per token and layer."""
-        return self.heads * self.v_head_dim if self.latent else self.kv_width
+        """Width of the values the query heads read per token and layer (under GQA each
+        query head reads a whole value head: q_width; latent attention's v_head_dim wide)."""
+        return self.heads * self.v_head_dim if self.latent else self.q_width
 
     @property
     def kv_width(self) -> float:

@@ -45,6 +45,7 @@ class Search:
     seconds: float = 0.0
     runnable: bool = True
     offload: bool = False
+    latent: bool = False  # the actor's latent attention (`plan.engine_problems`)
 
     def add(self, p: Priced) -> None:
         problems = list(p.problems)
@@ -55,7 +56,7 @@ class Search:
             if p.workload.lora_rank:
                 problems += lora_problems({**p.plan.layouts, **gen})
             problems += engine_problems(p.workload.engine, p.plan.model_copy(
-                update={"layouts": {**p.plan.layouts, **gen}}))
+                update={"layouts": {**p.plan.layouts, **gen}}), self.latent)
         if not problems:
             self.ranked.append(p)
         else:
@@ -166,7 +167,8 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
                                          offload) if not (rollout_only and x.zero)]
         if runnable and (with_gen or rollout_only):  # only layouts the engine generates in
             candidates = [x for x in candidates
-                          if not engine_problems(wl.engine, Plan(layouts={"actor": x}))]
+                          if not engine_problems(wl.engine, Plan(layouts={"actor": x}),
+                                                 shape.latent)]
         scored = [(_solo(role, shape, x, wl, hw, with_gen, rollout_only), i, x)
                   for i, x in enumerate(candidates)]
         cache[key] = [x for s, _, x in sorted(scored) if s < INF][:TOP_K]
@@ -210,7 +212,7 @@ def search(actor: ModelShape, algo: str, wl: Workload, hw: Hardware, devices: in
     `critic`: a critic of its own shape (default: the actor's). `roles`: the models a run
     builds, when not the preset's (a run without a KL term has no reference)."""
     start = time.perf_counter()
-    result = Search([], runnable=not price_only, offload=offload)
+    result = Search([], runnable=not price_only, offload=offload, latent=actor.latent)
     if objective == "cost" and hw.price_per_hour <= 0:
         raise ValueError(f"hardware {hw.name} has no price per device-hour; use --objective "
                          "time or a hardware file with price_per_hour")
