@@ -4,7 +4,6 @@ the layout the executor does not run for it yet (tensor parallelism) refused and
 offered, the others it runs offered."""
 import math
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
