@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from rlloom.models.config import ModelConfig
+from rlloom.models.primitives import RMSNorm, apply_rotary
 
 
 LATENT_EPS = 1e-6
@@ -45,7 +46,6 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        from rlloom.models.transformer import RMSNorm
         d, h = cfg.hidden_size, cfg.num_heads
         self.n_heads, self.rank, self.rope = h, cfg.kv_lora_rank, cfg.head_dim
         self.nope, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -73,7 +73,6 @@ class LatentAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        from rlloom.models.transformer import apply_rotary
         return (rotate_interleaved if self.interleave else apply_rotary)(x, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

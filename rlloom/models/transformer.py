@@ -21,34 +21,8 @@ from rlloom.models.cache import KVCache
 from rlloom.models.config import ModelConfig, normalised_hf_config
 from rlloom.models.embeddings import embedding
 from rlloom.models.mla import LatentAttention
+from rlloom.models.primitives import apply_rotary, norm
 from rlloom.models.moe import MoEBlock, local
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) times the weight, or (`offset`, Gemma) times 1 + the weight in fp32."""
-
-    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-        self.eps, self.offset = eps, offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, so bf16 runs match it (and
-        # fp64 in fp64, for the tight tests of parallel layouts).
-        wide = torch.promote_types(x.dtype, torch.float32)
-        x32 = x.to(wide)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x32 * (1.0 + self.weight.to(wide))).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
-
-
-def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm | nn.LayerNorm:
-    """The family's norm over `dim` features (default: the hidden size): RMSNorm, or GPT-2's
-    LayerNorm."""
-    if cfg.layer_norm:
-        return nn.LayerNorm(dim or cfg.hidden_size, cfg.rms_norm_eps)
-    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 class SoftcappedLinear(nn.Linear):
@@ -136,17 +110,6 @@ def rope_frequencies(cfg: ModelConfig, longest: int) -> tuple[torch.Tensor, floa
               "num_attention_heads": cfg.num_heads,
               "max_position_embeddings": cfg.max_position_embeddings}
     return _scaled_frequencies(json.dumps(fields, sort_keys=True), seq_len)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., head_dim] rotated over its first cos.shape[-1] dimensions (all of them but
-    with a partial rotary factor), the rest passed through."""
-    rd = cos.shape[-1]
-    if rd < x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):

@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rlloom.models.moe import local
-from rlloom.models.transformer import MLP, Attention, Backbone, RMSNorm
+from rlloom.models.primitives import RMSNorm
+from rlloom.models.transformer import MLP, Attention, Backbone
 
 
 def backbone_of(model: nn.Module) -> Backbone:
