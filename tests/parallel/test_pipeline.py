@@ -134,6 +134,21 @@ def test_dp2_x_pp2_matches_single_process():
     spawn(_dp_pp_body, 4)
 
 
+def _model_of(cfg: ModelConfig) -> CausalLM:
+    model = CausalLM(cfg).double()
+    model.init_weights(seed=0, std=0.2)
+    return model
+
+
+def _reference_of(cfg: ModelConfig, ids, mask, labels):
+    """One process's model of `cfg` after backward of the batch's mean loss, and the loss."""
+    model = _model_of(cfg)
+    loss = F.cross_entropy(model(ids, mask).flatten(0, 1), labels.flatten(),
+                           ignore_index=-100, reduction="sum") / (labels != -100).sum()
+    loss.backward()
+    return model, loss.detach()
+
+
 def _pp_ep_body():
     """pp2 x dp2, ep2, ZeRO-2, as the executor builds it (`parallelize_pipeline`): each
     stage's experts spread over its 2 dp ranks, the rest sharded; loss, gradients, the
@@ -143,22 +158,13 @@ def _pp_ep_body():
                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                       n_experts=4, experts_per_token=2, moe_intermediate_size=16,
                       norm_topk_prob=True, mlp_only_layers=(1,))
-
-    def moe() -> CausalLM:
-        model = CausalLM(cfg).double()
-        model.init_weights(seed=0, std=0.2)
-        return model
-
     ids, mask, labels = batch()
-    ref_model = moe()
     n_tokens = (labels != -100).sum()
-    ref_loss = F.cross_entropy(ref_model(ids, mask).flatten(0, 1), labels.flatten(),
-                               ignore_index=-100, reduction="sum") / n_tokens
-    ref_loss.backward()
+    ref_model, ref_loss = _reference_of(cfg, ids, mask, labels)
     layout = Layout(pp=2, dp=2, ep=2, zero=2)
     mesh = build_mesh(layout)
     experts = ExpertGroups.of(mesh, 2)
-    pipe = parallelize_pipeline(moe(), layout, mesh, experts=experts)
+    pipe = parallelize_pipeline(_model_of(cfg), layout, mesh, experts=experts)
     dp_i = mesh["dp"].get_local_rank()
     held = {int(n.split(".experts.")[1].split(".")[0]) for n, _ in pipe.module.named_parameters()
             if ".experts." in n}
@@ -188,21 +194,12 @@ def _pp_latent_body():
     from dataclasses import replace
     from harness import tiny_config
     cfg = replace(tiny_config("deepseek_v3"), vocab_size=64, num_layers=4)
-
-    def deepseek() -> CausalLM:
-        model = CausalLM(cfg).double()
-        model.init_weights(seed=0, std=0.2)
-        return model
-
     ids, mask, labels = batch()
-    ref_model = deepseek()
-    ref_loss = F.cross_entropy(ref_model(ids, mask).flatten(0, 1), labels.flatten(),
-                               ignore_index=-100, reduction="sum") / (labels != -100).sum()
-    ref_loss.backward()
-    pipe = PipelinedModel(deepseek(), n_microbatches=4)
+    ref_model, ref_loss = _reference_of(cfg, ids, mask, labels)
+    pipe = PipelinedModel(_model_of(cfg), n_microbatches=4)
     loss = pipe.train_step(ids, mask, labels,
                            next_token_loss(pipe, (labels != -100).sum().item()))
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
     check_grads(pipe.module, ref_model)
 
 
