@@ -225,8 +225,22 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: b
     # unsharded head gradient that FSDP holds until the last layer's backward (4 B per
     # weight; none when LoRA leaves the head frozen)
     inputs = checkpointed_input_bytes(shape, layout, tokens)
-    root_grad = 4 * shape.vocab * shape.hidden if mixed(layout) and not lora else 0.0
-    return inputs + max(head, 4 / 3 * full_layer + root_grad)
+    return inputs + max(head, recompute_bytes(shape, layout, tokens, context)
+                        + root_grad_bytes(shape, layout, lora))
+
+
+def root_grad_bytes(shape: ModelShape, layout: Layout, lora: bool) -> float:
+    """The root's unsharded head gradient FSDP holds from the head's backward to the last
+    layer's (4 B per weight; none when LoRA leaves the head frozen)."""
+    return 4 * shape.vocab * shape.hidden if mixed(layout) and not lora else 0.0
+
+
+def recompute_bytes(shape: ModelShape, layout: Layout, tokens: float, context: float = 0.0
+                    ) -> float:
+    """A checkpointed layer's backward: its recompute and the gradients of those tensors, a
+    third more than the layer keeps (rehearsed on Qwen2.5-7B at 8k-33k tokens: 1.34)."""
+    t = tokens / layout.cp / layout.pp
+    return 4 / 3 * t * layer_activation_bytes(shape, layout, context)
 
 
 def checkpointed_input_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
@@ -267,14 +281,26 @@ def training_transient_bytes(shape: ModelShape, layout: Layout, tokens: float, l
     # backward (`rest`) is the same at every layer
     inputs = checkpointed_input_bytes(shape, layout, tokens)
     rest = acts - inputs
-    if mixed(layout):  # the gathered weights are there in both
-        return max(inputs, grads_held + waiting * inputs) - grads + rest + working
+    if mixed(layout):  # the gathered weights are there in both; the head's backward
+        # (`rest` when it is the larger) comes before the layers' gradients, a layer's
+        # recompute once they are held (rehearsed: DeepSeek-V3's and Qwen3-MoE's blocks at
+        # ZeRO-3, Qwen2.5 and GPT-2 at ZeRO-3 with tp: 0.98-1.03)
+        layer = (recompute_bytes(shape, layout, tokens, context)
+                 + root_grad_bytes(shape, layout, bool(lora_rank)))
+        return max(inputs + rest, grads_held + waiting * inputs + layer) - grads + working
     # autocast over fp32 weights: its cache holds a bf16 copy of every trained weight to the
-    # end of forward (frozen LoRA bases are cast per use), and backward recasts one layer's
+    # end of forward (frozen LoRA bases are cast per use), and backward recasts one layer's.
+    # The head's backward (`rest` when it is the larger) comes before any layer's gradient, a
+    # layer's recompute once the others' are held, the embedding's last: its dense gradient
+    # and its copy into the gradient held (rehearsed, one rank: Qwen3-30B-A3B's and
+    # DeepSeek-V3's blocks, where it is the peak)
     cached = 0.0 if lora_rank else working
     recast = PARAM_B * layer_params(shape, layout)
+    layer = recompute_bytes(shape, layout, tokens, context)
+    embedding = 2 * GRAD_B * shape.vocab * shape.hidden if layout.pp == 1 and not lora_rank \
+        else 0.0
     return max(inputs + cached, inputs + rest + recast,
-               grads_held + waiting * inputs + rest + recast) - grads
+               grads_held + waiting * inputs + layer + recast, grads + embedding) - grads
 
 
 def inference_bytes(shape: ModelShape, layout: Layout, tokens: float, logits: bool,
