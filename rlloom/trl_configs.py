@@ -69,9 +69,20 @@ def set_fields(config: Any) -> dict[str, Any]:
     derived = {f.name for f in dataclasses.fields(cls)
                if alone is not None and f.init and _plain(default(f)) != alone[f.name]}
     given = {k: v for k, v in changed.items() if k not in derived}
+    # a field the others make (torch_compile sets torch_compile_backend) is not the user's;
+    # of two that make each other, the one declared first stays
+    for name in reversed(list(given)):
+        if _follows(cls, given, name):
+            del given[name]
     again = _built(cls, given)
     return {**given, **{k: v for k, v in changed.items()
                         if k in derived and (again is None or v != again[k])}}
+
+
+def _follows(cls: type, given: dict[str, Any], name: str) -> bool:
+    """Whether TRL gives field `name` its value in `given` from the other fields alone."""
+    built = _built(cls, {k: v for k, v in given.items() if k != name})
+    return built is not None and built[name] == given[name]
 
 
 def _refusal(name: str) -> str:

@@ -109,6 +109,7 @@ def test_fields_rlloom_cannot_honour_are_refused_together():
     assert "'weight_decay': rlloom's is train.weight_decay" in text
     assert "'torch_compile' has no counterpart in rlloom" in text
     assert "push_to_hub" not in text  # its default: not set
+    assert "torch_compile_backend" not in text  # TRL sets it from torch_compile
 
 
 def test_an_object_s_trl_defaults_hold_under_the_overrides(capsys, monkeypatch):
