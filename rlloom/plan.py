@@ -287,13 +287,10 @@ def unsplit_degrees(latent: bool, shared_experts: bool) -> dict[str, str]:
     does not split that way yet, each with why: the planner offers none of them, a layout
     that sets one is refused. `latent`: DeepSeek-V3's latent attention; `shared_experts`:
     its experts every token runs (expert parallelism keeps them on every rank)."""
-    out = {}
-    if latent:
-        out["tp"] = "tensor parallelism does not shard latent attention (DeepSeek-V3) yet"
-    if shared_experts:
-        out.setdefault("tp", "tensor parallelism does not shard shared experts (DeepSeek-V3) "
-                             "yet")
-    return out
+    if not (latent or shared_experts):
+        return {}
+    block = "latent attention" if latent else "shared experts"
+    return {"tp": f"tensor parallelism does not shard {block} (DeepSeek-V3) yet"}
 
 
 def runnable_problems(plan: Plan, models: tuple[str, ...]) -> list[str]:

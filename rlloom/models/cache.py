@@ -18,11 +18,9 @@ class KVCache:
         """`kv_heads`: the heads this rank stores (under tensor parallelism its share); 0:
         the config's. Latent attention keeps its latents and rotary keys (`cache_dims`)."""
         (kh, kd), (vh, vd) = cfg.cache_dims
-        if not cfg.latent:
-            kh = vh = kv_heads or kh
-        self.k = [torch.zeros((batch, kh, max_len, kd), dtype=dtype, device=device)
+        self.k = [torch.zeros((batch, kv_heads or kh, max_len, kd), dtype=dtype, device=device)
                   for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros((batch, vh, max_len, vd), dtype=dtype, device=device)
+        self.v = [torch.zeros((batch, kv_heads or vh, max_len, vd), dtype=dtype, device=device)
                   for _ in range(cfg.num_layers)]
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.length = 0

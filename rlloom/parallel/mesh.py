@@ -56,8 +56,8 @@ def layout_problems(layout: Layout, cfg: ModelConfig, world_size: int) -> list[s
     for dim, why in unsplit_degrees(getattr(cfg, "latent", False),
                                     getattr(cfg, "n_shared_experts", 0) > 0).items():
         if getattr(layout, dim) > 1:
-            problems.append(f"{dim}={getattr(layout, dim)}: {why}; set {dim}=1 (dp, zero, cp "
-                            "and pp split this model)")
+            problems.append(f"{dim}={getattr(layout, dim)}: {why}; set {dim}=1 (dp with ZeRO, "
+                            "ep, cp and pp split this model)")
     if layout.zero and layout.dp == 1:
         problems.append(f"zero={layout.zero} shards over data-parallel ranks but dp=1; set "
                         "zero=0 or dp>1")

@@ -99,9 +99,9 @@ class Engine:
             raise ValueError("stop strings need a `decode` callback (token ids -> text)")
         if not is_plain(self.model):
             # A parallel layout (TP / FSDP / replicate) runs inside the modules' own forwards,
-            # which the fast path bypasses (as latent attention's cache of latents does): the
-            # reference drives those forwards instead, in
-            # waves of as many rows as the KV budget holds (`perf.model` prices them as such)
+            # which the fast path bypasses (as it does latent attention's cache of latents):
+            # the reference drives those forwards instead, in waves of as many rows as the KV
+            # budget holds (`perf.model` prices them as such)
             def turn(rows: list[list[int]], room: int) -> Rollout:
                 prompt = max(map(len, rows))
                 cfg = self.config

@@ -41,7 +41,7 @@ def kv_slots(model: CausalLM, rows: int, prompt: int, max_len: int, max_batch: i
     if budget:
         per_slot = kv_bytes_per_slot(model, max_len)
         shape = ModelShape.from_hf_config(model.config.to_hf())
-        tp = 1 if model.config.latent else model.config.num_kv_heads // local_kv_heads(model)
+        tp = model.config.cache_dims[0][0] // local_kv_heads(model)
         room = max_len - prompt
         fit = generation_slots(shape, tp, budget, per_slot, prompt, plain, rows, room,
                                prefill_tokens, routes)

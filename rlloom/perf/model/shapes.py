@@ -75,8 +75,8 @@ class ModelShape:
         MLP's, or the routed experts' (experts_per_token x moe_ffn) and the shared ones'."""
         if not self.moe:
             return self.ffn
-        moe = self.experts_per_token * self.moe_ffn + self.shared_ffn
-        return (self.moe_layers * moe + self.dense_layers * self.ffn) / self.layers
+        return self._per_layer(self.experts_per_token * self.moe_ffn + self.shared_ffn,
+                               self.ffn)
 
     @property
     def q_width(self) -> int:
@@ -136,9 +136,9 @@ class ModelShape:
         bias = ((2 if self.gated_mlp else 1) * width + self.hidden) * self.mlp_bias
         return (3 if self.gated_mlp else 2) * self.hidden * width + bias
 
-    def _per_layer(self, moe: float) -> float:
-        """An MoE layer's `moe` and a dense layer's MLP, averaged over the layers."""
-        return (self.moe_layers * moe + self.dense_layers * self._mlp(self.ffn)) / self.layers
+    def _per_layer(self, moe: float, dense: float) -> float:
+        """An MoE layer's `moe` and a dense layer's `dense`, averaged over the layers."""
+        return (self.moe_layers * moe + self.dense_layers * dense) / self.layers
 
     @cached_property
     def mlp_params(self) -> float:
@@ -147,7 +147,8 @@ class ModelShape:
         if self.moe:
             shared = self._mlp(self.shared_ffn) if self.shared_ffn else 0
             return self._per_layer(self.n_experts * (self._mlp(self.moe_ffn) + self.hidden
-                                                     + self.mlp_bias) + shared)
+                                                     + self.mlp_bias) + shared,
+                                   self._mlp(self.ffn))
         return self._mlp(self.ffn)
 
     @property
@@ -167,7 +168,8 @@ class ModelShape:
         if self.moe:
             shared = self._mlp(self.shared_ffn) if self.shared_ffn else 0
             return self._per_layer(self.experts_per_token * self._mlp(self.moe_ffn)
-                                   + self.hidden * self.n_experts + shared)
+                                   + self.hidden * self.n_experts + shared,
+                                   self._mlp(self.ffn))
         return self._mlp(self.ffn)
 
     @cached_property
@@ -216,10 +218,9 @@ class ModelShape:
     def decode_flops(self, position: float, logits: bool = True) -> float:
         """FLOPs of one decode step for a token at `position` (attends to all earlier keys;
         latent attention over its latents as they are: `models.mla`'s absorbed form)."""
-        attn = 2 * self.layers * position * (self.q_width + self.v_width)
-        if self.latent:
-            attn = 2 * self.layers * position * self.heads * (2 * self.kv_lora_rank
-                                                               + self.rope_dim)
+        per_key = (self.heads * (2 * self.kv_lora_rank + self.rope_dim) if self.latent
+                   else self.q_width + self.v_width)
+        attn = 2 * self.layers * position * per_key
         head = 2 * self.vocab * self.hidden if logits else 2 * self.hidden
         return 2 * self.active_matmul_params + attn + head
 

@@ -87,7 +87,7 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
                 continue
             dp = n // (tp * pp * cp)
             zeros = (0, 1, 2, 3) if trainable else (0, 3)
-            eps = _ep_degrees(shape, dp, runnable)
+            eps = _ep_degrees(shape, dp)
             if runnable and not trainable:  # the executor spreads experts of models that train
                 eps = [1]
             for zero, ep in itertools.product(zeros if dp > 1 else (0,), eps):
@@ -100,10 +100,9 @@ def layouts(n: int, shape: ModelShape, hw: Hardware, trainable: bool,
     return out
 
 
-def _ep_degrees(shape: ModelShape, ranks: int, runnable: bool) -> list[int]:
-    """Powers of two dividing both the expert count and the dp ranks experts spread over
-    (`runnable`: 1 where the executor does not spread this model's experts)."""
-    if not shape.moe or (runnable and "ep" in _unsplit(shape)):
+def _ep_degrees(shape: ModelShape, ranks: int) -> list[int]:
+    """Powers of two dividing both the expert count and the dp ranks experts spread over."""
+    if not shape.moe:
         return [1]
     return [e for e in (1, 2, 4, 8, 16, 32, 64) if shape.n_experts % e == 0 and ranks % e == 0]
 
@@ -178,13 +177,9 @@ def _top(role: str, shape: ModelShape, n: int, wl: Workload, hw: Hardware, with_
 def _tp_applies(tp: int, shape: ModelShape) -> bool:
     """TP also shards the KV heads, the MLP and every expert's features; not a model's
     blocks it does not split (`plan.unsplit_degrees`)."""
-    if tp > 1 and "tp" in _unsplit(shape):
+    if tp > 1 and "tp" in unsplit_degrees(shape.latent, shape.shared_ffn > 0):
         return False
     return shape.kv_heads % tp == 0 and shape.ffn % tp == 0 and shape.moe_ffn % tp == 0
-
-
-def _unsplit(shape: ModelShape) -> dict[str, str]:
-    return unsplit_degrees(shape.latent, shape.shared_ffn > 0)
 
 
 def _degrees(x: Layout) -> tuple[int, ...]:
